@@ -1,0 +1,53 @@
+"""Shared helpers for the kernel microbenchmarks (run on the H200, never in CI).
+
+Each benchmark module exposes ``run(copy_gbps: float) -> list[dict]``; ``run_all.py`` measures
+the device-to-device copy bandwidth once, runs every module and writes one JSON report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 50, use_graph: bool = True) -> float:
+    """Median milliseconds per call of ``fn``, replayed from a CUDA graph when ``use_graph``
+    (removes launch overhead so bandwidth-bound kernels are timed as kernels; launch-bound
+    kernels should also be reported with ``use_graph=False``)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    call = fn
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        call = graph.replay
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def row(kernel: str, shape: str, ms: float, n_bytes: int, copy_gbps: float, **extra) -> dict:
+    """One report row: time, achieved GB/s and its fraction of the measured copy bandwidth."""
+    gbps = n_bytes / (ms * 1e-3) / 1e9
+    return {"kernel": kernel, "shape": shape, "us": round(ms * 1e3, 2), "bytes": n_bytes,
+            "GB/s": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3), **extra}

@@ -1,0 +1,66 @@
+"""Device state the models read and write: target KV + conv state + verify tape, draft context KV.
+
+Allocated once per engine (DESIGN §4) with fixed ``n_slots`` (= max batch), ``max_seq_len`` and
+verify width, so every tensor keeps its address for CUDA graph replay. Rows of a batch address
+slots through a ``slots`` index tensor; the verify tape is indexed by batch row instead.
+Caches start zeroed (finite values everywhere, so attention over never-written positions of a
+padding row cannot produce NaN). The RoPE cos/sin tables live here too: they are sized by
+``max_seq_len``, like the caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.rope import rope_cos_sin_table
+from .config import DraftConfig, TargetConfig
+
+
+@dataclass
+class TargetCache:
+    k: torch.Tensor            # [n_attn_layers, n_slots, max_seq_len, n_kv, head_dim]
+    v: torch.Tensor
+    conv_state: torch.Tensor   # [n_conv_layers, n_slots, L_cache - 1, hidden]
+    conv_tape: torch.Tensor    # [n_conv_layers, n_rows, verify_width + L_cache - 1, hidden]
+    rope: torch.Tensor         # [max_seq_len, head_dim] fp32 (cos | sin)
+
+    @classmethod
+    def allocate(cls, cfg: TargetConfig, n_slots: int, max_seq_len: int, verify_width: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "TargetCache":
+        n_attn, n_conv = len(cfg.attention_layers), len(cfg.conv_layers)
+        kv_shape = (n_attn, n_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
+        km1 = cfg.conv_L_cache - 1
+        return cls(
+            k=torch.zeros(kv_shape, dtype=dtype, device=device),
+            v=torch.zeros(kv_shape, dtype=dtype, device=device),
+            conv_state=torch.zeros((n_conv, n_slots, km1, cfg.hidden_size), dtype=dtype, device=device),
+            conv_tape=torch.zeros((n_conv, n_slots, verify_width + km1, cfg.hidden_size), dtype=dtype,
+                                  device=device),
+            rope=rope_cos_sin_table(max_seq_len, cfg.head_dim, cfg.rope_theta, device=device),
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv_state, self.conv_tape))
+
+
+@dataclass
+class DraftCache:
+    k: torch.Tensor            # [n_draft_layers, n_slots, max_seq_len, n_kv, head_dim]
+    v: torch.Tensor
+    rope: torch.Tensor         # [max_seq_len, head_dim] fp32
+
+    @classmethod
+    def allocate(cls, cfg: DraftConfig, n_slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "DraftCache":
+        shape = (cfg.num_hidden_layers, n_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
+                   rope=rope_cos_sin_table(max_seq_len, cfg.head_dim, cfg.rope_theta, device=device))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))

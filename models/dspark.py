@@ -1,0 +1,232 @@
+"""DSpark draft (DeepSpec layout, as published for LFM2.5 by LiquidAI; reference/dspark.md).
+
+A few Qwen3-style GQA decoder layers whose keys/values are augmented with projected target hidden
+states ("KV injection"), a query block ``[x0, MASK x (gamma-1)]`` attended non-causally over
+context + block, the target's final LM head, a Markov head that makes the block
+semi-autoregressive, and an optional confidence head. Slot ``k`` of a block (position ``s + k``)
+predicts the token at position ``s + k + 1``. The embedding and LM head are borrowed from the
+target (LFM2 drafts ship neither).
+
+State: the draft KV cache holds **context** entries only (positions ``< s``), written from the
+target's aux hidden states by :meth:`DSparkDraft.inject_context` (``fc`` → ``hidden_norm`` → every
+layer's ``k_proj``/``v_proj`` → ``kv_norm_rope_write``). The block's own K/V are scratch written at
+positions ``s .. s+gamma-1`` and overwritten when the round commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.kv_write import window_positions
+from ..ops.rope import apply_rope, gather_cos_sin
+from .cache import DraftCache
+from .config import ConfigError, DraftConfig, TargetConfig
+from .layers import RMSNorm, SwiGLU
+
+log = logging.getLogger("lfmspark")
+lfm = torch.ops.lfmspark
+
+# pick(k, logits_k [B, V] fp32) -> tokens [B] int64: greedy argmax or a sampler of the runtime
+TokenPicker = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def check_draft_fits_target(cfg: DraftConfig, target: TargetConfig) -> None:
+    """Raise :class:`ConfigError` when the draft cannot serve this target."""
+    if cfg.hidden_size != target.hidden_size:
+        raise ConfigError(f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}: the draft "
+                          "embeds with the target's embedding and projects with its LM head, so they must match")
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise ConfigError(f"draft vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}: the draft "
+                          "was trained for another target (e.g. a 128000-token LFM2.5 vocabulary)")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ConfigError(f"draft mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+                          f"[0, {target.vocab_size})")
+    last = target.num_hidden_layers - 1
+    bad = [i for i in cfg.target_layer_ids if not -1 <= i < last]
+    if bad:
+        raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} include {bad}: ids must be in "
+                          f"[-1, {last - 1}] for this {target.num_hidden_layers}-layer target (the last layer is "
+                          "excluded: drafts are trained on raw layer outputs, not the final-normed state)")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_hidden_layers:
+        raise ConfigError(f"draft num_target_layers {cfg.num_target_layers} != target num_hidden_layers "
+                          f"{target.num_hidden_layers}: the draft was trained for another target")
+    if cfg.target_hidden_size is not None and cfg.target_hidden_size != target.hidden_size:
+        raise ConfigError(f"draft target_hidden_size {cfg.target_hidden_size} != target hidden_size "
+                          f"{target.hidden_size}")
+    if cfg.rope_theta != target.rope_theta:
+        log.warning("draft rope_theta %g differs from the target's %g; using the draft's own value",
+                    cfg.rope_theta, target.rope_theta)
+    if cfg.rope_is_neox_style:
+        log.warning("draft uses neox RoPE pairing; LiquidAI's LFM2 DSpark drafts are interleaved "
+                    "(rope_is_neox_style=false). If acceptance collapses (~1.9 instead of ~5), check this field.")
+
+
+class DraftAttention(nn.Module):
+    """Query side of a draft layer; K/V projections and k_norm weights live stacked on the draft."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order logit bias ``B_k`` from the previous token (reference/dspark.md §3)."""
+
+    def __init__(self, cfg: DraftConfig, vocab: int):
+        super().__init__()
+        r, H = cfg.markov_rank, cfg.hidden_size
+        self.kind = cfg.markov_head_type
+        self.rank = r
+        self.markov_w1 = nn.Embedding(vocab, r)
+        self.markov_w2 = nn.Linear(r, vocab, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + r, r, bias=True)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + H, 3 * r, bias=True)
+
+    def step(self, e: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bias ``[B, V]`` for one slot from ``e = W1[prev] [B, r]``, ``h [B, H]`` and the RNN state."""
+        if self.kind == "vanilla":
+            return self.markov_w2(e), state
+        if self.kind == "gated":
+            g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+            return self.markov_w2(g * e), state
+        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        new_state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), new_state     # the bias uses s_{k-1}, not s_k
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.with_markov = cfg.confidence_head_with_markov
+        width = cfg.hidden_size + (cfg.markov_rank if self.with_markov else 0)
+        self.proj = nn.Linear(width, 1, bias=True)
+
+    def forward(self, h: torch.Tensor, e_prev: torch.Tensor | None) -> torch.Tensor:
+        features = torch.cat([h, e_prev], dim=-1) if self.with_markov else h
+        return torch.sigmoid(self.proj(features).float().squeeze(-1))
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor            # [B, gamma] int64: x_1 .. x_gamma
+    logits: torch.Tensor            # [B, gamma, V] fp32 Markov-corrected logits (q = softmax(logits / T))
+    confidence: torch.Tensor | None  # [B, gamma] conditional acceptance estimates c_k
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, target_hidden: int):
+        super().__init__()
+        self.config = cfg
+        H, L = cfg.hidden_size, cfg.num_hidden_layers
+        self.kv_width = cfg.num_key_value_heads * cfg.head_dim
+        self.fc = nn.Linear(cfg.n_taps * target_hidden, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(L))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        # every layer's [k_proj; v_proj] stacked, so context injection for all layers is one GEMM
+        # (layer i's block K/V use the slice kv_proj[i]); k_norm weights stacked for the fused kernel
+        self.kv_proj = nn.Parameter(torch.empty(L, 2 * self.kv_width, H))
+        self.k_norm = nn.Parameter(torch.ones(L, cfg.head_dim))
+        self.markov_head = MarkovHead(cfg, cfg.vocab_size) if cfg.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
+        self._shared: tuple[nn.Embedding, nn.Linear] | None = None
+
+    def attach_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Borrow the target's embedding and LM head (kept out of this module's parameters)."""
+        self._shared = (embed_tokens, lm_head)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        assert self._shared is not None, "call attach_target() first"
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        assert self._shared is not None, "call attach_target() first"
+        return self._shared[1]
+
+    # -- context ----------------------------------------------------------------------------
+    def inject_context(self, aux: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
+                       lens: torch.Tensor) -> None:
+        """Write context K/V for the first ``lens[b]`` columns of ``aux [B, T, n_taps*H_t]`` at
+        positions ``start[b] + t`` in every draft layer."""
+        ctx = self.hidden_norm(self.fc(aux))
+        kv = F.linear(ctx, self.kv_proj.flatten(0, 1))
+        lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, 0, slots, start, lens,
+                               self.config.rms_norm_eps, self.config.rope_is_neox_style)
+
+    # -- block ------------------------------------------------------------------------------
+    def backbone(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor
+                 ) -> torch.Tensor:
+        """Final-normed hidden states ``[B, gamma, H]`` of the block ``[anchor, MASK, ...]`` at
+        positions ``start .. start + gamma - 1``."""
+        cfg = self.config
+        B, G = anchor.shape[0], cfg.block_size
+        masks = torch.full((B, G - 1), cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
+        x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
+        cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        full = torch.full_like(slots, G)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
+            q = apply_rope(q.float(), cos, sin, cfg.rope_is_neox_style).to(x.dtype)
+            kv = F.linear(h, self.kv_proj[i])
+            lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, i, slots, start, full,
+                                   cfg.rms_norm_eps, cfg.rope_is_neox_style)
+            o = lfm.cache_attention(q, cache.k, cache.v, i, slots, start, False, attn.head_dim ** -0.5)
+            x = x + attn.o_proj(o.reshape(B, G, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
+                pick: TokenPicker) -> DraftProposal:
+        """Draft one block: backbone, LM head, then the Markov walk left to right (``pick`` chooses
+        each token from its corrected logits)."""
+        h = self.backbone(anchor, cache, slots, start)
+        base = self.lm_head(h).float()                                # [B, gamma, V]
+        return self.walk(base, h, anchor, pick)
+
+    def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
+        head, conf_head = self.markov_head, self.confidence_head
+        B, G, _ = base.shape
+        prev = anchor
+        state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None
+        tokens, logits, confidence = [], [], []
+        for k in range(G):
+            logits_k = base[:, k]
+            e_prev = None
+            if head is not None:
+                e_prev = head.markov_w1(prev)
+                bias, state = head.step(e_prev, h[:, k], state)
+                logits_k = logits_k + bias.float()
+            if conf_head is not None:
+                confidence.append(conf_head(h[:, k], e_prev))
+            prev = pick(k, logits_k)
+            tokens.append(prev)
+            logits.append(logits_k)
+        return DraftProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits, dim=1),
+                             confidence=torch.stack(confidence, dim=1) if confidence else None)

@@ -1,0 +1,203 @@
+"""LFM2 target: gated short convolutions + GQA attention (HF ``Lfm2ForCausalLM`` semantics).
+
+The module is compile-friendly: no Python branching on tensor values and no host syncs in
+``forward``. Every forward works on a batch of rows, each owning a state slot (DESIGN §4):
+
+- ``PREFILL``: up to ``T`` tokens per row at positions ``start[b] ..``; only the first ``lens[b]`` are
+  real (ragged prompts, right-padded). Resumable: a second chunk continues from the stored state
+  (a row with ``start == 0`` starts from an empty conv state).
+- ``DECODE``: one token per row (``T == 1``).
+- ``VERIFY``: ``W`` tokens per row continuing from the committed state. Attention layers write K/V
+  for all ``W`` tokens; ShortConv layers leave the conv state alone and record a tape, from which
+  :meth:`Lfm2ForCausalLM.commit` restores the state after any accepted length ``1..W``.
+
+Any mode can return the aux hidden states of ``aux_layer_ids`` (HF "output of decoder layer k",
+``-1`` = the embeddings) concatenated as ``[B, T, n_taps * H]``, which feed the DSpark draft.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.kv_write import window_positions
+from ..ops.rope import apply_rope, gather_cos_sin
+from .cache import TargetCache
+from .config import ATTENTION, TargetConfig
+from .layers import RMSNorm, SwiGLU
+
+lfm = torch.ops.lfmspark
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass
+class Rows:
+    """Index tensors of one forward, all ``[B]`` int64 on the model's device."""
+
+    slots: torch.Tensor    # state slot per row, -1 = padding row
+    start: torch.Tensor    # absolute position of column 0 (= committed tokens before this window)
+    lens: torch.Tensor     # real tokens per row in this window
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor              # [B, T, V], or [B, V] when logits_index is given
+    aux: torch.Tensor | None          # [B, T, n_taps * H] or None
+
+
+class Lfm2Attention(nn.Module):
+    """GQA attention: fused qkv projection, per-head q/k RMSNorm, neox RoPE, slot-indexed KV cache."""
+
+    def __init__(self, cfg: TargetConfig, cache_layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cache_layer = cache_layer          # index among attention layers in the KV cache
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cache: TargetCache, rows: Rows, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+        q = self.q_layernorm(q.view(B, T, self.n_heads, self.head_dim))
+        k = self.k_layernorm(k.view(B, T, self.n_kv, self.head_dim))
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        # RoPE in fp32 with a single rounding (HF rounds cos/sin to the activation dtype first;
+        # the difference is within bf16 noise and keeps this path identical to the fused kernels)
+        q = apply_rope(q.float(), cos, sin, is_neox=True).to(x.dtype)
+        k = apply_rope(k.float(), cos, sin, is_neox=True).to(x.dtype)
+        lfm.kv_write(k, v, cache.k, cache.v, self.cache_layer, rows.slots, rows.start, rows.lens)
+        o = lfm.cache_attention(q, cache.k, cache.v, self.cache_layer, rows.slots, rows.start, True, self.scale)
+        return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
+
+
+class Lfm2ShortConv(nn.Module):
+    """Double-gated short convolution: ``out_proj(C * conv(B * x))`` with ``[B | C | x] = in_proj(h)``."""
+
+    def __init__(self, cfg: TargetConfig, cache_layer: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.cache_layer = cache_layer          # index among conv layers in the conv state
+        self.in_proj = nn.Linear(H, 3 * H, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(H, cfg.conv_L_cache))   # HF conv.conv.weight squeezed
+        self.out_proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: TargetCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
+        b_gate, c_gate, xx = self.in_proj(x).chunk(3, dim=-1)
+        bx = b_gate * xx
+        if mode is ForwardMode.VERIFY:
+            z = lfm.short_conv_verify(bx, self.conv_weight, cache.conv_state, cache.conv_tape, self.cache_layer,
+                                      rows.slots)
+        else:
+            z = lfm.short_conv_prefill(bx, self.conv_weight, cache.conv_state, self.cache_layer, rows.slots,
+                                       rows.start, rows.lens)
+        return self.out_proj(c_gate * z)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, feed_forward: nn.Module):
+        super().__init__()
+        self.is_attention = cfg.layer_types[layer] == ATTENTION
+        cache_layer = (cfg.attention_layers if self.is_attention else cfg.conv_layers).index(layer)
+        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if self.is_attention:
+            self.self_attn = Lfm2Attention(cfg, cache_layer)
+        else:
+            self.conv = Lfm2ShortConv(cfg, cache_layer)
+        self.feed_forward = feed_forward
+
+    def forward(self, h: torch.Tensor, cache: TargetCache, rows: Rows, mode: ForwardMode, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        x = self.operator_norm(h)
+        if self.is_attention:
+            h = h + self.self_attn(x, cache, rows, cos, sin)
+        else:
+            h = h + self.conv(x, cache, rows, mode)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Lfm2Backbone(nn.Module):
+    """``model.*`` of the HF checkpoint: embeddings, decoder layers, final norm (``embedding_norm``)."""
+
+    def __init__(self, cfg: TargetConfig, make_feed_forward):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Lfm2DecoderLayer(cfg, i, make_feed_forward(cfg, i))
+                                    for i in range(cfg.num_hidden_layers))
+        self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+def dense_feed_forward(cfg: TargetConfig, layer: int) -> nn.Module:
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Lfm2ForCausalLM(nn.Module):
+    def __init__(self, cfg: TargetConfig, make_feed_forward=dense_feed_forward):
+        super().__init__()
+        self.config = cfg
+        self.model = Lfm2Backbone(cfg, make_feed_forward)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
+                lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
+                aux_layer_ids: tuple[int, ...] = (), logits_index: torch.Tensor | None = None) -> TargetOutput:
+        """Run ``input_ids [B, T]`` at positions ``start[b] + t``.
+
+        ``lens`` (real tokens per row) defaults to all ``T`` columns. ``logits_index [B]`` selects one
+        column per row to project (prefill needs only the last real token); otherwise every column
+        is projected.
+        """
+        B, T = input_ids.shape
+        if lens is None:
+            lens = torch.full_like(slots, T)
+        rows = Rows(slots, start, lens)
+        cos, sin = gather_cos_sin(cache.rope, window_positions(start, T))
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]        # broadcast over heads
+
+        h = self.model.embed_tokens(input_ids)
+        taps = {i: None for i in aux_layer_ids}
+        if -1 in taps:
+            taps[-1] = h
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cache, rows, mode, cos, sin)
+            if i in taps:
+                taps[i] = h
+        aux = torch.cat([taps[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+
+        if logits_index is not None:
+            h = h[torch.arange(B, device=h.device), logits_index]
+        logits = self.lm_head(self.model.embedding_norm(h))
+        return TargetOutput(logits=logits, aux=aux)
+
+    @staticmethod
+    def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a VERIFY forward: set every conv state to the window after ``accepted[b]`` block tokens.
+
+        Attention KV needs no undo: positions past the new committed length are never attended and
+        are overwritten by the next window.
+        """
+        lfm.short_conv_commit(cache.conv_state, cache.conv_tape, slots, accepted)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype

@@ -1,0 +1,361 @@
+"""Load Hugging Face safetensors checkpoints from a local directory into the lfmspark modules.
+
+A checkpoint is one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+Every tensor is checked against the shapes the config implies before anything is assembled:
+a missing, misshapen or unexpected tensor raises :class:`CheckpointError` naming the tensor, the
+expected and the found shape. Weights are converted to the requested dtype except LFM2-MoE's
+``expert_bias``, which stays fp32 (reference/lfm2.md §4.4). The on-disk names are HF's; a few are
+fused on load (q/k/v → ``qkv_proj``, w1/w3 → ``w13``, per-expert MoE tensors → stacked ``w13``/``w2``,
+``conv.conv.weight [H, 1, K]`` → ``conv_weight [H, K]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import ConfigError, DraftConfig, TargetConfig
+
+log = logging.getLogger("lfmspark")
+
+Shape = tuple[int, ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match its config; the message names the tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# reading files
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file for a model directory (single file or sharded)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = {name: path / file for name, file in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise CheckpointError(f"shards listed in {index} are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def read_shapes(files: dict[str, Path]) -> dict[str, Shape]:
+    shapes: dict[str, Shape] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in files:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def read_tensors(files: dict[str, Path], names: Iterable[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Read the named tensors, shard by shard, logging progress."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    shards = sorted(by_file)
+    for i, file in enumerate(shards):
+        log.info("loading %s (%d/%d)", file.name, i + 1, len(shards))
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in by_file[file]:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# expected tensors
+
+def target_tensor_shapes(cfg: TargetConfig) -> dict[str, Shape]:
+    """HF tensor names and shapes of a target checkpoint (per-expert MoE layout)."""
+    H, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    shapes: dict[str, Shape] = {"model.embed_tokens.weight": (V, H), "model.embedding_norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        shapes[p + "operator_norm.weight"] = (H,)
+        shapes[p + "ffn_norm.weight"] = (H,)
+        if i in cfg.attention_layers:
+            shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * hd, H)
+            shapes[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * hd, H)
+            shapes[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * hd, H)
+            shapes[p + "self_attn.out_proj.weight"] = (H, cfg.num_attention_heads * hd)
+            shapes[p + "self_attn.q_layernorm.weight"] = (hd,)
+            shapes[p + "self_attn.k_layernorm.weight"] = (hd,)
+        else:
+            shapes[p + "conv.in_proj.weight"] = (3 * H, H)
+            shapes[p + "conv.conv.weight"] = (H, 1, cfg.conv_L_cache)
+            shapes[p + "conv.out_proj.weight"] = (H, H)
+        f = p + "feed_forward."
+        if cfg.is_moe_layer(i):
+            I = cfg.moe_intermediate_size
+            shapes[f + "gate.weight"] = (cfg.num_experts, H)
+            if cfg.use_expert_bias:
+                shapes[f + "expert_bias"] = (cfg.num_experts,)
+            for j in range(cfg.num_experts):
+                shapes[f + f"experts.{j}.w1.weight"] = (I, H)
+                shapes[f + f"experts.{j}.w3.weight"] = (I, H)
+                shapes[f + f"experts.{j}.w2.weight"] = (H, I)
+        else:
+            F_ = cfg.intermediate_size
+            shapes[f + "w1.weight"] = (F_, H)
+            shapes[f + "w3.weight"] = (F_, H)
+            shapes[f + "w2.weight"] = (H, F_)
+    return shapes
+
+
+def _accept_packed_experts(cfg: TargetConfig, expected: dict[str, Shape], found: dict[str, Shape]) -> None:
+    """Allow transformers-5's in-memory packed expert layout (``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``) in place of the per-expert tensors, layer by layer."""
+    if not cfg.is_moe:
+        return
+    H, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    for i in range(cfg.num_hidden_layers):
+        f = f"model.layers.{i}.feed_forward.experts."
+        if f + "gate_up_proj" in found or f + "down_proj" in found:
+            for j in range(E):
+                for w in ("w1", "w3", "w2"):
+                    expected.pop(f + f"{j}.{w}.weight", None)
+            expected[f + "gate_up_proj"] = (E, 2 * I, H)
+            expected[f + "down_proj"] = (E, H, I)
+
+
+def check_tensors(expected: dict[str, Shape], found: dict[str, Shape], where: str,
+                  ignorable: Callable[[str], bool] = lambda name: False) -> None:
+    """Raise :class:`CheckpointError` on a wrong shape, a missing tensor or an unexpected one."""
+    for name, shape in expected.items():
+        if name in found and found[name] != shape:
+            raise CheckpointError(f"{where}: tensor '{name}' has shape {list(found[name])}, expected {list(shape)} "
+                                  "from config.json: the checkpoint does not match its config")
+    missing = [n for n in expected if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(f"{where}: {len(missing)} tensors missing from the checkpoint, e.g. "
+                              f"{missing[:8]}{more}")
+    unexpected = [n for n in found if n not in expected and not ignorable(n)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""
+        raise CheckpointError(f"{where}: {len(unexpected)} unexpected tensors the config does not describe, e.g. "
+                              f"{unexpected[:8]}{more}: wrong config.json, or an unsupported variant")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF names -> module state
+
+def _fuse_target(cfg: TargetConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module state dict from HF tensors (already in the target dtype)."""
+    state: dict[str, torch.Tensor] = {}
+    for name in list(hf):
+        if name.startswith("model.layers."):
+            continue
+        state[name] = hf.pop(name)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        take = lambda key: hf.pop(p + key)  # noqa: E731
+        state[p + "operator_norm.weight"] = take("operator_norm.weight")
+        state[p + "ffn_norm.weight"] = take("ffn_norm.weight")
+        if i in cfg.attention_layers:
+            a = "self_attn."
+            state[p + a + "qkv_proj.weight"] = torch.cat(
+                [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            for key in ("out_proj.weight", "q_layernorm.weight", "k_layernorm.weight"):
+                state[p + a + key] = take(a + key)
+        else:
+            state[p + "conv.in_proj.weight"] = take("conv.in_proj.weight")
+            state[p + "conv.out_proj.weight"] = take("conv.out_proj.weight")
+            state[p + "conv.conv_weight"] = take("conv.conv.weight").squeeze(1)
+        f = "feed_forward."
+        if cfg.is_moe_layer(i):
+            state[p + f + "gate.weight"] = take(f + "gate.weight")
+            if cfg.use_expert_bias:
+                state[p + f + "expert_bias"] = take(f + "expert_bias")
+            if p + f + "experts.gate_up_proj" in hf:
+                state[p + f + "experts.w13"] = take(f + "experts.gate_up_proj")
+                state[p + f + "experts.w2"] = take(f + "experts.down_proj")
+            else:
+                E = cfg.num_experts
+                state[p + f + "experts.w13"] = torch.stack([
+                    torch.cat([take(f + f"experts.{j}.w1.weight"), take(f + f"experts.{j}.w3.weight")])
+                    for j in range(E)])
+                state[p + f + "experts.w2"] = torch.stack([take(f + f"experts.{j}.w2.weight") for j in range(E)])
+        else:
+            state[p + f + "w13.weight"] = torch.cat([take(f + "w1.weight"), take(f + "w3.weight")])
+            state[p + f + "w2.weight"] = take(f + "w2.weight")
+    return state
+
+
+def _convert(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: Callable[[str], bool]) -> None:
+    for name, t in tensors.items():
+        target = torch.float32 if keep_fp32(name) else dtype
+        if t.dtype != target:
+            tensors[name] = t.to(target)
+
+
+def _assign(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` into a module built on the meta device (tensors are adopted, not copied)."""
+    result = module.load_state_dict(state, strict=False, assign=True)
+    # tied lm_head is absent from the state on purpose; anything else missing is a bug here
+    missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"internal name mapping error: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                cfg: TargetConfig | None = None):
+    """Build the target module for ``path`` and load its weights (``cfg`` defaults to its config.json)."""
+    from .lfm2_moe import build_target
+
+    cfg = cfg or TargetConfig.from_pretrained(path)
+    files = checkpoint_files(path)
+    found = read_shapes(files)
+    expected = target_tensor_shapes(cfg)
+    _accept_packed_experts(cfg, expected, found)
+    tied_head = lambda name: name == "lm_head.weight" and cfg.tie_word_embeddings  # noqa: E731
+    check_tensors(expected, found, f"target checkpoint {path}",
+                  ignorable=lambda n: tied_head(n) or n.endswith("rotary_emb.inv_freq"))
+    if "lm_head.weight" in found and cfg.tie_word_embeddings and found["lm_head.weight"] != expected[
+            "model.embed_tokens.weight"]:
+        raise CheckpointError(f"target checkpoint {path}: 'lm_head.weight' has shape {list(found['lm_head.weight'])}"
+                              f", expected {list(expected['model.embed_tokens.weight'])}")
+
+    hf = read_tensors(files, expected, device)
+    _convert(hf, dtype, keep_fp32=lambda n: n.endswith("expert_bias"))
+    with torch.device("meta"):
+        model = build_target(cfg)
+    _assign(model, _fuse_target(cfg, hf))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark drafts
+
+DRAFT_SHARED_PREFIXES = ("embed_tokens.", "lm_head.", "rotary_emb.")
+
+
+def draft_tensor_shapes(cfg: DraftConfig, target_hidden: int) -> dict[str, Shape]:
+    """Tensor names and shapes of a DSpark draft checkpoint (DeepSpec names, no ``model.`` prefix)."""
+    H, hd, r = cfg.hidden_size, cfg.head_dim, cfg.markov_rank
+    V = cfg.vocab_size
+    shapes: dict[str, Shape] = {
+        "fc.weight": (H, cfg.n_taps * target_hidden),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * hd, H)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * hd, H)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * hd, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, cfg.num_attention_heads * hd)
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, H)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, cfg.intermediate_size)
+    if r > 0:
+        shapes["markov_head.markov_w1.weight"] = (V, r)
+        shapes["markov_head.markov_w2.weight"] = (V, r)
+        if cfg.markov_head_type == "gated":
+            shapes["markov_head.gate_proj.weight"] = (r, H + r)
+            shapes["markov_head.gate_proj.bias"] = (r,)
+        elif cfg.markov_head_type == "rnn":
+            shapes["markov_head.joint_proj.weight"] = (3 * r, 2 * r + H)
+            shapes["markov_head.joint_proj.bias"] = (3 * r,)
+    if cfg.enable_confidence_head:
+        width = H + r if cfg.confidence_head_with_markov else H
+        shapes["confidence_head.proj.weight"] = (1, width)
+        shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
+
+def _strip_prefix(found: dict[str, Shape]) -> dict[str, str]:
+    """Map stored names to DeepSpec names: drop a leading ``model.`` (some exports add it) and
+    ``_orig_mod.`` (torch.compile wrappers saved by accident)."""
+    mapping = {}
+    for name in found:
+        short = name.replace("_orig_mod.", "")
+        if short.startswith("model."):
+            short = short[len("model."):]
+        mapping[short] = name
+    return mapping
+
+
+def load_draft(path: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu", cfg: DraftConfig | None = None):
+    """Build a DSpark draft for ``target_cfg`` from ``path`` and load its weights.
+
+    The embedding and LM head are the target's (attached by the engine); copies stored in the
+    draft checkpoint are checked for shape and skipped.
+    """
+    from .dspark import DSparkDraft, check_draft_fits_target
+
+    cfg = cfg or DraftConfig.from_pretrained(path)
+    if cfg.vocab_size is None:
+        cfg = DraftConfig(**{**cfg.__dict__, "vocab_size": target_cfg.vocab_size})
+    check_draft_fits_target(cfg, target_cfg)
+    files = checkpoint_files(path)
+    stored = read_shapes(files)
+    names = _strip_prefix(stored)
+    found = {short: stored[full] for short, full in names.items()}
+    expected = draft_tensor_shapes(cfg, target_cfg.hidden_size)
+    for short, shape in found.items():
+        if short.startswith(("embed_tokens.", "lm_head.")) and shape != (target_cfg.vocab_size,
+                                                                         target_cfg.hidden_size):
+            raise CheckpointError(f"draft checkpoint {path}: '{names[short]}' has shape {list(shape)}, but the "
+                                  f"target's vocabulary is [{target_cfg.vocab_size}, {target_cfg.hidden_size}]: the "
+                                  "draft was trained for another target")
+    check_tensors(expected, found, f"draft checkpoint {path}",
+                  ignorable=lambda n: n.startswith(DRAFT_SHARED_PREFIXES))
+    raw = read_tensors(files, [names[n] for n in expected], device)
+    hf = {short: raw[names[short]] for short in expected}
+    _convert(hf, dtype, keep_fp32=lambda n: False)
+    with torch.device("meta"):
+        draft = DSparkDraft(cfg, target_hidden=target_cfg.hidden_size)
+    _assign_draft(draft, hf)
+    return draft.eval()
+
+
+def _assign_draft(draft: nn.Module, hf: dict[str, torch.Tensor]) -> None:
+    L = draft.config.num_hidden_layers
+    state = {k: v for k, v in hf.items() if not k.startswith("layers.")}
+    state["kv_proj"] = torch.stack([
+        torch.cat([hf[f"layers.{i}.self_attn.k_proj.weight"], hf[f"layers.{i}.self_attn.v_proj.weight"]])
+        for i in range(L)])
+    state["k_norm"] = torch.stack([hf[f"layers.{i}.self_attn.k_norm.weight"] for i in range(L)])
+    for i in range(L):
+        p = f"layers.{i}."
+        for key in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                    "self_attn.o_proj.weight", "self_attn.q_norm.weight"):
+            state[p + key] = hf[p + key]
+        state[p + "mlp.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+        state[p + "mlp.w13.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+    result = draft.load_state_dict(state, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"internal draft name mapping error: missing {result.missing_keys}, "
+                              f"unexpected {result.unexpected_keys}")
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_target", "load_draft", "checkpoint_files",
+           "target_tensor_shapes", "draft_tensor_shapes"]

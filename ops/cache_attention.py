@@ -1,0 +1,285 @@
+"""Attention of a token window over the slot-indexed KV cache (GQA, per-row lengths).
+
+``q [B, T, n_heads, hd]`` for row ``b`` sits at positions ``start[b] .. start[b] + T - 1``; the window's
+own K/V are already in ``k_cache``/``v_cache [L, slots, S, n_kv, hd]`` (written by the KV-write ops
+before the call). Query ``t`` attends to cache positions ``[0, start[b] + t + 1)`` when ``causal``
+(target prefill / decode / verify) and to ``[0, start[b] + T)`` otherwise (the DSpark draft block,
+non-causal inside the block), both clipped to the cache length. Query head ``h`` reads KV head
+``h // (n_heads // n_kv)`` (``repeat_interleave`` order). Softmax in fp32, output in ``q``'s dtype;
+rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
+ignore.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: the Triton 3.9 interpreter multiplies bf16 operands as raw integers, so on CPU bf16
+    # operands (already rounded as on the GPU) are multiplied in fp32 instead
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _cache_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, slots_ptr, start_ptr,
+    T, S, H, n_kv, n_rows, n_out_rows, num_splits, qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_cs, stride_cp, stride_ch,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # One program: BLOCK_M rows = flattened (token, head-in-group) pairs of one (batch row, kv head),
+    # against one slice of the key range (the whole range unless SPLIT). Every K/V tile is loaded
+    # once for the whole GQA group. ``kc_ptr``/``vc_ptr`` already point at the layer's cache.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest tiles start first
+    b = tl.program_id(1) // n_kv
+    kvh = tl.program_id(1) % n_kv
+    split = tl.program_id(2)
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s0 = tl.load(start_ptr + b).to(tl.int64)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    t = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    dims = tl.arange(0, HD)
+
+    # keys [0, kv_len) cover every row of the tile; row r only sees keys < row_end[r]
+    if CAUSAL:
+        t_last = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, n_rows - 1) // GROUP
+        kv_len = s0 + t_last + 1
+        row_end = s0 + t + 1
+    else:
+        kv_len = s0 + T
+        row_end = s0 + T
+    kv_len = tl.where(slot >= 0, tl.minimum(kv_len, S), 0).to(tl.int32)  # padding row: no keys
+    row_end = tl.where(row_ok, tl.minimum(row_end, kv_len), 0).to(tl.int32)
+
+    if SPLIT:
+        # balanced slices of the row's real length, in whole key blocks, so a block never
+        # straddles two slices; trailing slices may be empty and then store neutral partials
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+    else:
+        lo = 0
+        hi = kv_len
+
+    q_offs = b * stride_qb + t * stride_qt + h * stride_qh
+    q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = kc_ptr + slot * stride_cs + kvh * stride_ch
+    v_base = vc_ptr + slot * stride_cs + kvh * stride_ch
+
+    # online softmax in the log2 domain (qk_scale includes log2(e))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kv_offs = keys[:, None] * stride_cp + dims[None, :]
+        k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        qk = tl.where(keys[None, :] < row_end[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row with no visible key yet keeps m = -inf: shift by 0 instead so exp2 gives 0, not NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # output / partial row index in [B, T, H] order
+    out_rows = (b * T + t) * H + h
+    if SPLIT:
+        part_rows = split * n_out_rows + out_rows
+        tl.store(part_m_ptr + part_rows, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part_rows, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part_rows[:, None] * HD + dims[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key (padding row): zeros
+        tl.store(out_ptr + out_rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    H, n_out_rows, num_splits,
+    HD: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # one program: BLOCK_H heads of one (batch row, token); merges the split partials
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    rows = tl.program_id(0) * H + heads
+    dims = tl.arange(0, HD)
+    m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(part_m_ptr + s * n_out_rows + rows, mask=h_ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, m_s)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+    for s in range(0, num_splits):
+        p_rows = s * n_out_rows + rows
+        w = tl.exp2(tl.load(part_m_ptr + p_rows, mask=h_ok, other=float("-inf")) - m_ref)
+        l_sum += w * tl.load(part_l_ptr + p_rows, mask=h_ok, other=0.0)
+        a = tl.load(part_acc_ptr + p_rows[:, None] * HD + dims[None, :], mask=h_ok[:, None], other=0.0)
+        acc += w[:, None] * a
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+_LOG2E = 1.4426950408889634
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: any small number keeps the heuristic (and its split path) exercised
+
+
+def _tile_config(n_rows: int, hd: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``n_rows = T * group`` rows per kv head."""
+    if n_rows <= 64:  # decode / verify / draft: memory-bound, a single row tile
+        return max(16, triton.next_power_of_2(n_rows)), 64, 4, 3
+    if hd <= 64:  # prefill
+        return 128, 64, 8, 3
+    return 64, 64, 4, 3
+
+
+def _pick_splits(n_programs: int, S: int, block_n: int, device: torch.device) -> int:
+    """Key-range splits so that ``n_programs`` (batch rows x kv heads x row tiles) fill about
+    ``_PROGRAMS_PER_SM`` programs per SM. Static information only: the actual lengths live on the
+    device, so the cache length ``S`` bounds the useful number of slices."""
+    target = _PROGRAMS_PER_SM * _sm_count(device)
+    return max(1, min(target // n_programs, triton.cdiv(S, block_n), _MAX_SPLITS))
+
+
+def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                           slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton implementation of :func:`cache_attention`; ``num_splits`` forces the number of
+    key-range slices (1: single pass) instead of the occupancy heuristic."""
+    B, T, H, hd = q.shape
+    S, n_kv = k_cache.shape[2], k_cache.shape[3]
+    if H % n_kv != 0:
+        raise ValueError(f"n_heads {H} is not a multiple of n_kv {n_kv}")
+    if hd < 16 or hd & (hd - 1) or k_cache.shape[4] != hd:
+        raise ValueError(f"head_dim must be a power of two >= 16 matching the cache, got {hd}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError("q, k_cache and v_cache must share a dtype")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have equal strides, contiguous in head_dim")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((B, T, H, hd), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    group = H // n_kv
+    n_rows = T * group
+    block_m, block_n, num_warps, num_stages = _tile_config(n_rows, hd)
+    n_tiles = triton.cdiv(n_rows, block_m)
+    if num_splits is None:
+        num_splits = _pick_splits(B * n_kv * n_tiles, S, block_n, q.device)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+
+    if split:  # fp32 partial max / sum / accumulator per split and output row
+        part_m = torch.empty((num_splits, B * T * H), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_splits, B * T * H, hd), dtype=torch.float32, device=q.device)
+    else:  # unused by the single-pass kernel
+        part_m = part_l = part_acc = out
+    kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
+    _cache_attention_kernel[(n_tiles, B * n_kv, num_splits)](
+        q, kc, vc, out, part_m, part_l, part_acc, slots, start,
+        T, S, H, n_kv, n_rows, B * T * H, num_splits, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+        DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        block_h = min(triton.next_power_of_2(H), 16)
+        _combine_splits_kernel[(B * T, triton.cdiv(H, block_h))](
+            part_m, part_l, part_acc, out,
+            H, B * T * H, num_splits,
+            HD=hd, BLOCK_H=block_h,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                              slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    B, T, n_heads, hd = q.shape
+    S, n_kv = k_cache.shape[2], k_cache.shape[3]
+    group = n_heads // n_kv
+    out = torch.zeros_like(q)
+    for b in range(B):
+        slot = int(slots[b])
+        if slot < 0:
+            continue
+        s0 = int(start[b])
+        end = min(s0 + T, S)
+        k = k_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)   # [end, H, hd]
+        v = v_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[b].float(), k) * scale
+        if causal:
+            key_pos = torch.arange(end, device=q.device)[None, :]
+            query_pos = s0 + torch.arange(T, device=q.device)[:, None]
+            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# op
+
+@torch.library.custom_op("lfmspark::cache_attention", mutates_args=())
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                    slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Attention output ``[B, T, n_heads, hd]`` of the window over layer ``layer`` of the cache."""
+    if use_triton(q):
+        return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale)
+    return cache_attention_reference(q, k_cache, v_cache, layer, slots, start, causal, scale)
+
+
+@cache_attention.register_kernel("cuda")
+def _cache_attention_cuda(q, k_cache, v_cache, layer, slots, start, causal, scale):
+    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale)
+
+
+@cache_attention.register_fake
+def _cache_attention_fake(q, k_cache, v_cache, layer, slots, start, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

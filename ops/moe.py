@@ -1,0 +1,326 @@
+"""MoE experts: SwiGLU experts applied to each token's top-k selection, weighted and summed.
+
+``x [N, H]``, ``topk_ids [N, k]`` (int64), ``topk_weights [N, k]`` (activation dtype, already
+normalised and scaled by the router), stacked expert weights ``w13 [E, 2I, H]`` (rows ``[0:I]`` the
+gate ``w1``, ``[I:2I]`` the up projection ``w3``) and ``w2 [E, H, I]``. For each selected pair:
+``w * w2_e(silu(w1_e x) * w3_e x)``, accumulated per token in the activation dtype, expert by
+expert in increasing id (HF ``Lfm2MoeExperts`` eager order). Only the selected experts' weights are
+read.
+
+Triton path (four launches, static grids, no host sync, so it is CUDA-graph safe):
+
+1. ``plan``: the ``N*k`` (token, k) pairs are grouped by expert on the device. Each expert's pairs
+   fill whole blocks of ``BLOCK_M`` slots (the last one partly); the blocks of all experts are laid
+   out in increasing expert id. The grid of the GEMM kernels is sized for the worst case,
+   ``(N*k + min(E, N*k) * (BLOCK_M - 1)) // BLOCK_M`` blocks; blocks past the used ones are marked
+   ``-1`` and their programs return at once.
+2. ``gate_up``: per (block, tile of ``I``): ``silu(x w1^T) * (x w3^T)`` for the block's pairs, fp32
+   accumulation, stored in the activation dtype (``inter``, one row per slot).
+3. ``down``: per (block, tile of ``H``): ``inter w2^T`` times the pair's routing weight, stored in
+   fp32 at the pair's own row ``token*k + j``.
+4. ``combine``: per token, the ``k`` fp32 rows summed in order ``j = 0..k-1``, cast once.
+
+Every program of one block reads the same expert, and an expert with at most ``BLOCK_M`` pairs has
+one block, so at decode sizes each selected expert's weights are read once per call (the union over
+the tokens, whatever the routing); a busier expert has several blocks whose programs read the same
+weight tiles at about the same time (grid axis 0 runs fastest), mostly served by L2.
+
+Numerics: fp32 accumulation throughout and one rounding at the end, so the result is at least as
+accurate as the reference, which rounds to the activation dtype after every step; in bf16 the two
+differ by a few bf16 ulps (see tests/ops/test_moe.py for the tolerances). Deterministic: no atomics.
+Expert ids must lie in ``[0, E)`` (an out-of-range id leaves that pair's row of the fp32 scratch
+unwritten).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+@triton.jit
+def _expert_one_hot(ids_ptr, p, P, TOPK, stride_in, stride_ik, experts, E: tl.constexpr):
+    """``[len(p), E_PAD]`` int32: 1 where pair ``p`` (``token*k + j``) selects that expert."""
+    e = tl.load(ids_ptr + (p // TOPK) * stride_in + (p % TOPK) * stride_ik, mask=p < P, other=-1)
+    e = tl.where(e < E, e, -1)  # padded expert columns never match
+    return (e[:, None] == experts[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _moe_plan_kernel(
+    ids_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    P, TOPK, n_blocks,
+    stride_in, stride_ik,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # program `pid` places pairs [pid*CHUNK, pid*CHUNK + CHUNK) and fills the same range of the
+    # block table (there are never more blocks than pairs). Every program counts all pairs itself
+    # (cheap next to the GEMMs), so one launch does the whole plan with no cross-program sync.
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    total = tl.zeros([E_PAD], dtype=tl.int32)   # pairs per expert
+    before = tl.zeros([E_PAD], dtype=tl.int32)  # ... among the pairs of earlier programs
+    for c0 in range(0, P, CHUNK):
+        n = tl.sum(_expert_one_hot(ids_ptr, c0 + lanes, P, TOPK, stride_in, stride_ik, experts, E), axis=0)
+        total += n
+        before += tl.where(c0 < pid * CHUNK, n, 0)
+    n_blk = (total + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(n_blk, axis=0)
+    blk_start = blk_end - n_blk
+
+    # slot of each pair: its expert's first slot + its rank among that expert's pairs (pair order,
+    # so a block holds increasing tokens)
+    p = pid * CHUNK + lanes
+    hit = _expert_one_hot(ids_ptr, p, P, TOPK, stride_in, stride_ik, experts, E)
+    rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + before[None, :]), axis=1)
+    slot = tl.sum(hit * blk_start[None, :], axis=1) * BLOCK_M + rank
+    tl.store(slot_pair_ptr + slot, p, mask=tl.sum(hit, axis=1) > 0)
+
+    # block table: expert of each block (-1 past the used blocks) and its number of real rows
+    b = pid * CHUNK + lanes
+    e_of_b = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    sel = experts[None, :] == e_of_b[:, None]
+    first = tl.sum(tl.where(sel, blk_start[None, :], 0), axis=1)
+    count = tl.sum(tl.where(sel, total[None, :], 0), axis=1)
+    used = e_of_b < E
+    rows = tl.minimum(count - (b - first) * BLOCK_M, BLOCK_M)
+    tl.store(block_expert_ptr + b, tl.where(used, e_of_b, -1), mask=b < n_blocks)
+    tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=b < n_blocks)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w13_ptr, inter_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    TOPK,
+    stride_xn, stride_xh, stride_we, stride_wn, stride_wh,
+    H: tl.constexpr, I: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk)
+    if e < 0:
+        return  # a surplus block of the static grid
+    slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + blk)
+    token = tl.load(slot_pair_ptr + slots, mask=row_ok, other=0) // TOPK
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xn + ks[None, :] * stride_xh
+    g_ptrs = w13_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wh
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(H, BLOCK_K)):
+        k_ok = ks < H - kk * BLOCK_K
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(g_ptrs, mask=w_ok, other=0.0)
+        u = tl.load(u_ptrs, mask=w_ok, other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(inter_ptr + slots[:, None] * I + cols[None, :], h.to(inter_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w2_ptr, tw_ptr, pair_out_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    TOPK,
+    stride_tn, stride_tk, stride_we, stride_wh, stride_wi,
+    H: tl.constexpr, I: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk)
+    if e < 0:
+        return
+    slots = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + blk)
+    pair = tl.load(slot_pair_ptr + slots, mask=row_ok, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + slots[:, None] * I + ks[None, :]
+    w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wh + ks[:, None] * stride_wi
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(I, BLOCK_K)):
+        k_ok = ks < I - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wi
+    token = pair // TOPK
+    rw = tl.load(tw_ptr + token * stride_tn + (pair - token * TOPK) * stride_tk, mask=row_ok, other=0.0)
+    acc = acc * rw.to(tl.float32)[:, None]
+    tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * H + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    pair_out_ptr, out_ptr,
+    stride_on, stride_oh,
+    H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # fixed order: deterministic
+        acc += tl.load(pair_out_ptr + (n * TOPK + j).to(tl.int64) * H + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + n.to(tl.int64) * stride_on + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile sizes of the expert GEMM kernels (clamped to the problem for tiny shapes)."""
+    block_m: int            # pair slots per block (all of one expert)
+    block_n1: int           # gate_up: columns of I per program (each of gate and up)
+    block_k1: int           # gate_up: reduction tile over H
+    block_n2: int           # down: columns of H per program
+    block_k2: int           # down: reduction tile over I
+    num_warps: int = 4
+    num_stages: int = 4
+    plan_chunk: int = 0     # pairs per plan program (0: automatic)
+
+
+def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
+    """Tiles for ``n_pairs = N*k`` pairs over ``n_experts`` experts.
+
+    Decode and verify sizes (a few pairs per expert) are bound by reading the weights: one block
+    of 16 per expert, narrow column tiles so that even 4 experts make enough programs to keep every
+    SM loading. Prefill sizes are bound by the matrix units: wide tiles.
+    """
+    per_expert = n_pairs / n_experts  # if routing were uniform
+    if per_expert <= 16:
+        return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=32, block_k2=256,
+                         num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return MoeConfig(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128,
+                         num_warps=4, num_stages=4)
+    return MoeConfig(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64,
+                     num_warps=8, num_stages=3)
+
+
+def _tile(block: int, dim: int) -> int:
+    """``block`` shrunk for a small ``dim`` (never under 16: ``tl.dot``'s minimum)."""
+    return max(16, min(block, triton.next_power_of_2(dim)))
+
+
+def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    N, H = x.shape
+    k = topk_ids.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    out = torch.empty_like(x)
+    if N == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    P = N * k
+    cfg = config or moe_config(P, E)
+    bm = cfg.block_m
+    n_blocks = (P + min(E, P) * (bm - 1)) // bm  # worst case over all routings
+    e_pad = triton.next_power_of_2(E)
+    chunk = cfg.plan_chunk or min(triton.next_power_of_2(max(P, 16)), max(16, 16384 // e_pad))
+    dev = x.device
+    slot_pair = torch.empty(n_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    inter = torch.empty(n_blocks * bm, I, dtype=x.dtype, device=dev)
+    pair_out = torch.empty(P, H, dtype=torch.float32, device=dev)
+    # fp32 dots must not run in tf32 (the default); the setting is irrelevant to 16-bit inputs
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Triton's interpreter multiplies bf16 dot operands as their raw bits: upcast them there
+    upcast = dev.type == "cpu" and x.dtype == torch.bfloat16
+
+    _moe_plan_kernel[(triton.cdiv(P, chunk),)](
+        topk_ids, slot_pair, block_expert, block_rows,
+        P, k, n_blocks,
+        topk_ids.stride(0), topk_ids.stride(1),
+        E=E, E_PAD=e_pad, BLOCK_M=bm, CHUNK=chunk,
+    )
+    bn1, bk1 = _tile(cfg.block_n1, I), _tile(cfg.block_k1, H)
+    _moe_gate_up_kernel[(n_blocks, triton.cdiv(I, bn1))](
+        x, w13, inter, slot_pair, block_expert, block_rows,
+        k,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        H=H, I=I, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
+    _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2))](
+        inter, w2, topk_weights, pair_out, slot_pair, block_expert, block_rows,
+        k,
+        topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        H=H, I=I, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_h = min(triton.next_power_of_2(H), 1024)
+    _moe_combine_kernel[(N, triton.cdiv(H, block_h))](
+        pair_out, out,
+        out.stride(0), out.stride(1),
+        H=H, TOPK=k, BLOCK_H=block_h,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        token, which = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, which, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# op
+
+@torch.library.custom_op("lfmspark::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's selected SwiGLU experts, ``[N, H]``."""
+    if use_triton(x):
+        return moe_experts_triton(x, topk_ids, topk_weights, w13, w2)
+    return moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+
+
+@moe_experts.register_kernel("cuda")
+def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2):
+    return moe_experts_triton(x, topk_ids, topk_weights, w13, w2)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2):
+    return torch.empty_like(x)

@@ -1,0 +1,290 @@
+"""ShortConv (LFM2's causal depthwise convolution over the gated input ``Bx``): prefill, verify
+with a tape, commit, decode.
+
+Layouts (time-major, so each token's ``H`` channels are contiguous):
+- ``weight [H, K]``: tap ``K-1`` weights the current token, tap 0 the oldest (HF ``conv.weight``
+  squeezed);
+- ``conv_state [n_conv_layers, slots, K-1, H]``: the last ``K-1`` inputs of each slot, oldest first;
+- ``tape [n_conv_layers, rows, W+K-1, H]``: per batch row, ``[state ; Bx of the W block tokens]``.
+  The state after accepting ``c`` block tokens (``0 <= c <= W``) is ``tape[:, row, c:c+K-1]``, so one
+  deduplicated window serves every accepted length (reference/sglang.md §3.3).
+
+Output ``z[t] = sum_j weight[:, j] * x_ext[t + j]`` with ``x_ext = [initial state ; Bx]``, accumulated in
+fp32 and rounded to ``Bx``'s dtype. Rows whose slot is ``-1`` are skipped (their outputs are zero).
+Tape rows are indexed by batch row, the state by slot (DESIGN §1 pitfalls).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+@triton.jit
+def _ext_load(bx_row, st_row, i, stride_bt, stride_st, cols, cmask, KM1: tl.constexpr, ZERO_INIT):
+    """Column ``i`` of ``x_ext = [initial state ; Bx]`` as fp32 (``ZERO_INIT``: the state is zeros)."""
+    # (scalar conditions enter masks through tl.where: `vector & scalar` breaks the interpreter)
+    from_state = i < KM1
+    s = tl.load(st_row + i * stride_st + cols, mask=tl.where(from_state & (ZERO_INIT == 0), cmask, False), other=0.0)
+    x = tl.load(bx_row + (i - KM1) * stride_bt + cols, mask=tl.where(from_state, False, cmask), other=0.0)
+    return tl.where(from_state, s.to(tl.float32), x.to(tl.float32))
+
+
+@triton.jit
+def _short_conv_prefill_kernel(
+    bx_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, start_ptr, lens_ptr,
+    T, H, layer,
+    stride_bb, stride_bt, stride_ob, stride_ot,
+    stride_sl, stride_ss, stride_st,
+    K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.load(slots_ptr + b)
+    cmask = tl.where(slot >= 0, cols < H, False)
+    zero_init = (tl.load(start_ptr + b) == 0).to(tl.int32)
+    n = tl.load(lens_ptr + b)
+    bx_row = bx_ptr + b * stride_bb
+    st_row = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
+    for t in range(0, T):
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + cols * K + j, mask=cmask, other=0.0).to(tl.float32)
+            acc += w * _ext_load(bx_row, st_row, t + j, stride_bt, stride_st, cols, cmask, K - 1, zero_init)
+        tl.store(out_ptr + b * stride_ob + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+    # new state = x_ext[n : n + K-1]; column i reads x_ext[n + i] with n + i >= i, so writing in
+    # increasing i never overwrites a state column that is still to be read
+    for i in tl.static_range(K - 1):
+        x = _ext_load(bx_row, st_row, n + i, stride_bt, stride_st, cols, cmask, K - 1, zero_init)
+        tl.store(st_row + i * stride_st + cols, x.to(state_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _short_conv_verify_kernel(
+    bx_ptr, w_ptr, state_ptr, tape_ptr, out_ptr, slots_ptr,
+    W, H, layer,
+    stride_bb, stride_bt, stride_ob, stride_ot,
+    stride_sl, stride_ss, stride_st,
+    stride_tl, stride_tr, stride_tt,
+    K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.load(slots_ptr + b)
+    cmask = tl.where(slot >= 0, cols < H, False)
+    bx_row = bx_ptr + b * stride_bb
+    st_row = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
+    tape_row = tape_ptr + layer * stride_tl + b * stride_tr
+    for i in range(0, W + K - 1):
+        x = _ext_load(bx_row, st_row, i, stride_bt, stride_st, cols, cmask, K - 1, 0)
+        tl.store(tape_row + i * stride_tt + cols, x.to(tape_ptr.dtype.element_ty), mask=cmask)
+    for t in range(0, W):
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + cols * K + j, mask=cmask, other=0.0).to(tl.float32)
+            acc += w * _ext_load(bx_row, st_row, t + j, stride_bt, stride_st, cols, cmask, K - 1, 0)
+        tl.store(out_ptr + b * stride_ob + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
+def _short_conv_commit_kernel(
+    state_ptr, tape_ptr, slots_ptr, acc_ptr,
+    H,
+    stride_sl, stride_ss, stride_st,
+    stride_tl, stride_tr, stride_tt,
+    KM1: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    layer = tl.program_id(0)
+    b = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.load(slots_ptr + b)
+    c = tl.load(acc_ptr + b)
+    cmask = tl.where(slot >= 0, cols < H, False)
+    src = tape_ptr + layer * stride_tl + b * stride_tr + c * stride_tt
+    dst = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
+    for i in tl.static_range(KM1):
+        x = tl.load(src + i * stride_tt + cols, mask=cmask)
+        tl.store(dst + i * stride_st + cols, x, mask=cmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+_BLOCK_H = 256
+
+
+def _check_inner(x: torch.Tensor, name: str) -> None:
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (channel) dimension")
+
+
+def short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens) -> torch.Tensor:
+    B, T, H = bx.shape
+    bx = bx if bx.stride(-1) == 1 else bx.contiguous()
+    out = torch.zeros_like(bx, memory_format=torch.contiguous_format)
+    if B * T == 0:
+        return out
+    _check_inner(conv_state, "conv_state")
+    grid = (B, triton.cdiv(H, _BLOCK_H))
+    _short_conv_prefill_kernel[grid](
+        bx, weight.contiguous(), conv_state, out, slots, start, lens,
+        T, H, layer,
+        bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        K=weight.shape[1], BLOCK_H=_BLOCK_H,
+    )
+    return out
+
+
+def short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots) -> torch.Tensor:
+    B, W, H = bx.shape
+    bx = bx if bx.stride(-1) == 1 else bx.contiguous()
+    out = torch.zeros_like(bx, memory_format=torch.contiguous_format)
+    if B * W == 0:
+        return out
+    _check_inner(conv_state, "conv_state")
+    _check_inner(tape, "tape")
+    grid = (B, triton.cdiv(H, _BLOCK_H))
+    _short_conv_verify_kernel[grid](
+        bx, weight.contiguous(), conv_state, tape, out, slots,
+        W, H, layer,
+        bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        tape.stride(0), tape.stride(1), tape.stride(2),
+        K=weight.shape[1], BLOCK_H=_BLOCK_H,
+    )
+    return out
+
+
+def short_conv_commit_triton(conv_state, tape, slots, accepted) -> None:
+    n_layers, _, km1, H = conv_state.shape
+    B = slots.shape[0]
+    if B == 0 or n_layers == 0:
+        return
+    grid = (n_layers, B, triton.cdiv(H, _BLOCK_H))
+    _short_conv_commit_kernel[grid](
+        conv_state, tape, slots, accepted,
+        H,
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        tape.stride(0), tape.stride(1), tape.stride(2),
+        KM1=km1, BLOCK_H=_BLOCK_H,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+
+def _conv_windows(x_ext: torch.Tensor, weight: torch.Tensor, T: int) -> torch.Tensor:
+    """``z[b, t] = sum_j weight[:, j] * x_ext[b, t + j]`` in fp32; ``x_ext [B, T+K-1, H]``."""
+    K = weight.shape[1]
+    w = weight.float()
+    return sum(w[:, j] * x_ext[:, j:j + T].float() for j in range(K))
+
+
+def short_conv_prefill_reference(bx, weight, conv_state, layer, slots, start, lens) -> torch.Tensor:
+    B, T, H = bx.shape
+    K = weight.shape[1]
+    real = slots >= 0
+    init = conv_state[layer, slots.clamp(min=0)].to(bx.dtype)
+    init = torch.where((start > 0)[:, None, None], init, torch.zeros_like(init))
+    x_ext = torch.cat([init, bx], dim=1)
+    out = _conv_windows(x_ext, weight, T).to(bx.dtype) * real[:, None, None]
+    idx = lens[:, None] + torch.arange(K - 1, device=bx.device)[None, :]
+    new_state = torch.gather(x_ext, 1, idx[:, :, None].expand(-1, -1, H))
+    conv_state[layer, slots[real]] = new_state[real].to(conv_state.dtype)
+    return out
+
+
+def short_conv_verify_reference(bx, weight, conv_state, tape, layer, slots) -> torch.Tensor:
+    W = bx.shape[1]
+    real = slots >= 0
+    x_ext = torch.cat([conv_state[layer, slots.clamp(min=0)].to(bx.dtype), bx], dim=1)
+    rows = real.nonzero().flatten()
+    tape[layer, rows] = x_ext[rows].to(tape.dtype)
+    return _conv_windows(x_ext, weight, W).to(bx.dtype) * real[:, None, None]
+
+
+def short_conv_commit_reference(conv_state, tape, slots, accepted) -> None:
+    km1 = conv_state.shape[2]
+    rows = (slots >= 0).nonzero().flatten()
+    for r in rows.tolist():
+        c = int(accepted[r])
+        conv_state[:, slots[r]] = tape[:, r, c:c + km1]
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+@torch.library.custom_op("lfmspark::short_conv_prefill", mutates_args=("conv_state",))
+def short_conv_prefill(bx: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, layer: int,
+                       slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Convolve ``bx [B, T, H]`` (first ``lens[b]`` tokens real) continuing each slot's state, then
+    store the window after the last real token. A row with ``start == 0`` starts from zeros, so a
+    fresh slot needs no reset; ``T == 1`` is the decode step."""
+    if use_triton(bx):
+        return short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens)
+    return short_conv_prefill_reference(bx, weight, conv_state, layer, slots, start, lens)
+
+
+@short_conv_prefill.register_kernel("cuda")
+def _prefill_cuda(bx, weight, conv_state, layer, slots, start, lens):
+    return short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens)
+
+
+@short_conv_prefill.register_fake
+def _prefill_fake(bx, weight, conv_state, layer, slots, start, lens):
+    return torch.empty_like(bx, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lfmspark::short_conv_verify", mutates_args=("tape",))
+def short_conv_verify(bx: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, tape: torch.Tensor,
+                      layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """Convolve a verify block ``bx [B, W, H]`` from the committed state without changing it, and
+    record ``[state ; bx]`` in ``tape[layer, b]`` for :func:`short_conv_commit`."""
+    if use_triton(bx):
+        return short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots)
+    return short_conv_verify_reference(bx, weight, conv_state, tape, layer, slots)
+
+
+@short_conv_verify.register_kernel("cuda")
+def _verify_cuda(bx, weight, conv_state, tape, layer, slots):
+    return short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots)
+
+
+@short_conv_verify.register_fake
+def _verify_fake(bx, weight, conv_state, tape, layer, slots):
+    return torch.empty_like(bx, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lfmspark::short_conv_commit", mutates_args=("conv_state",))
+def short_conv_commit(conv_state: torch.Tensor, tape: torch.Tensor, slots: torch.Tensor,
+                      accepted: torch.Tensor) -> None:
+    """For every conv layer: ``conv_state[l, slots[b]] = tape[l, b, accepted[b] : accepted[b]+K-1]``
+    (the window after ``accepted[b]`` block tokens, ``0 <= accepted <= W``)."""
+    if use_triton(conv_state):
+        short_conv_commit_triton(conv_state, tape, slots, accepted)
+    else:
+        short_conv_commit_reference(conv_state, tape, slots, accepted)
+
+
+@short_conv_commit.register_kernel("cuda")
+def _commit_cuda(conv_state, tape, slots, accepted) -> None:
+    short_conv_commit_triton(conv_state, tape, slots, accepted)
+
+
+@short_conv_commit.register_fake
+def _commit_fake(conv_state, tape, slots, accepted) -> None:
+    return None
+
+
+def short_conv_decode(bx: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, layer: int,
+                      slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """One token per row (``bx [B, 1, H]``): the prefill op with ``T = 1``."""
+    ones = torch.ones_like(slots)
+    return torch.ops.lfmspark.short_conv_prefill(bx, weight, conv_state, layer, slots, start, ones)

@@ -1,0 +1,30 @@
+"""Test set-up shared by the whole suite.
+
+On a machine without CUDA, Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET``
+must be set before Triton is imported, so it is set here, before any ``lfmspark`` import.
+Tests marked ``gpu`` are skipped when no CUDA device is present (they run on the H200).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where the Triton kernels run in this session: ``cuda`` if present, else the interpreter on CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
