@@ -25,9 +25,9 @@ def _schedule(n_layers: int, attention: Iterable[int]) -> tuple[str, ...]:
 
 
 def _lfm2(hidden: int, heads: int, ffn: int, n_layers: int, attention: Iterable[int], vocab: int = 65536,
-          theta: float = 1e6, **kw) -> TargetConfig:
+          theta: float = 1e6, kv_heads: int = 8, **kw) -> TargetConfig:
     return TargetConfig(model_type="lfm2", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layers,
-                        num_attention_heads=heads, num_key_value_heads=8, head_dim=hidden // heads,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
                         layer_types=_schedule(n_layers, attention), intermediate_size=ffn, rope_theta=theta, **kw)
 
 
@@ -49,7 +49,7 @@ TARGET_PRESETS: dict[str, TargetConfig] = {
     "lfm2-8b-a1b": _lfm2_moe(65536, 1e6),
     "lfm2.5-8b-a1b": _lfm2_moe(128000, 5e6),
     # tiny shapes for tests and CPU smoke runs (same layer kinds, a few hundred thousand parameters)
-    "tiny": _lfm2(64, 4, 128, 4, (1, 3), vocab=256, max_position_embeddings=4096),
+    "tiny": _lfm2(64, 4, 128, 4, (1, 3), vocab=256, kv_heads=2, max_position_embeddings=4096),
     "tiny-moe": TargetConfig(model_type="lfm2_moe", vocab_size=256, hidden_size=64, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              layer_types=_schedule(4, (1, 3)), intermediate_size=128, num_dense_layers=1,

@@ -2,7 +2,7 @@
 
 On a machine without CUDA, Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET``
 must be set before Triton is imported, so it is set here, before any ``lfmspark`` import.
-Tests marked ``gpu`` are skipped when no CUDA device is present (they run on the H200).
+PyTorch runs single-threaded (see below). Tests marked ``gpu`` are skipped when no CUDA device is present (they run on the H200).
 """
 
 import os
@@ -11,6 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite runs thousands of tiny ops; on the 2-core CI machines PyTorch's intra-op thread pool
+# makes each of them ~100x slower (seen here: 8 ms per [4, 40] softmax with 2 threads, 5 us with 1).
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,89 @@
+"""Step runners: how the engine executes one decode step or speculative round for a batch.
+
+The engine hands a runner the slots of the rows to advance; the runner builds (or refills) the
+``slots`` tensor, runs the step and returns its device outputs, ``len(slots)`` rows or more (the
+extra rows are padding). :class:`EagerRunner` calls the step functions directly, optionally
+through ``torch.compile``; :class:`lfmspark.graphs.capture.CudaGraphRunner` replays captured graphs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger("lfmspark")
+
+
+class StepKind(enum.Enum):
+    DECODE = "decode"          # target-only: one token per row
+    ROUND = "round"            # DSpark speculative round
+
+
+@dataclass
+class WarmupEntry:
+    kind: str
+    sampling: bool
+    batch_size: int
+    compile_s: float
+    capture_s: float = 0.0
+    graph_bytes: int = 0
+
+
+@dataclass
+class WarmupReport:
+    entries: list[WarmupEntry] = field(default_factory=list)
+    total_s: float = 0.0
+    mode: str = "eager"                   # "eager", "compiled" or "cuda-graphs"
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "total_s": self.total_s, "entries": [e.__dict__ for e in self.entries]}
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = [[e.kind, "sample" if e.sampling else "greedy", e.batch_size, f"{e.compile_s:.2f}", f"{e.capture_s:.3f}",
+                 f"{e.graph_bytes / 2**20:.1f}"] for e in self.entries]
+        return tabulate(rows, headers=["step", "mode", "batch", "compile s", "capture s", "graph MiB"])
+
+
+class StepRunner(Protocol):
+    def run(self, kind: StepKind, slots: list[int], sampling: bool): ...
+
+    def warmup(self, kinds: list[StepKind], progress: bool = True) -> WarmupReport: ...
+
+
+class EagerRunner:
+    """Runs the step functions as they are (or compiled with ``fullgraph=True, dynamic=False``)."""
+
+    def __init__(self, steps, device: torch.device, compile: bool = False):
+        self.steps, self.device, self.compiled = steps, device, compile
+        self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in self._fns.items()}
+
+    def run(self, kind: StepKind, slots: list[int], sampling: bool):
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self._fns[kind](slots_t, sampling)
+
+    def warmup(self, kinds: list[StepKind], progress: bool = True) -> WarmupReport:
+        """Nothing to capture; when compiling, compile batch size 1 of each step up front
+        (with every row a padding row, so no slot state changes)."""
+        report = WarmupReport(mode="compiled" if self.compiled else "eager")
+        if not self.compiled:
+            return report
+        t_all = time.perf_counter()
+        for kind in kinds:
+            for sampling in (False, True):
+                t0 = time.perf_counter()
+                self.run(kind, [-1], sampling)
+                report.entries.append(WarmupEntry(kind.value, sampling, 1, time.perf_counter() - t0))
+                if progress:
+                    log.info("compiled %s (%s)", kind.value, "sample" if sampling else "greedy")
+        report.total_s = time.perf_counter() - t_all
+        return report

@@ -1,0 +1,419 @@
+"""The Engine people embed: load a target (and optionally a DSpark draft), warm up, generate.
+
+::
+
+    engine = Engine.from_pretrained("LFM2.5-1.2B-Instruct", "LFM2.5-1.2B-Instruct-DSpark")
+    engine.warmup()                                   # compile + capture before taking traffic
+    out = engine.generate("Why is the sky blue?", SamplingParams(max_new_tokens=64))[0]
+    for event in engine.stream(["a", "b"], SamplingParams(temperature=0.7)):
+        print(event.index, event.text, end="")
+
+Requests join and leave between rounds: each holds a state slot from admission (prefill) to its
+finish, cancellation or error. The loop is pipelined: round ``r + 1`` is launched before round
+``r``'s tokens are read back (pinned buffers + an event), so the host waits on the GPU only to
+hand tokens to the caller. A request finishing in round ``r`` therefore rides along in round
+``r + 1``, whose result for it is dropped; admission leaves room for that round in the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..graphs.runner import EagerRunner, StepKind, WarmupReport
+from ..models.cache import DraftCache, TargetCache
+from ..models.dspark import DSparkDraft, check_draft_fits_target
+from ..models.lfm2 import Lfm2ForCausalLM
+from ..models.loading import load_draft, load_target
+from ..models.config import DraftConfig
+from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
+from .outputs import GenerationOutput, RequestStats, StreamEvent
+from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
+from .sampling import SamplingError, SamplingParams
+from .state import SlotPool, SlotState
+from .steps import Steps
+
+log = logging.getLogger("lfmspark")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, bad sampling parameters, too long); nothing ran."""
+
+
+@dataclass(eq=False)          # identity comparison: requests are tracked in queues and lists
+class _Request:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    seed: int
+    submitted: float
+    slot: int | None = None
+    output: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    text_so_far: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _InFlight:
+    requests: list[_Request]
+    tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
+    n_new: torch.Tensor           # host copy [n]
+    done: torch.cuda.Event | None
+
+
+def _is_single_prompt(prompts) -> bool:
+    """A string, a list of token ids or a list of chat messages is one prompt."""
+    if isinstance(prompts, str):
+        return True
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return False
+    return all(isinstance(p, int) for p in prompts) or all(isinstance(p, dict) for p in prompts)
+
+
+class Engine:
+    """Serve one target (dense LFM2 or LFM2-MoE) with an optional DSpark draft."""
+
+    def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
+                 stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
+                 imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
+                 compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
+                 chat: bool = True):
+        cfg = target.config
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.target, self.draft, self.tokenizer, self.chat = target, draft, tokenizer, chat
+        self.config = cfg
+        self.device, self.dtype = target.device, target.dtype
+        self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.block_size = draft.config.block_size if draft is not None else 0
+        self.verify_width = self.block_size + 1
+        if max_seq_len < self.verify_width + 2:
+            raise ValueError(f"max_seq_len {max_seq_len} leaves no room for a verify window of {self.verify_width}")
+
+        self.tcache = TargetCache.allocate(cfg, max_batch, max_seq_len, self.verify_width, self.dtype, self.device)
+        self.dcache = None
+        if draft is not None:
+            check_draft_fits_target(draft.config, cfg)
+            draft.attach_target(target.model.embed_tokens, target.lm_head)
+            self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
+        self.imposed_acceptance = self._imposed(imposed_acceptance)
+        self.state = SlotState(max_batch, self.device)
+        self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance)
+        self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
+        self.step_kind = StepKind.ROUND if draft is not None else StepKind.DECODE
+
+        self.pool = SlotPool(max_batch)
+        self._queue: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._inflight: _InFlight | None = None
+        self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._flip = 0
+        self._rng = random.Random()
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *,
+                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
+                        max_batch: int = 8, max_seq_len: int = 4096, draft_rope_is_neox_style: bool | None = None,
+                        **kw) -> "Engine":
+        """Load HF checkpoints from local directories. ``draft_rope_is_neox_style`` supplies the
+        draft's RoPE pairing when its config.json lacks ``rope_is_neox_style``."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        target = load_target(target_dir, dtype=dtype, device=device)
+        draft = None
+        if draft_dir is not None:
+            draft_cfg = None
+            if draft_rope_is_neox_style is not None:
+                import json
+
+                with open(Path(draft_dir) / "config.json") as f:
+                    raw = json.load(f)
+                raw["rope_is_neox_style"] = draft_rope_is_neox_style
+                draft_cfg = DraftConfig.from_dict(raw)
+            draft = load_draft(draft_dir, target.config, dtype=dtype, device=device, cfg=draft_cfg)
+        tokenizer = load_tokenizer(target_dir)
+        stops = default_stop_ids(target_dir, target.config.eos_token_ids)
+        return cls(target, draft, tokenizer=tokenizer, stop_token_ids=stops, max_batch=max_batch,
+                   max_seq_len=max_seq_len, **kw)
+
+    @classmethod
+    def from_preset(cls, name: str, draft: str | None = "default", *, dtype: torch.dtype = torch.bfloat16,
+                    device: str | torch.device | None = None, max_batch: int = 8, max_seq_len: int = 4096,
+                    seed: int = 0, **kw) -> "Engine":
+        """Random weights with the shapes of a real model (benchmarks). ``draft="default"`` takes the
+        preset's usual draft, ``None`` serves target-only."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cfg = target_preset(name)
+        target = random_target(cfg, dtype, device, seed)
+        draft_model = None
+        if draft == "default":
+            draft = DEFAULT_DRAFT.get(name)
+        if draft is not None:
+            draft_model = random_draft(draft_preset(draft), cfg.hidden_size, dtype, device, seed + 1)
+        return cls(target, draft_model, stop_token_ids=cfg.eos_token_ids, max_batch=max_batch,
+                   max_seq_len=max_seq_len, **kw)
+
+    def _imposed(self, rates: Sequence[float] | None) -> torch.Tensor | None:
+        if rates is None:
+            return None
+        if self.draft is None:
+            raise ValueError("imposed_acceptance needs a draft: target-only decoding has nothing to accept")
+        rates = list(rates)
+        if len(rates) != self.block_size or not all(0.0 <= r <= 1.0 for r in rates):
+            raise ValueError(f"imposed_acceptance must give {self.block_size} per-position rates in [0, 1] "
+                             f"(one per draft slot), got {rates}")
+        return torch.tensor(rates, dtype=torch.float32, device=self.device)
+
+    def _make_runner(self, cuda_graphs: bool | None, compile: bool | None, batch_sizes):
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda
+        if cuda_graphs:
+            if not on_cuda:
+                raise ValueError("cuda_graphs=True needs a CUDA device")
+            from ..graphs.capture import CudaGraphRunner
+
+            return CudaGraphRunner(self.steps, self.device, self.max_batch, batch_sizes,
+                                   compile=True if compile is None else compile)
+        return EagerRunner(self.steps, self.device, compile=bool(compile))
+
+    # -- public API -------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> WarmupReport:
+        """Compile and capture everything the engine will replay (greedy and sampling variants of
+        its step for every captured batch size). Call once before taking traffic."""
+        return self.runner.warmup([self.step_kind], progress=progress)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Generate for one prompt or a list of prompts; returns one output per prompt, in order.
+
+        A single prompt is a string, a list of token ids or a list of chat messages; anything else
+        must be a list of such prompts. Every request is validated before anything runs, so a bad
+        one raises :class:`RequestError` and leaves the engine untouched.
+        """
+        outputs: list[GenerationOutput | None] = []
+        for event in self.stream(prompts, params):
+            if event.finished:
+                outputs.extend([None] * (event.index + 1 - len(outputs)))
+                outputs[event.index] = event.output
+        return outputs  # type: ignore[return-value]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+        """Yield :class:`StreamEvent` s as prefill and rounds commit tokens (index = prompt position).
+
+        Leaving the iteration early cancels the remaining requests and frees their slots.
+        """
+        requests = self._make_requests(prompts, params)
+        self._queue.extend(requests)
+        try:
+            while any(not r.finished for r in requests):
+                yield from self.step()
+        finally:
+            self._cancel([r for r in requests if not r.finished])
+
+    def step(self) -> list[StreamEvent]:
+        """One scheduling step: admit queued requests (prefill), launch the next round for the
+        active ones, and collect the previous round's tokens."""
+        events: list[StreamEvent] = []
+        try:
+            self._admit(events)
+            launched = self._launch()
+            if self._inflight is not None:
+                events += self._collect(self._inflight)
+            self._inflight = launched
+        except BaseException:
+            self._inflight = None
+            self._cancel(list(self._active) + list(self._queue), reason="error")
+            raise
+        return events
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._active and self._inflight is None
+
+    # -- requests ---------------------------------------------------------------------------
+    def _make_requests(self, prompts, params) -> list[_Request]:
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        if not prompt_list:
+            raise RequestError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_list):
+                raise RequestError(f"{len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        now = time.perf_counter()
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
+            try:
+                p.validate(self.config.vocab_size)
+                ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.chat)
+            except (PromptError, SamplingError) as e:
+                raise RequestError(f"request {i}: {e}") from e
+            need = len(ids) + p.max_new_tokens + self.verify_width
+            if need > self.max_seq_len:
+                raise RequestError(f"request {i}: prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) + "
+                                   f"the verify window ({self.verify_width}) = {need} exceeds max_seq_len "
+                                   f"{self.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
+                                   "engine with a larger max_seq_len")
+            stops = frozenset(()) if p.ignore_eos else frozenset(
+                p.stop_token_ids if p.stop_token_ids is not None else self.stop_token_ids)
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
+            requests.append(_Request(i, ids, p, stops, seed, now))
+        return requests
+
+    def _admit(self, events: list[StreamEvent]) -> None:
+        batch: list[_Request] = []
+        while self._queue and self.pool.n_free:
+            req = self._queue.popleft()
+            req.slot = self.pool.acquire()
+            batch.append(req)
+        if not batch:
+            return
+        try:
+            first = self._prefill(batch)
+        except BaseException:
+            for req in batch:
+                self._finish(req, "error")
+            raise
+        now = time.perf_counter()
+        for req, token in zip(batch, first):
+            req.first_token_at = now
+            self._active.append(req)
+            events.append(self._emit(req, [token]))
+
+    def _prefill(self, batch: list[_Request]) -> list[int]:
+        for req in batch:
+            self.state.sampling.set(req.slot, req.params, req.seed)
+        sampling = any(not r.params.greedy for r in batch)
+        lengths = [len(r.prompt_ids) for r in batch]
+        first = torch.zeros(len(batch), dtype=torch.int64, device=self.device)
+        for c0 in range(0, max(lengths), self.prefill_chunk):
+            rows = [i for i, n in enumerate(lengths) if n > c0]
+            chunks = [batch[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
+            width = max(len(c) for c in chunks)
+            ids = torch.tensor([c + [0] * (width - len(c)) for c in chunks], dtype=torch.int64)
+            t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+            picked = self.steps.prefill(ids.to(self.device, non_blocking=True), t([batch[i].slot for i in rows]),
+                                        t([c0] * len(rows)), t([len(c) for c in chunks]), sampling)
+            ends_here = [j for j, i in enumerate(rows) if lengths[i] <= c0 + self.prefill_chunk]
+            if ends_here:
+                idx = torch.tensor([rows[j] for j in ends_here], device=self.device)
+                first[idx] = picked[torch.tensor(ends_here, device=self.device)]
+        return first.tolist()
+
+    # -- rounds -----------------------------------------------------------------------------
+    def _launch(self) -> _InFlight | None:
+        rows = [r for r in self._active if not r.finished]
+        if not rows:
+            return None
+        sampling = any(not r.params.greedy for r in rows)
+        out = self.runner.run(self.step_kind, [r.slot for r in rows], sampling)
+        n = len(rows)
+        tokens_host, n_new_host = self._host_buffer()
+        tokens_host = tokens_host[:n, :out.tokens.shape[1]]
+        n_new_host = n_new_host[:n]
+        tokens_host.copy_(out.tokens[:n], non_blocking=True)
+        n_new_host.copy_(out.n_new[:n], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _InFlight(rows, tokens_host, n_new_host, done)
+
+    def _host_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two alternating host buffers: one is being filled by the launched round while the other
+        is read."""
+        if not self._host_buffers:
+            pin = self.device.type == "cuda"
+            self._host_buffers = [
+                (torch.zeros(self.max_batch, self.verify_width, dtype=torch.int64, pin_memory=pin),
+                 torch.zeros(self.max_batch, dtype=torch.int64, pin_memory=pin)) for _ in range(2)]
+        self._flip ^= 1
+        return self._host_buffers[self._flip]
+
+    def _collect(self, inflight: _InFlight) -> list[StreamEvent]:
+        if inflight.done is not None:
+            inflight.done.synchronize()
+        events = []
+        tokens, n_new = inflight.tokens.tolist(), inflight.n_new.tolist()
+        for i, req in enumerate(inflight.requests):
+            if req.finished:
+                continue          # finished in an earlier round; this round's result is dropped
+            if self.draft is not None:
+                req.accept_lengths.append(n_new[i])
+            events.append(self._emit(req, tokens[i][:n_new[i]]))
+        return events
+
+    def _emit(self, req: _Request, new_tokens: list[int]) -> StreamEvent:
+        """Append committed tokens, stopping at a stop token or max_new_tokens."""
+        kept: list[int] = []
+        for token in new_tokens:
+            req.output.append(token)
+            kept.append(token)
+            if token in req.stop_ids:
+                req.finish_reason = "stop"
+                break
+            if len(req.output) >= req.params.max_new_tokens:
+                req.finish_reason = "length"
+                break
+        text = self._text_delta(req)
+        if req.finished:
+            output = self._finish(req, req.finish_reason)
+            return StreamEvent(req.index, kept, text, finished=True, output=output)
+        return StreamEvent(req.index, kept, text)
+
+    def _text_delta(self, req: _Request) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        delta = text[len(req.text_so_far):] if text.startswith(req.text_so_far) else text
+        req.text_so_far = text
+        return delta
+
+    def _finish(self, req: _Request, reason: str) -> GenerationOutput:
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if req.slot is not None:
+            self.pool.release(req.slot)
+            req.slot = None
+        if req in self._active:
+            self._active.remove(req)
+        stats = RequestStats(accept_lengths=req.accept_lengths, block_size=self.block_size,
+                             imposed_acceptance=self.imposed_acceptance is not None,
+                             prompt_tokens=len(req.prompt_ids),
+                             ttft_s=(req.first_token_at - req.submitted) if req.first_token_at else 0.0,
+                             decode_s=(req.finished_at - req.first_token_at) if req.first_token_at else 0.0)
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        return GenerationOutput(prompt_token_ids=req.prompt_ids, token_ids=list(req.output),
+                                finish_reason=reason, text=text, stats=stats)
+
+    def _cancel(self, requests: list[_Request], reason: str = "cancelled") -> None:
+        for req in requests:
+            if req in self._queue:
+                self._queue.remove(req)
+            if not req.finished:
+                self._finish(req, reason)
+        if not self._active and self._inflight is not None:
+            if self._inflight.done is not None:
+                self._inflight.done.synchronize()
+            self._inflight = None

@@ -1,0 +1,65 @@
+"""What the engine hands back: finished generations, their statistics, and streaming events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    """Per-request speculation and timing statistics.
+
+    ``accept_lengths`` holds one entry per speculative round: the tokens that round committed,
+    the correction/bonus token included (the DSpark paper's convention), so ``tau`` is their mean.
+    ``acceptance_per_position[k]`` is the conditional rate at which draft ``k+1`` was accepted in
+    rounds where drafts ``1..k`` were. Without a draft every list is empty and ``tau`` is 1.
+    """
+
+    accept_lengths: list[int] = field(default_factory=list)
+    block_size: int = 0
+    imposed_acceptance: bool = False      # accept lengths were imposed (benchmark mode), not measured
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0                   # submission -> first token available on the host
+    decode_s: float = 0.0                 # first token -> last token
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        rates = []
+        for k in range(1, self.block_size + 1):
+            reached = sum(1 for n in self.accept_lengths if n >= k)       # drafts 1..k-1 accepted
+            passed = sum(1 for n in self.accept_lengths if n >= k + 1)    # draft k accepted too
+            rates.append(passed / reached if reached else float("nan"))
+        return rates
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "tau": self.tau, "accept_lengths": self.accept_lengths,
+                "acceptance_per_position": self.acceptance_per_position, "imposed_acceptance": self.imposed_acceptance,
+                "prompt_tokens": self.prompt_tokens, "ttft_s": self.ttft_s, "decode_s": self.decode_s}
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str                    # "stop" (a stop token, included in token_ids), "length", "cancelled"
+    text: str | None = None               # when the target directory has a tokenizer
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass
+class StreamEvent:
+    """New tokens of one request, as a round commits them."""
+
+    index: int                            # position of the request in the generate/stream call
+    token_ids: list[int]
+    text: str | None = None               # decoded text of these tokens (incremental)
+    finished: bool = False
+    output: GenerationOutput | None = None  # set on the request's last event

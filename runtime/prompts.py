@@ -1,0 +1,80 @@
+"""Turning user prompts into token ids, and the target's default stop tokens.
+
+A prompt is a list of token ids, a string (tokenised; wrapped in the chat template as one user
+turn when the tokenizer has one and ``chat`` is on) or a list of chat messages
+(``[{"role": ..., "content": ...}]``, which needs a chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Union
+
+log = logging.getLogger("lfmspark")
+
+Prompt = Union[str, list[int], list[dict[str, Any]]]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be served; the message says which and why."""
+
+
+def load_tokenizer(path: str | Path | None):
+    """The HF tokenizer of a model directory, or None when the directory has none."""
+    if path is None or not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` when present, else from config.json."""
+    if path is not None:
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return (eos,) if isinstance(eos, int) else tuple(eos)
+    return config_eos
+
+
+def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise PromptError("a text prompt needs a tokenizer, and this engine has none (no tokenizer files in the "
+                              "target directory): pass token ids instead")
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = _chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise PromptError("chat messages need a tokenizer with a chat template, and this engine has none")
+        ids = _chat_ids(tokenizer, list(prompt))
+    elif isinstance(prompt, (list, tuple)):
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise PromptError(f"a token-id prompt must hold integers, got {bad[:5]!r}")
+        ids = list(prompt)
+    else:
+        raise PromptError(f"a prompt must be a string, a list of token ids or a list of chat messages, "
+                          f"got {type(prompt).__name__}")
+    if not ids:
+        raise PromptError("the prompt is empty: it needs at least one token")
+    out_of_range = [t for t in ids if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise PromptError(f"token ids {out_of_range[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):      # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,192 @@
+"""Sampling parameters and graph-safe, device-side sampling.
+
+Randomness is counter-based: a uniform is a hash of ``(request seed, sequence position, stream,
+vocabulary index)`` computed with integer tensor ops (no generator state, no ``multinomial``, no
+host sync), so a sampling round can live inside a CUDA graph and a seeded request draws the same
+numbers whatever batch it shares. Each draw has its own stream so the draft proposal, the
+acceptance test and the correction/bonus draw at one position are independent. Reusing a
+position's numbers in a later round is harmless: draws that did not decide a committed token are
+never looked at again (rejection sampling stays exact).
+
+Sampling picks ``argmax(p / E)`` with ``E = -log(u)`` exponential noise, which draws from ``p``
+(the exponential-race form of the Gumbel-max trick, as in gpt-fast).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+# random streams: one per kind of draw at a position
+STREAM_DRAFT = 1      # the draft's Markov walk samples x_k
+STREAM_ACCEPT = 2     # acceptance test of x_k
+STREAM_TOKEN = 3      # the token the target commits itself (correction, bonus, plain decode, first token)
+STREAM_IMPOSED = 4    # benchmark mode: imposed acceptance draws
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters; the message names the field and the valid range."""
+
+
+@dataclass
+class SamplingParams:
+    """How to generate for one request.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters; they
+    apply to the target and the draft alike, so speculation keeps the filtered target distribution.
+    ``stop_token_ids=None`` takes the target's EOS ids (generation_config.json / config.json); the
+    stop token is included in the output. ``seed=None`` draws a fresh seed per request.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < 1e-5:
+            raise SamplingError(f"temperature {t} is too small to sample with; use 0 for greedy decoding")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        if self.stop_token_ids is not None:
+            bad = [i for i in self.stop_token_ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+            if bad:
+                raise SamplingError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise SamplingError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# counter-based uniforms
+
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for ``0 <= x < 2^32`` without int64 overflow (two 16-bit halves of c)."""
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (hi + x * (c & 0xFFFF)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Chris Wellons' integer hash search): a well-mixed bijection on 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mulmod32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def draw_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """A 32-bit key per draw (int64 tensor) from the request seed, the sequence position and the stream."""
+    k = _hash32(seed & _MASK32)
+    k = _hash32((k + (position & _MASK32)) & _MASK32)
+    return _hash32((k + stream * 0x3C6EF372) & _MASK32)
+
+
+def uniforms(key: torch.Tensor, n: int) -> torch.Tensor:
+    """``[*key.shape, n]`` fp32 uniforms in (0, 1), element ``i`` hashed from ``(key, i)``."""
+    idx = torch.arange(n, device=key.device, dtype=torch.int64)
+    x = _hash32((key[..., None] + _mulmod32(idx, 0x9E3779B9)) & _MASK32)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform(key: torch.Tensor) -> torch.Tensor:
+    """One uniform per key."""
+    return uniforms(key, 1)[..., 0]
+
+
+def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Draw an index from each row of ``probs [..., V]`` (unnormalised is fine) with its key."""
+    noise = -torch.log(uniforms(key, probs.shape[-1]))
+    return torch.argmax(probs / noise, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# distributions
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """``softmax`` of ``logits [N, V]`` (fp32) at per-row temperature after top-k then top-p
+    filtering (HF order). Rows with temperature 0 get the one-hot of their argmax, so greedy and
+    sampled rows share one acceptance rule."""
+    V = logits.shape[-1]
+    greedy = temperature <= 0
+    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    sorted_x, _ = torch.sort(x, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    kth = sorted_x.gather(1, (k - 1)[:, None])
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)        # the first token is always kept
+    threshold = torch.maximum(sorted_x.gather(1, (keep - 1)[:, None]), kth)
+    probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), V).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters gathered for one batch (device tensors ``[B]``)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Filtered distributions for ``logits [B, ..., V]`` (rows broadcast over middle dims)."""
+        shape = logits.shape
+        mid = math.prod(shape[1:-1])
+        rep = lambda t: t.repeat_interleave(mid)  # noqa: E731
+        flat = filtered_probs(logits.reshape(-1, shape[-1]), rep(self.temperature), rep(self.top_k), rep(self.top_p))
+        return flat.view(shape)
+
+    def pick(self, logits: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+        """Sample (or argmax, for greedy rows) one token per row from ``logits [B, V]``."""
+        key = draw_key(self.seed, position, stream)
+        return sample(self.probs(logits), key)
+
+
+@dataclass
+class SlotSampling:
+    """Sampling parameters stored per slot on the device, written at admission."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def allocate(cls, n: int, device: torch.device | str) -> "SlotSampling":
+        return cls(temperature=torch.zeros(n, dtype=torch.float32, device=device),
+                   top_k=torch.zeros(n, dtype=torch.int64, device=device),
+                   top_p=torch.ones(n, dtype=torch.float32, device=device),
+                   seed=torch.zeros(n, dtype=torch.int64, device=device))
+
+    def rows(self, idx: torch.Tensor) -> RowSampling:
+        return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx])
+
+    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.temperature[slot] = float(params.temperature)
+        self.top_k[slot] = int(params.top_k)
+        self.top_p[slot] = float(params.top_p)
+        self.seed[slot] = seed & _MASK32

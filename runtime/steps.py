@@ -1,0 +1,146 @@
+"""The device-side step functions: prefill, target-only decode, and the DSpark speculative round.
+
+All of them are plain tensor code over the slot-indexed state, with no host syncs: accepted
+lengths, positions, slots and anchors stay on the device, so ``decode`` and ``spec_round`` can be
+compiled with ``fullgraph=True`` and captured whole in a CUDA graph per batch size (DESIGN §5).
+The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
+per-slot state. Outputs are the committed new tokens per row.
+
+One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
+draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
+commit ``a + 1`` tokens (conv state from the tape, draft context K/V from the verify's aux hidden
+states) → the correction/bonus token becomes the next anchor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.cache import DraftCache, TargetCache
+from ..models.dspark import DSparkDraft
+from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM
+from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
+from .state import SlotState
+
+
+@dataclass
+class StepOutput:
+    tokens: torch.Tensor      # [B, W] int64: new tokens of each row; the first n_new[b] are real
+    n_new: torch.Tensor       # [B] int64: tokens committed this step (accept length incl. the bonus)
+
+
+class Steps:
+    """Step functions bound to one engine's models and state."""
+
+    def __init__(self, target: Lfm2ForCausalLM, tcache: TargetCache, state: SlotState,
+                 draft: DSparkDraft | None = None, dcache: DraftCache | None = None,
+                 imposed_acceptance: torch.Tensor | None = None):
+        self.target, self.tcache, self.state = target, tcache, state
+        self.draft, self.dcache = draft, dcache
+        self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
+        self.gamma = draft.config.block_size if draft is not None else 0
+        self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
+
+    # -- prefill ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                sampling: bool) -> torch.Tensor:
+        """Run a chunk of prompts ``ids [B, T]`` (first ``lens[b]`` real) from position ``start[b]``,
+        inject the draft context for it, and pick each row's next token, which becomes the anchor.
+        Returns the picked tokens ``[B]`` (meaningful after a row's last chunk)."""
+        st = self.state
+        out = self.target(ids, self.tcache, slots, start, lens, ForwardMode.PREFILL, aux_layer_ids=self.taps,
+                          logits_index=(lens - 1).clamp(min=0))
+        if self.draft is not None:
+            self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
+        end = start + lens
+        logits = out.logits.float()
+        if sampling:
+            token = st.sampling.rows(st.gather_index(slots)).pick(logits, end, STREAM_TOKEN)
+        else:
+            token = logits.argmax(dim=-1)
+        w = st.scatter_index(slots)
+        st.seq_len[w] = end
+        st.anchor[w] = token
+        return token
+
+    # -- target-only decode -----------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
+        st = self.state
+        r = st.gather_index(slots)
+        s, x0 = st.seq_len[r], st.anchor[r]
+        out = self.target(x0[:, None], self.tcache, slots, s, torch.ones_like(s), ForwardMode.DECODE)
+        logits = out.logits[:, 0].float()
+        nxt = st.sampling.rows(r).pick(logits, s + 1, STREAM_TOKEN) if sampling else logits.argmax(dim=-1)
+        w = st.scatter_index(slots)
+        st.seq_len[w] = s + 1
+        st.anchor[w] = nxt
+        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(s))
+
+    # -- speculative round ------------------------------------------------------------------
+    @torch.no_grad()
+    def spec_round(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
+        st, draft, gamma = self.state, self.draft, self.gamma
+        r = st.gather_index(slots)
+        s, x0 = st.seq_len[r], st.anchor[r]
+        rows = st.sampling.rows(r) if sampling else None
+
+        # 1. draft: gamma proposals; slot k predicts position s + k + 1
+        draft_probs: list[torch.Tensor] = []
+
+        def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
+            if rows is None:
+                return logits_k.argmax(dim=-1)
+            probs = rows.probs(logits_k)
+            draft_probs.append(probs)
+            return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
+
+        proposal = draft.propose(x0, self.dcache, slots, s, pick)
+        d = proposal.tokens                                                    # [B, gamma]
+
+        # 2. verify [x0, d_1..d_gamma] at s..s+gamma; column i predicts position s + i + 1
+        out = self.target(torch.cat([x0[:, None], d], dim=1), self.tcache, slots, s, None, ForwardMode.VERIFY,
+                          aux_layer_ids=self.taps)
+        logits = out.logits.float()                                            # [B, W, V]
+
+        # 3. accept a drafts, then draw the correction / bonus token at position s + a + 1
+        positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
+        if rows is None:
+            target_pick = logits.argmax(dim=-1)                                # [B, W]
+            accepted = d == target_pick[:, :-1]
+        else:
+            p = rows.probs(logits)                                             # [B, W, V]
+            q = torch.stack(draft_probs, dim=1)                                # [B, gamma, V]
+            p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
+            q_d = q.gather(-1, d[..., None])[..., 0]
+            u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
+            accepted = u * q_d < p_d                                           # u < min(1, p/q)
+        if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
+            seeds = st.sampling.seed[r][:, None]
+            accepted = uniform(draw_key(seeds, positions, STREAM_IMPOSED)) < self.imposed[None, :]
+        a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..gamma
+        if rows is None:
+            final = target_pick.gather(1, a[:, None])[:, 0]
+        else:
+            p_a = p.gather(1, a[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
+            q_a = q.gather(1, a.clamp(max=gamma - 1)[:, None, None].expand(-1, 1, q.shape[-1]))[:, 0]
+            q_a = q_a * (a < gamma)[:, None]                                   # after a full block: bonus from p
+            residual = (p_a - q_a).clamp(min=0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a)
+            final = sample(residual, draw_key(rows.seed, s + a + 1, STREAM_TOKEN))
+
+        # 4. commit x0, d_1..d_a: conv state from the tape, draft context from the aux states
+        commit = a + 1
+        self.target.commit(self.tcache, slots, commit)
+        draft.inject_context(out.aux, self.dcache, slots, s, commit)
+        w = st.scatter_index(slots)
+        st.seq_len[w] = s + commit
+        st.anchor[w] = final
+
+        cols = torch.arange(gamma + 1, device=s.device)[None, :]
+        d_ext = torch.cat([d, d[:, :1]], dim=1)
+        tokens = torch.where(cols < a[:, None], d_ext, final[:, None])         # [d_1..d_a, final, ...]
+        return StepOutput(tokens=tokens, n_new=commit)
