@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from .compile import configure_compile
+
 log = logging.getLogger("lfmspark")
 
 
@@ -54,7 +56,8 @@ class WarmupReport:
 class StepRunner(Protocol):
     def run(self, kind: StepKind, slots: list[int], sampling: bool): ...
 
-    def warmup(self, kinds: list[StepKind], progress: bool = True) -> WarmupReport: ...
+    def warmup(self, kinds: list[StepKind], progress: bool = True,
+               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport: ...
 
 
 class EagerRunner:
@@ -64,14 +67,15 @@ class EagerRunner:
         self.steps, self.device, self.compiled = steps, device, compile
         self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
         if compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            configure_compile(n_variants=8)
             self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in self._fns.items()}
 
     def run(self, kind: StepKind, slots: list[int], sampling: bool):
         slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
         return self._fns[kind](slots_t, sampling)
 
-    def warmup(self, kinds: list[StepKind], progress: bool = True) -> WarmupReport:
+    def warmup(self, kinds: list[StepKind], progress: bool = True,
+               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:
         """Nothing to capture; when compiling, compile batch size 1 of each step up front
         (with every row a padding row, so no slot state changes)."""
         report = WarmupReport(mode="compiled" if self.compiled else "eager")
@@ -79,7 +83,7 @@ class EagerRunner:
             return report
         t_all = time.perf_counter()
         for kind in kinds:
-            for sampling in (False, True):
+            for sampling in sampling_modes:
                 t0 = time.perf_counter()
                 self.run(kind, [-1], sampling)
                 report.entries.append(WarmupEntry(kind.value, sampling, 1, time.perf_counter() - t0))

@@ -201,7 +201,10 @@ class TargetConfig:
 
     @staticmethod
     def _dense_ffn_width(cfg: dict[str, Any], model_type: str) -> int:
-        ff = cfg.get("block_ff_dim", cfg.get("intermediate_size"))
+        # transformers' Lfm2Config lets Liquid's `block_ff_dim` override `intermediate_size`;
+        # Lfm2MoeConfig does not read `block_ff_dim` at all
+        ff = cfg.get("intermediate_size") if model_type == "lfm2_moe" else cfg.get("block_ff_dim",
+                                                                                  cfg.get("intermediate_size"))
         if ff is None:
             raise ConfigError("config field 'intermediate_size' (or 'block_ff_dim') is missing")
         if isinstance(ff, bool) or not isinstance(ff, int) or ff <= 0:

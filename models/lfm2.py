@@ -99,6 +99,8 @@ class Lfm2ShortConv(nn.Module):
         b_gate, c_gate, xx = self.in_proj(x).chunk(3, dim=-1)
         bx = b_gate * xx
         if mode is ForwardMode.VERIFY:
+            # the whole tape is passed (never a view: a mutated view forces copies under compile); a
+            # block narrower than the allocated width records into its first W + K - 1 columns
             z = lfm.short_conv_verify(bx, self.conv_weight, cache.conv_state, cache.conv_tape, self.cache_layer,
                                       rows.slots)
         else:

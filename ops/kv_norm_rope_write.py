@@ -16,6 +16,8 @@ cos/sin and one final rounding, then K and V (unchanged) are stored at
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,47 +30,55 @@ from .rope import apply_rope, gather_cos_sin
 # ---------------------------------------------------------------------------------------------
 # kernels
 #
-# Rounding contract (bit-exact with the reference on CUDA in bf16): every fp32 operation below is
-# the same operation, in the same order, as one eager torch kernel of the reference, and the
-# launcher disables FMA contraction (``enable_fp_fusion=False``) so that ``a * b - c * d`` rounds
-# each product like the separate torch kernels do. ``tl.math.rsqrt`` is the hardware approximate
-# rsqrt (MUFU.RSQ), the instruction behind ``torch.rsqrt`` on CUDA; ``1 / sqrt`` would round twice.
-# The only sum is ``mean(x^2)``, added in the order of torch's CUDA reduction (see ``_sum_squares``).
+# Rounding contract (bit-exact with the reference on CUDA, bf16 / fp16 / fp32): every fp32 operation
+# below is the same operation, in the same order, as one eager torch kernel of the reference, and the
+# launcher disables FMA contraction (``enable_fp_fusion=False``) so that ``a * b - c * d`` rounds each
+# product like the separate torch kernels do. ``tl.math.rsqrt`` is the hardware approximate rsqrt,
+# the instruction behind ``torch.rsqrt`` on CUDA (identical on 10^6 rows on the H200, where ``1 / sqrt``
+# and ``1 / sqrt_rn`` differed in ~40% of them). The only sum, ``mean(x^2)``, is added in the order
+# of torch's CUDA reduction (see ``_halving_sum``).
 
-_LANES = tl.constexpr(32)  # a warp: torch's CUDA reduction folds a row down to this many partial sums
+# Triton's interpreter truncates fp32 -> bf16 casts (and its "rtne" mode mishandles the carry), which
+# compounds over this kernel's three roundings; under the interpreter ``_round`` rounds bf16 by hand.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
-def _sum_squares(lo, hi, HALF: tl.constexpr):
-    """``sum(x^2)`` in fp32 of one head given as its halves ``lo = x[:HALF]``, ``hi = x[HALF:]``.
-
-    Added in the order of torch's CUDA reduction of a contiguous row (``Reduce.cuh``): fold the row
-    in halves down to 32 lanes (lane ``j`` holds ``x[j]^2 + x[j + 32]^2`` for ``head_dim = 64``), then a
-    pairwise tree over the lanes in natural order (the ``shfl_down`` offsets 1, 2, 4, ...). For
-    ``head_dim <= 64`` torch uses this order for any number of rows, so the statistic is bit-identical;
-    for larger heads torch's order depends on the number of rows and may differ in the last fp32 bit.
-    """
-    if HALF >= _LANES:
-        y = lo * lo + hi * hi                                  # [HALF]: the first fold
-        for f in tl.static_range(1, 8):
-            if (HALF >> f) >= _LANES:                          # further folds: y[j] + y[j + W/2]
-                y = tl.sum(tl.reshape(y, [2, HALF >> f]), axis=0)
-        W: tl.constexpr = _LANES
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in ``DTYPE`` (as torch's ``.to(dtype)``)."""
+    if _INTERPRETED and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)               # round the low 16 bits, ties to even
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        y = tl.where(x == x, y, x.to(tl.bfloat16))             # NaN stays NaN
     else:
-        # fewer than 32 elements: one lane each, x^2 in natural order
-        y = tl.reshape(tl.permute(tl.join(lo * lo, hi * hi), (1, 0)), [2 * HALF])
-        W: tl.constexpr = 2 * HALF
+        y = x.to(DTYPE)                                         # cvt.rn on the GPU
+    return y
+
+
+@triton.jit
+def _halving_sum(y, BLOCK_H: tl.constexpr, W: tl.constexpr):
+    """Row sums ``[BLOCK_H]`` of ``y [BLOCK_H, W]`` in the order of torch's CUDA reduction of ``x^2``.
+
+    torch reduces a contiguous row of up to 64 elements (``Reduce.cuh``: one value per lane, or two
+    added as ``x[j] + x[j + 32]``, then the shared-memory step and ``shfl_down`` with decreasing
+    offsets) by adding the upper half of the partial sums onto the lower half until one is left. ``y``
+    is the squared row after its first such step (``x[j]^2 + x[j + W]^2``). For ``head_dim <= 64``
+    torch uses this order whatever the number of rows (bit-identical on the H200 at 16, 32 and 64);
+    from 128 on it first sums contiguous runs per lane, so the statistic may differ in its last bit.
+    """
     for f in tl.static_range(1, 8):
-        if (W >> f) >= 1:                                      # tree level: y[2j] + y[2j + 1]
-            y = tl.sum(tl.reshape(y, [W >> f, 2]), axis=1)
-    return tl.sum(y, axis=0)
+        if (W >> f) >= 1:                                      # y[j] + y[j + w/2], w = W >> (f - 1)
+            y = tl.sum(tl.reshape(y, [BLOCK_H, 2, W >> f]), axis=1)
+    return tl.sum(y, axis=1)
 
 
 @triton.jit
 def _norm_weight(x, r, w, ACT: tl.constexpr):
-    """``round(round(x * r) * w)`` in the activation dtype, returned as fp32 (``w`` already in ``ACT``)."""
-    k_hat = (x * r).to(ACT).to(tl.float32)
-    return (k_hat * w.to(tl.float32)).to(ACT).to(tl.float32)
+    """``round(round(x * r) * w)`` in the activation dtype ``ACT``, returned as fp32 (``w``: fp32 holding
+    an ``ACT`` value, so the product is exact before its one rounding)."""
+    k_hat = _round(x * r, ACT).to(tl.float32)
+    return _round(k_hat * w, ACT).to(tl.float32)
 
 
 @triton.jit
@@ -78,9 +88,11 @@ def _kv_norm_rope_write_kernel(
     stride_xb, stride_xt, stride_wl, stride_cs,
     stride_kl, stride_ks, stride_kp, stride_kh,
     stride_vl, stride_vs, stride_vp, stride_vh,
-    N_KV: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
+    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
-    # one program per (token, layer): all kv heads of one token of one layer
+    # One program per (token, layer): all kv heads of the token at once, as [BLOCK_H, HD/2] tiles, so
+    # the whole token is loaded before anything is stored (a loop over heads serialises a load ->
+    # store latency chain per head: 2.1x slower at prefill on the H200).
     tok = tl.program_id(0)
     i = tl.program_id(1)
     b = tok // T
@@ -91,13 +103,16 @@ def _kv_norm_rope_write_kernel(
     HALF: tl.constexpr = HD // 2
     ACT: tl.constexpr = kv_ptr.dtype.element_ty
 
-    # a skipped token loads and stores nothing: the scalar condition folds into the bounds
-    # (`vector & scalar` masks break the interpreter)
-    j = tl.arange(0, HALF)
+    # a skipped token loads and stores nothing: the scalar condition folds into the head bound
+    # (`vector & scalar` masks break the interpreter; vector & vector is fine)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    d = tl.arange(0, HD)[None, :]
+    mh = h < tl.where(ok, N_KV, 0)
     mj = j < tl.where(ok, HALF, 0)
-    d = tl.arange(0, HD)
-    md = d < tl.where(ok, HD, 0)
-    # the two elements of pair j: (j, j + HD/2) for neox, (2j, 2j + 1) interleaved
+    m = mh & (j < HALF)
+    md = mh & (d < HD)
+    # the weight elements of pair j: (j, j + HD/2) for neox, (2j, 2j + 1) interleaved
     if IS_NEOX:
         e1 = j
         e2 = j + HALF
@@ -107,40 +122,46 @@ def _kv_norm_rope_write_kernel(
 
     layer = (first_layer + i).to(tl.int64)
     w_row = w_ptr + layer * stride_wl
-    w1 = tl.load(w_row + e1, mask=mj, other=0.0).to(ACT)
-    w2 = tl.load(w_row + e2, mask=mj, other=0.0).to(ACT)
+    w1 = _round(tl.load(w_row + e1, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
+    w2 = _round(tl.load(w_row + e2, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
     cs_row = cs_ptr + tl.minimum(tl.maximum(pos, 0), P - 1).to(tl.int64) * stride_cs  # clamped as the reference
     cos = tl.load(cs_row + j, mask=mj, other=0.0)
     sin = tl.load(cs_row + HALF + j, mask=mj, other=0.0)
 
-    src = kv_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt + i.to(tl.int64) * (2 * N_KV * HD)
-    k_dst = kc_ptr + layer * stride_kl + slot.to(tl.int64) * stride_ks + pos.to(tl.int64) * stride_kp
-    v_dst = vc_ptr + layer * stride_vl + slot.to(tl.int64) * stride_vs + pos.to(tl.int64) * stride_vp
-    for h in tl.static_range(N_KV):
-        k_src = src + h * HD
-        # RMS statistic from the contiguous halves (the order _sum_squares needs) ...
-        lo = tl.load(k_src + j, mask=mj, other=0.0).to(tl.float32)
-        hi = tl.load(k_src + HALF + j, mask=mj, other=0.0).to(tl.float32)
-        r = tl.math.rsqrt(_sum_squares(lo, hi, HALF) * (1.0 / HD) + eps)
-        # ... and the rotation pairs (interleaved: the even/odd elements, re-read from L1)
-        if IS_NEOX:
-            x1 = lo
-            x2 = hi
-        else:
-            x1 = tl.load(k_src + e1, mask=mj, other=0.0).to(tl.float32)
-            x2 = tl.load(k_src + e2, mask=mj, other=0.0).to(tl.float32)
-        k1 = _norm_weight(x1, r, w1, ACT)
-        k2 = _norm_weight(x2, r, w2, ACT)
-        o1 = k1 * cos - k2 * sin
-        o2 = k2 * cos + k1 * sin
-        tl.store(k_dst + h * stride_kh + e1, o1.to(kc_ptr.dtype.element_ty), mask=mj)
-        tl.store(k_dst + h * stride_kh + e2, o2.to(kc_ptr.dtype.element_ty), mask=mj)
-        v = tl.load(src + N_KV * HD + h * HD + d, mask=md)
-        tl.store(v_dst + h * stride_vh + d, v.to(vc_ptr.dtype.element_ty), mask=md)
+    k_src = kv_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt + i.to(tl.int64) * (2 * N_KV * HD)
+    v_src = k_src + N_KV * HD
+    # every load and store below is contiguous per head: the pairs are separated in registers
+    if IS_NEOX:
+        x1 = tl.load(k_src + h * HD + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(k_src + h * HD + HALF + j, mask=m, other=0.0).to(tl.float32)
+        y = x1 * x1 + x2 * x2
+    else:
+        x = tl.load(k_src + h * HD + d, mask=md, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, HALF, 2]))    # even, odd elements
+        y = tl.sum(tl.reshape(x * x, [BLOCK_H, 2, HALF]), axis=1)  # = x[:, :HALF]^2 + x[:, HALF:]^2
+    r = tl.math.rsqrt(_halving_sum(y, BLOCK_H, HALF) * (1.0 / HD) + eps)[:, None]
+    v = tl.load(v_src + h * HD + d, mask=md)
+    k1 = _norm_weight(x1, r, w1, ACT)
+    k2 = _norm_weight(x2, r, w2, ACT)
+    o1 = k1 * cos - k2 * sin
+    o2 = k2 * cos + k1 * sin
+
+    k_dst = kc_ptr + layer * stride_kl + slot.to(tl.int64) * stride_ks + pos.to(tl.int64) * stride_kp + h * stride_kh
+    v_dst = vc_ptr + layer * stride_vl + slot.to(tl.int64) * stride_vs + pos.to(tl.int64) * stride_vp + h * stride_vh
+    if IS_NEOX:
+        tl.store(k_dst + j, _round(o1, kc_ptr.dtype.element_ty), mask=m)
+        tl.store(k_dst + HALF + j, _round(o2, kc_ptr.dtype.element_ty), mask=m)
+    else:
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_H, HD])          # re-interleave
+        tl.store(k_dst + d, _round(o, kc_ptr.dtype.element_ty), mask=md)
+    tl.store(v_dst + d, v.to(vc_ptr.dtype.element_ty), mask=md)
 
 
 # ---------------------------------------------------------------------------------------------
 # launcher
+
+_NUM_WARPS = 1  # a token's 8 x 64 K/V values per program: 1 and 2 warps tie on the H200, 4 and 8 are slower
+
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -171,8 +192,8 @@ def kv_norm_rope_write_triton(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos
         kv.stride(0), kv.stride(1), weight.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        N_KV=n_kv, HD=hd, IS_NEOX=is_neox,
-        num_warps=1,
+        N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HD=hd, IS_NEOX=is_neox,
+        num_warps=_NUM_WARPS,
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
     )
 

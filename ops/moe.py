@@ -7,7 +7,8 @@ gate ``w1``, ``[I:2I]`` the up projection ``w3``) and ``w2 [E, H, I]``. For each
 expert in increasing id (HF ``Lfm2MoeExperts`` eager order). Only the selected experts' weights are
 read.
 
-Triton path (four launches, static grids, no host sync, so it is CUDA-graph safe):
+Triton path (four launches, five past 512 pairs; static grids, no host sync, so it is CUDA-graph
+safe):
 
 1. ``plan``: the ``N*k`` (token, k) pairs are grouped by expert on the device. Each expert's pairs
    fill whole blocks of ``BLOCK_M`` slots (the last one partly); the blocks of all experts are laid
@@ -34,7 +35,7 @@ unwritten).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,43 +49,71 @@ from ._dispatch import use_triton
 # kernels
 
 @triton.jit
-def _expert_one_hot(ids_ptr, p, P, TOPK, stride_in, stride_ik, experts, E: tl.constexpr):
-    """``[len(p), E_PAD]`` int32: 1 where pair ``p`` (``token*k + j``) selects that expert."""
-    e = tl.load(ids_ptr + (p // TOPK) * stride_in + (p % TOPK) * stride_ik, mask=p < P, other=-1)
-    e = tl.where(e < E, e, -1)  # padded expert columns never match
-    return (e[:, None] == experts[None, :]).to(tl.int32)
+def _expert_of(ids_ptr, p, P, TOPK, stride_in, stride_ik, E: tl.constexpr):
+    """Expert id of pairs ``p`` (``token*k + j``), ``-1`` past ``P`` (and for ids outside ``[0, E)``)."""
+    e = tl.load(ids_ptr + (p // TOPK) * stride_in + (p % TOPK) * stride_ik, mask=p < P, other=-1).to(tl.int32)
+    return tl.where(e < E, e, -1)
+
+
+@triton.jit
+def _moe_count_kernel(
+    ids_ptr, counts_ptr,
+    P, TOPK,
+    stride_in, stride_ik,
+    E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # pairs per expert in chunk `pid` of CHUNK pairs: counts [n_chunks, E_PAD]
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    q = pid * CHUNK + tl.arange(0, CHUNK)
+    hit = (_expert_of(ids_ptr, q, P, TOPK, stride_in, stride_ik, E)[:, None] == experts[None, :]).to(tl.int32)
+    tl.store(counts_ptr + pid * E_PAD + experts, tl.sum(hit, axis=0))
 
 
 @triton.jit
 def _moe_plan_kernel(
-    ids_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
     P, TOPK, n_blocks,
     stride_in, stride_ik,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, PRECOUNTED: tl.constexpr,
 ):
     # program `pid` places pairs [pid*CHUNK, pid*CHUNK + CHUNK) and fills the same range of the
-    # block table (there are never more blocks than pairs). Every program counts all pairs itself
-    # (cheap next to the GEMMs), so one launch does the whole plan with no cross-program sync.
+    # block table (there are never more blocks than pairs). Each program needs the pairs per expert
+    # overall and before its chunk: with few programs each counts all pairs itself (one launch);
+    # with many (prefill) it sums the per-chunk counts of _moe_count_kernel instead, so the work
+    # stays linear in the number of pairs.
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    lanes = tl.arange(0, CHUNK)
+    first_pair = pid * CHUNK
     total = tl.zeros([E_PAD], dtype=tl.int32)   # pairs per expert
-    before = tl.zeros([E_PAD], dtype=tl.int32)  # ... among the pairs of earlier programs
-    for c0 in range(0, P, CHUNK):
-        n = tl.sum(_expert_one_hot(ids_ptr, c0 + lanes, P, TOPK, stride_in, stride_ik, experts, E), axis=0)
-        total += n
-        before += tl.where(c0 < pid * CHUNK, n, 0)
+    before = tl.zeros([E_PAD], dtype=tl.int32)  # ... among the pairs before this program's
+    if PRECOUNTED:
+        n_chunks = tl.cdiv(P, CHUNK)
+        for r0 in range(0, n_chunks, COUNT_CHUNK):
+            r = r0 + tl.arange(0, COUNT_CHUNK)
+            c = tl.load(counts_ptr + r[:, None] * E_PAD + experts[None, :], mask=(r < n_chunks)[:, None], other=0)
+            total += tl.sum(c, axis=0)
+            before += tl.sum(c * (r < pid).to(tl.int32)[:, None], axis=0)
+    else:
+        for c0 in range(0, P, COUNT_CHUNK):
+            q = c0 + tl.arange(0, COUNT_CHUNK)
+            hit = (_expert_of(ids_ptr, q, P, TOPK, stride_in, stride_ik, E)[:, None] == experts[None, :]).to(tl.int32)
+            total += tl.sum(hit, axis=0)
+            before += tl.sum(hit * (q < first_pair).to(tl.int32)[:, None], axis=0)
     n_blk = (total + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(n_blk, axis=0)
     blk_start = blk_end - n_blk
 
-    # slot of each pair: its expert's first slot + its rank among that expert's pairs (pair order,
-    # so a block holds increasing tokens)
-    p = pid * CHUNK + lanes
-    hit = _expert_one_hot(ids_ptr, p, P, TOPK, stride_in, stride_ik, experts, E)
-    rank = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + before[None, :]), axis=1)
-    slot = tl.sum(hit * blk_start[None, :], axis=1) * BLOCK_M + rank
-    tl.store(slot_pair_ptr + slot, p, mask=tl.sum(hit, axis=1) > 0)
+    # slot of each pair: its expert's first slot + its rank among that expert's pairs, in pair
+    # order (so a block holds increasing tokens); the rank inside this chunk is a pairwise count
+    lanes = tl.arange(0, CHUNK)
+    p = first_pair + lanes
+    e = _expert_of(ids_ptr, p, P, TOPK, stride_in, stride_ik, E)
+    rank = tl.sum(((e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    slot = tl.sum(hit * (blk_start * BLOCK_M + before)[None, :], axis=1) + rank
+    tl.store(slot_pair_ptr + slot, p, mask=e >= 0)
 
     # block table: expert of each block (-1 past the used blocks) and its number of real rows
     b = pid * CHUNK + lanes
@@ -206,15 +235,16 @@ class MoeConfig:
     block_k2: int           # down: reduction tile over I
     num_warps: int = 4
     num_stages: int = 4
-    plan_chunk: int = 0     # pairs per plan program (0: automatic)
+    plan_chunk: int = 0     # pairs per plan program and counting step (0: automatic)
 
 
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
-    """Tiles for ``n_pairs = N*k`` pairs over ``n_experts`` experts.
+    """Tiles for ``n_pairs = N*k`` pairs over ``n_experts`` experts (chosen by sweeps on the H200
+    at LFM2-8B-A1B shapes: ``python benchmarks/kernels/moe.py --sweep``).
 
-    Decode and verify sizes (a few pairs per expert) are bound by reading the weights: one block
-    of 16 per expert, narrow column tiles so that even 4 experts make enough programs to keep every
-    SM loading. Prefill sizes are bound by the matrix units: wide tiles.
+    Decode and verify sizes (a few pairs per expert) are bound by reading the weights: blocks of
+    16-32 pairs (one per expert) and narrow column tiles, so that even 4 experts make a few hundred
+    programs. Prefill sizes are bound by the matrix units: 128 x 128 tiles, 8 warps.
     """
     per_expert = n_pairs / n_experts  # if routing were uniform
     if per_expert <= 16:
@@ -223,7 +253,7 @@ def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
     if per_expert <= 64:
         return MoeConfig(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128,
                          num_warps=4, num_stages=4)
-    return MoeConfig(block_m=64, block_n1=128, block_k1=64, block_n2=128, block_k2=64,
+    return MoeConfig(block_m=128, block_n1=128, block_k1=64, block_n2=128, block_k2=64,
                      num_warps=8, num_stages=3)
 
 
@@ -232,8 +262,59 @@ def _tile(block: int, dim: int) -> int:
     return max(16, min(block, triton.next_power_of_2(dim)))
 
 
+def n_blocks_bound(n_pairs: int, n_experts: int, block_m: int) -> int:
+    """Most blocks any routing of ``n_pairs`` pairs can fill: ``sum_e ceil(c_e / block_m)`` with at
+    most ``min(E, n_pairs)`` experts used (never more than ``n_pairs``)."""
+    return (n_pairs + min(n_experts, n_pairs) * (block_m - 1)) // block_m
+
+
+def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 0,
+             precount: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the ``N*k`` pairs by expert on the device (static shapes; one launch up to 512 pairs,
+    two beyond, or when ``precount`` says so).
+
+    Returns ``slot_pair [n_blocks*block_m]`` (pair ``token*k + j`` held by each slot; padding slots
+    are left unwritten), ``block_expert [n_blocks]`` (``-1`` past the used blocks) and
+    ``block_rows [n_blocks]`` (real slots of each block, filled from its start).
+    """
+    P = topk_ids.numel()
+    n_blocks = n_blocks_bound(P, n_experts, block_m)
+    e_pad = triton.next_power_of_2(n_experts)
+    # pairs placed per program (one program up to 64 pairs) and counted per step: both keep the
+    # [chunk, E] one-hots small (a plan over [512, 32] tiles took 29 us on the H200, this one 2-7)
+    n_pow2 = triton.next_power_of_2(max(P, 16))
+    step_max = max(16, 8192 // e_pad)
+    count_chunk = chunk or min(n_pow2, step_max)
+    chunk = chunk or min(n_pow2, 64)
+    n_chunks = triton.cdiv(P, chunk)
+    if precount is None:
+        precount = n_chunks > 8  # else every program re-counts all pairs: quadratic in P
+    dev = topk_ids.device
+    slot_pair = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    counts = block_rows  # unused (a placeholder pointer) unless precounted
+    if precount:
+        counts = torch.empty(n_chunks, e_pad, dtype=torch.int32, device=dev)
+        _moe_count_kernel[(n_chunks,)](
+            topk_ids, counts, P, topk_ids.shape[1], topk_ids.stride(0), topk_ids.stride(1),
+            E=n_experts, E_PAD=e_pad, CHUNK=chunk,
+        )
+        # the plan programs now sum rows of `counts`, count_chunk of them per step
+        count_chunk = min(count_chunk, max(16, triton.next_power_of_2(n_chunks)))
+    _moe_plan_kernel[(n_chunks,)](
+        topk_ids, counts, slot_pair, block_expert, block_rows,
+        P, topk_ids.shape[1], n_blocks,
+        topk_ids.stride(0), topk_ids.stride(1),
+        E=n_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, COUNT_CHUNK=count_chunk,
+        PRECOUNTED=precount,
+    )
+    return slot_pair, block_expert, block_rows
+
+
 def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """The op on the Triton kernels (``config``: tile override, for tests and tuning)."""
     N, H = x.shape
     k = topk_ids.shape[1]
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -244,27 +325,19 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         return out.zero_()
     P = N * k
     cfg = config or moe_config(P, E)
+    if config is None and x.element_size() > 2:
+        # the tiles are sized for 16-bit shared-memory stages: halve the reduction tiles for fp32
+        cfg = replace(cfg, block_k1=cfg.block_k1 // 2, block_k2=cfg.block_k2 // 2)
     bm = cfg.block_m
-    n_blocks = (P + min(E, P) * (bm - 1)) // bm  # worst case over all routings
-    e_pad = triton.next_power_of_2(E)
-    chunk = cfg.plan_chunk or min(triton.next_power_of_2(max(P, 16)), max(16, 16384 // e_pad))
-    dev = x.device
-    slot_pair = torch.empty(n_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    block_rows = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    inter = torch.empty(n_blocks * bm, I, dtype=x.dtype, device=dev)
-    pair_out = torch.empty(P, H, dtype=torch.float32, device=dev)
-    # fp32 dots must not run in tf32 (the default); the setting is irrelevant to 16-bit inputs
+    slot_pair, block_expert, block_rows = moe_plan(topk_ids, E, bm, cfg.plan_chunk)
+    n_blocks = block_expert.shape[0]
+    inter = torch.empty(n_blocks * bm, I, dtype=x.dtype, device=x.device)
+    pair_out = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    # fp32 dots must not run in tf32 (Triton's default); the setting is irrelevant to 16-bit inputs
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies bf16 dot operands as their raw bits: upcast them there
-    upcast = dev.type == "cpu" and x.dtype == torch.bfloat16
+    upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
 
-    _moe_plan_kernel[(triton.cdiv(P, chunk),)](
-        topk_ids, slot_pair, block_expert, block_rows,
-        P, k, n_blocks,
-        topk_ids.stride(0), topk_ids.stride(1),
-        E=E, E_PAD=e_pad, BLOCK_M=bm, CHUNK=chunk,
-    )
     bn1, bk1 = _tile(cfg.block_n1, I), _tile(cfg.block_k1, H)
     _moe_gate_up_kernel[(n_blocks, triton.cdiv(I, bn1))](
         x, w13, inter, slot_pair, block_expert, block_rows,

@@ -5,7 +5,8 @@ Layouts (time-major, so each token's ``H`` channels are contiguous):
 - ``weight [H, K]``: tap ``K-1`` weights the current token, tap 0 the oldest (HF ``conv.weight``
   squeezed);
 - ``conv_state [n_conv_layers, slots, K-1, H]``: the last ``K-1`` inputs of each slot, oldest first;
-- ``tape [n_conv_layers, rows, W+K-1, H]``: per batch row, ``[state ; Bx of the W block tokens]``.
+- ``tape [n_conv_layers, rows, >= W+K-1, H]``: per batch row, ``[state ; Bx of the W block tokens]`` in its
+  first ``W+K-1`` columns (a tape allocated for a wider block serves narrower ones).
   The state after accepting ``c`` block tokens (``0 <= c <= W``) is ``tape[:, row, c:c+K-1]``, so one
   deduplicated window serves every accepted length (reference/sglang.md §3.3).
 
@@ -206,7 +207,7 @@ def short_conv_verify_reference(bx, weight, conv_state, tape, layer, slots) -> t
     real = slots >= 0
     x_ext = torch.cat([conv_state[layer, slots.clamp(min=0)].to(bx.dtype), bx], dim=1)
     rows = real.nonzero().flatten()
-    tape[layer, rows] = x_ext[rows].to(tape.dtype)
+    tape[layer, rows, :x_ext.shape[1]] = x_ext[rows].to(tape.dtype)   # a wider tape keeps its extra columns
     return _conv_windows(x_ext, weight, W).to(bx.dtype) * real[:, None, None]
 
 

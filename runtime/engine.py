@@ -62,6 +62,7 @@ class _Request:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     text_so_far: str = ""
+    events: deque | None = None          # the buffer of the stream that submitted the request
 
     @property
     def finished(self) -> bool:
@@ -77,12 +78,23 @@ class _InFlight:
 
 
 def _is_single_prompt(prompts) -> bool:
-    """A string, a list of token ids or a list of chat messages is one prompt."""
+    """A string, a list of token ids or a list of chat messages is one prompt. A flat list of
+    scalars is one (token-id) prompt even when some are not ints, so that ``encode_prompt``
+    names the bad ids instead of reporting each one as a malformed prompt."""
     if isinstance(prompts, str):
         return True
     if not isinstance(prompts, (list, tuple)) or not prompts:
         return False
-    return all(isinstance(p, int) for p in prompts) or all(isinstance(p, dict) for p in prompts)
+    if all(isinstance(p, dict) for p in prompts):
+        return True
+    return not any(isinstance(p, (str, list, tuple, dict)) or p is None for p in prompts)
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 class Engine:
@@ -175,7 +187,8 @@ class Engine:
         if self.draft is None:
             raise ValueError("imposed_acceptance needs a draft: target-only decoding has nothing to accept")
         rates = list(rates)
-        if len(rates) != self.block_size or not all(0.0 <= r <= 1.0 for r in rates):
+        if len(rates) != self.block_size or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 <= r <= 1.0 for r in rates):
             raise ValueError(f"imposed_acceptance must give {self.block_size} per-position rates in [0, 1] "
                              f"(one per draft slot), got {rates}")
         return torch.tensor(rates, dtype=torch.float32, device=self.device)
@@ -194,10 +207,12 @@ class Engine:
         return EagerRunner(self.steps, self.device, compile=bool(compile))
 
     # -- public API -------------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> WarmupReport:
-        """Compile and capture everything the engine will replay (greedy and sampling variants of
-        its step for every captured batch size). Call once before taking traffic."""
-        return self.runner.warmup([self.step_kind], progress=progress)
+    def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
+        """Compile and capture everything the engine will replay: its step (decode or speculative
+        round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
+        service), sampling. Call once before taking traffic; progress goes to the ``lfmspark`` logger."""
+        modes = (False, True) if sampling else (False,)
+        return self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
@@ -218,13 +233,24 @@ class Engine:
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield :class:`StreamEvent` s as prefill and rounds commit tokens (index = prompt position).
 
-        Leaving the iteration early cancels the remaining requests and frees their slots.
+        Leaving the iteration early cancels the remaining requests and frees their slots. Several
+        streams may be open at once (their requests share the batch): each yields only its own
+        requests' events, whichever stream's iteration ran the step that produced them.
         """
         requests = self._make_requests(prompts, params)
+        mine: deque[StreamEvent] = deque()      # this stream's events (a step also advances other streams')
+        for r in requests:
+            r.events = mine
         self._queue.extend(requests)
         try:
-            while any(not r.finished for r in requests):
-                yield from self.step()
+            while mine or any(not r.finished for r in requests):
+                if not mine:
+                    self.step()
+                while mine:
+                    yield mine.popleft()
+            failed = [r.index for r in requests if r.finish_reason == "error"]
+            if failed:       # a step run by another stream failed and took these requests with it
+                raise RuntimeError(f"requests {failed} were aborted by an error in a scheduling step")
         finally:
             self._cancel([r for r in requests if not r.finished])
 
@@ -259,6 +285,9 @@ class Engine:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise RequestError(f"{len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+            bad = [i for i, p in enumerate(params_list) if not isinstance(p, SamplingParams)]
+            if bad:
+                raise RequestError(f"params {bad} are not SamplingParams (got {type(params_list[bad[0]]).__name__})")
         now = time.perf_counter()
         requests = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
@@ -377,16 +406,26 @@ class Engine:
         text = self._text_delta(req)
         if req.finished:
             output = self._finish(req, req.finish_reason)
-            return StreamEvent(req.index, kept, text, finished=True, output=output)
-        return StreamEvent(req.index, kept, text)
+            event = StreamEvent(req.index, kept, text, finished=True, output=output)
+        else:
+            event = StreamEvent(req.index, kept, text)
+        if req.events is not None:
+            req.events.append(event)
+        return event
 
     def _text_delta(self, req: _Request) -> str | None:
+        """The text the new tokens add. While the request runs, a trailing U+FFFD (a character
+        whose UTF-8 bytes are split across tokens, not all generated yet) is held back, so the
+        deltas of a request concatenate to its final text."""
         if self.tokenizer is None:
             return None
         text = self.tokenizer.decode(req.output, skip_special_tokens=True)
-        delta = text[len(req.text_so_far):] if text.startswith(req.text_so_far) else text
+        if not req.finished:
+            text = text.rstrip("\ufffd")
+        common = len(req.text_so_far) if text.startswith(req.text_so_far) else len(
+            _common_prefix(text, req.text_so_far))
         req.text_so_far = text
-        return delta
+        return text[common:]
 
     def _finish(self, req: _Request, reason: str) -> GenerationOutput:
         req.finish_reason = reason

@@ -69,9 +69,12 @@ class SamplingParams:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         if self.stop_token_ids is not None:
-            bad = [i for i in self.stop_token_ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise SamplingError(f"stop_token_ids must be a list of token ids or None, got {self.stop_token_ids!r}")
+            bad = [i for i in self.stop_token_ids
+                   if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
             if bad:
-                raise SamplingError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+                raise SamplingError(f"stop_token_ids {bad} are not token ids in the vocabulary [0, {vocab_size})")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise SamplingError(f"seed must be an integer or None, got {self.seed!r}")
 

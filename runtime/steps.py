@@ -26,6 +26,27 @@ from .state import SlotState
 
 
 @dataclass
+class RoundInputs:
+    slots: torch.Tensor
+    s: torch.Tensor               # [B] committed length (position of the anchor)
+    x0: torch.Tensor              # [B] anchor token
+    rows: RowSampling | None      # per-row sampling parameters; None for a greedy round
+    seed: torch.Tensor            # [B] request seeds
+
+
+@dataclass
+class Drafted:
+    tokens: torch.Tensor          # [B, gamma] d_1..d_gamma
+    probs: torch.Tensor | None    # [B, gamma, V] the filtered q each was drawn from (sampling rounds)
+
+
+@dataclass
+class Verified:
+    logits: torch.Tensor          # [B, W, V] fp32
+    aux: torch.Tensor             # [B, W, n_taps * H] target features for the draft context
+
+
+@dataclass
 class StepOutput:
     tokens: torch.Tensor      # [B, W] int64: new tokens of each row; the first n_new[b] are real
     n_new: torch.Tensor       # [B] int64: tokens committed this step (accept length incl. the bonus)
@@ -83,12 +104,22 @@ class Steps:
     # -- speculative round ------------------------------------------------------------------
     @torch.no_grad()
     def spec_round(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
-        st, draft, gamma = self.state, self.draft, self.gamma
-        r = st.gather_index(slots)
-        s, x0 = st.seq_len[r], st.anchor[r]
-        rows = st.sampling.rows(r) if sampling else None
+        inputs = self.round_inputs(slots, sampling)
+        drafted = self.round_draft(inputs)
+        verified = self.round_verify(inputs, drafted.tokens)
+        return self.round_accept_commit(inputs, drafted, verified)
 
-        # 1. draft: gamma proposals; slot k predicts position s + k + 1
+    # The round's phases are separate methods so the benchmark can time them one by one.
+    def round_inputs(self, slots: torch.Tensor, sampling: bool) -> RoundInputs:
+        st = self.state
+        r = st.gather_index(slots)
+        return RoundInputs(slots, st.seq_len[r], st.anchor[r], st.sampling.rows(r) if sampling else None,
+                           st.sampling.seed[r])
+
+    def round_draft(self, inp: RoundInputs) -> Drafted:
+        """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
+        distribution q, the exact one its token was drawn from."""
+        rows, s = inp.rows, inp.s
         draft_probs: list[torch.Tensor] = []
 
         def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
@@ -98,29 +129,34 @@ class Steps:
             draft_probs.append(probs)
             return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
 
-        proposal = draft.propose(x0, self.dcache, slots, s, pick)
-        d = proposal.tokens                                                    # [B, gamma]
+        proposal = self.draft.propose(inp.x0, self.dcache, inp.slots, s, pick)
+        return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
 
-        # 2. verify [x0, d_1..d_gamma] at s..s+gamma; column i predicts position s + i + 1
-        out = self.target(torch.cat([x0[:, None], d], dim=1), self.tcache, slots, s, None, ForwardMode.VERIFY,
-                          aux_layer_ids=self.taps)
-        logits = out.logits.float()                                            # [B, W, V]
+    def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
+        """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
+        column i predicts position s + i + 1."""
+        out = self.target(torch.cat([inp.x0[:, None], d], dim=1), self.tcache, inp.slots, inp.s, None,
+                          ForwardMode.VERIFY, aux_layer_ids=self.taps)
+        return Verified(out.logits.float(), out.aux)
 
-        # 3. accept a drafts, then draw the correction / bonus token at position s + a + 1
+    def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
+        """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
+        x0, d_1..d_a (conv state from the tape, draft context from the aux states)."""
+        st, gamma, rows, s = self.state, self.gamma, inp.rows, inp.s
+        d, logits = drafted.tokens, verified.logits
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:
             target_pick = logits.argmax(dim=-1)                                # [B, W]
             accepted = d == target_pick[:, :-1]
         else:
             p = rows.probs(logits)                                             # [B, W, V]
-            q = torch.stack(draft_probs, dim=1)                                # [B, gamma, V]
+            q = drafted.probs                                                  # [B, gamma, V]
             p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
             q_d = q.gather(-1, d[..., None])[..., 0]
             u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
             accepted = u * q_d < p_d                                           # u < min(1, p/q)
         if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
-            seeds = st.sampling.seed[r][:, None]
-            accepted = uniform(draw_key(seeds, positions, STREAM_IMPOSED)) < self.imposed[None, :]
+            accepted = uniform(draw_key(inp.seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :]
         a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..gamma
         if rows is None:
             final = target_pick.gather(1, a[:, None])[:, 0]
@@ -132,11 +168,10 @@ class Steps:
             residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a)
             final = sample(residual, draw_key(rows.seed, s + a + 1, STREAM_TOKEN))
 
-        # 4. commit x0, d_1..d_a: conv state from the tape, draft context from the aux states
         commit = a + 1
-        self.target.commit(self.tcache, slots, commit)
-        draft.inject_context(out.aux, self.dcache, slots, s, commit)
-        w = st.scatter_index(slots)
+        self.target.commit(self.tcache, inp.slots, commit)
+        self.draft.inject_context(verified.aux, self.dcache, inp.slots, s, commit)
+        w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final
 

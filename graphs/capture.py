@@ -1,0 +1,133 @@
+"""CUDA graph capture of the step functions, one graph per batch size (DESIGN §5).
+
+Each step (``decode`` or the speculative ``round``, greedy and sampling variants) is compiled with
+``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own cudagraphs), run on a
+side stream to warm up (compilation, Triton autotuning, cuBLAS handles happen there, never during
+capture), then captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared
+memory pool. Warm-up and capture run with every row a padding row (slot ``-1``), so they change
+no state. At run time a batch is padded with ``-1`` rows up to the next captured size, the slots
+are copied into that size's static input buffer (only when they changed), and the graph replays:
+no allocation, no host sync, no recompilation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .compile import configure_compile
+from .runner import StepKind, WarmupEntry, WarmupReport
+
+log = logging.getLogger("lfmspark")
+
+
+def default_batch_sizes(max_batch: int) -> list[int]:
+    """Every size up to 8, then steps of 2 to 16, of 4 to 32, of 8 to 64, of 16 beyond; always max_batch."""
+    sizes = []
+    for lo, hi, step in ((1, 8, 1), (10, 16, 2), (20, 32, 4), (40, 64, 8), (80, 4096, 16)):
+        sizes += [b for b in range(lo, hi + 1, step) if b <= max_batch]
+    return sorted(set(sizes + [max_batch]))
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, torch.Tensor]):
+        self.graph, self.tokens, self.n_new = graph, outputs[0], outputs[1]
+
+
+class CudaGraphRunner:
+    def __init__(self, steps, device: torch.device, max_batch: int, batch_sizes: Sequence[int] | None = None,
+                 compile: bool = True):
+        self.steps, self.device = steps, device
+        self.batch_sizes = sorted(set(batch_sizes or default_batch_sizes(max_batch)))
+        if self.batch_sizes[-1] < max_batch:
+            raise ValueError(f"captured batch sizes {self.batch_sizes} do not cover max_batch {max_batch}")
+        self.compiled = compile
+        fns = {StepKind.DECODE: self._decode, StepKind.ROUND: self._round}
+        if compile:
+            # one compiled graph per (step, batch size, sampling): raise the recompile budget
+            configure_compile(n_variants=4 * len(self.batch_sizes))
+            fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in fns.items()}
+        self._fns = fns
+        # static inputs: one slots buffer per batch size, plus two pinned staging buffers (the
+        # next launch may refill one while the previous copy is still queued on the stream)
+        self._slots = {b: torch.full((b,), -1, dtype=torch.int64, device=device) for b in self.batch_sizes}
+        self._last: dict[int, list[int]] = {b: [-1] * b for b in self.batch_sizes}
+        self._staging = [torch.empty(self.batch_sizes[-1], dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._flip = 0
+        self._graphs: dict[tuple[StepKind, bool, int], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)
+
+    # step bodies returning plain tensors (what a graph can hold)
+    def _decode(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.steps.decode(slots, sampling)
+        return out.tokens, out.n_new
+
+    def _round(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.steps.spec_round(slots, sampling)
+        return out.tokens, out.n_new
+
+    # -- capture ----------------------------------------------------------------------------
+    def _capture(self, kind: StepKind, sampling: bool, bs: int) -> WarmupEntry:
+        fn, slots = self._fns[kind], self._slots[bs]
+        slots.fill_(-1)
+        self._last[bs] = [-1] * bs
+        self._stream.wait_stream(torch.cuda.current_stream())
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            for _ in range(2):                  # the first call compiles; the second is a clean warm run
+                fn(slots, sampling)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            outputs = fn(slots, sampling)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        self._graphs[(kind, sampling, bs)] = _Captured(graph, outputs)
+        return WarmupEntry(kind.value, sampling, bs, compile_s=t1 - t0, capture_s=t2 - t1,
+                           graph_bytes=torch.cuda.memory_reserved(self.device) - before)
+
+    def warmup(self, kinds: list[StepKind], progress: bool = True,
+               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:
+        report = WarmupReport(mode="cuda-graphs")
+        t_all = time.perf_counter()
+        todo = [(k, s, b) for k in kinds for s in sampling_modes for b in reversed(self.batch_sizes)]
+        for i, (kind, sampling, bs) in enumerate(todo):
+            if (kind, sampling, bs) in self._graphs:
+                continue
+            entry = self._capture(kind, sampling, bs)
+            report.entries.append(entry)
+            if progress:
+                log.info("[%d/%d] %s %s bs=%d: compile %.2fs, capture %.3fs, %.1f MiB", i + 1, len(todo), kind.value,
+                         "sample" if sampling else "greedy", bs, entry.compile_s, entry.capture_s,
+                         entry.graph_bytes / 2**20)
+        report.total_s = time.perf_counter() - t_all
+        return report
+
+    # -- replay -----------------------------------------------------------------------------
+    def run(self, kind: StepKind, slots: list[int], sampling: bool):
+        i = bisect.bisect_left(self.batch_sizes, len(slots))
+        if i == len(self.batch_sizes):
+            raise ValueError(f"batch of {len(slots)} rows exceeds the largest captured size {self.batch_sizes[-1]}")
+        bs = self.batch_sizes[i]
+        key = (kind, sampling, bs)
+        if key not in self._graphs:
+            log.warning("capturing %s %s bs=%d on first use: call Engine.warmup() before taking traffic",
+                        kind.value, "sample" if sampling else "greedy", bs)
+            self._capture(kind, sampling, bs)
+        padded = list(slots) + [-1] * (bs - len(slots))
+        if padded != self._last[bs]:
+            self._flip ^= 1
+            staging = self._staging[self._flip][:bs]
+            staging.copy_(torch.tensor(padded, dtype=torch.int64))
+            self._slots[bs].copy_(staging, non_blocking=True)
+            self._last[bs] = padded
+        captured = self._graphs[key]
+        captured.graph.replay()
+        return captured

@@ -1,0 +1,397 @@
+"""The latency benchmark (``lfmspark bench``): one process, one run, every number side by side.
+
+For each batch size it measures, on the same weights: target-only decoding through the engine
+(CUDA graphs on a GPU), Hugging Face ``generate`` (eager; optionally static cache + torch.compile),
+and DSpark speculative decoding — with real acceptance for real checkpoints, or an **imposed**
+per-position acceptance profile for random-weight presets (labelled as such everywhere). It
+reports TTFT and TPOT (p50/p99), tokens/s per user and in total, tau and per-position acceptance,
+the round's draft/verify/commit split, achieved GB/s against the copy bandwidth measured in the
+same run, warm-up time and peak memory; prints a table and writes JSON with the command line,
+versions, GPU name and date (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..graphs.runner import StepKind
+from ..models.dspark import DSparkDraft
+from ..models.loading import load_draft, load_target
+from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
+from .engine import Engine
+from .sampling import SamplingParams
+
+log = logging.getLogger("lfmspark")
+
+SCHEMA_VERSION = 1
+DEFAULT_IMPOSED_RATE = 0.9     # per-position conditional rate imposed on random-weight drafts
+
+
+@dataclass
+class BenchConfig:
+    preset: str | None = None
+    target_dir: str | None = None
+    draft_dir: str | None = None
+    draft_preset: str | None = "default"
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    prompt_len: int = 128
+    output_len: int = 128
+    temperature: float = 0.0
+    imposed_acceptance: list[float] | None = None
+    runs: int = 3
+    hf: bool = True
+    hf_compile: bool = False
+    device: str | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    phase_split: bool = True
+    json_path: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def copy_bandwidth_gbps(device: torch.device, n_bytes: int = 1 << 31) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 20 copies."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    return 2 * n_bytes / percentile(times, 50) / 1e9
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def step_bytes(engine: Engine, context: int, batch: int) -> int:
+    """Bytes one step must read at least: every target weight (the tied LM head once), the draft's
+    own weights for a speculative round, and the KV of ``context`` tokens per row."""
+    cfg = engine.config
+    total = module_bytes(engine.target)
+    kv_token = 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
+    total += batch * context * kv_token
+    if engine.draft is not None:
+        dc = engine.draft.config
+        total += module_bytes(engine.draft)
+        total += batch * context * 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * engine.dtype.itemsize
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_replays(engine: Engine, batch: int, iters: int) -> float:
+    """Median seconds of one step (decode or round) for ``batch`` real rows, graph-replayed on a GPU."""
+    slots = list(range(batch))
+    times = []
+    for _ in range(iters):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.runner.run(engine.step_kind, slots, False)
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    return percentile(times, 50)
+
+
+def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float]:
+    """Milliseconds of the round's phases (draft / verify / accept+commit), each compiled and
+    captured as its own CUDA graph on a GPU (plain calls elsewhere), for ``batch`` real rows."""
+    steps = engine.steps
+    slots = torch.arange(batch, device=engine.device)
+
+    def draft_phase():
+        inp = steps.round_inputs(slots, False)
+        return steps.round_draft(inp).tokens
+
+    tokens = draft_phase()
+
+    def verify_phase():
+        v = steps.round_verify(steps.round_inputs(slots, False), tokens)
+        return v.logits, v.aux
+
+    logits, aux = verify_phase()
+
+    def commit_phase():
+        from .steps import Drafted, Verified
+
+        out = steps.round_accept_commit(steps.round_inputs(slots, False), Drafted(tokens, None), Verified(logits, aux))
+        return out.tokens, out.n_new
+
+    result = {}
+    for name, fn in (("draft", draft_phase), ("verify", verify_phase), ("commit", commit_phase)):
+        call = fn
+        if engine.device.type == "cuda":
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                compiled()
+                compiled()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                compiled()
+            call = graph.replay
+        times = []
+        with torch.no_grad():
+            for _ in range(iters):
+                _sync(engine.device)
+                t0 = time.perf_counter()
+                call()
+                _sync(engine.device)
+                times.append(time.perf_counter() - t0)
+        result[name + "_ms"] = percentile(times, 50) * 1e3
+    return result
+
+
+def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:
+    gen = torch.Generator().manual_seed(cfg.seed + batch)
+    vocab = engine.config.vocab_size
+    ttft, tpot, taus, accept = [], [], [], []
+    per_position: list[list[float]] = []
+    imposed = False
+    for run in range(cfg.runs):
+        prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=gen).tolist()
+        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.output_len, stop_token_ids=[],
+                                seed=cfg.seed + run)
+        outs = engine.generate(prompts, params)
+        for o in outs:
+            ttft.append(o.stats.ttft_s)
+            tpot.append(o.stats.decode_s / max(len(o.token_ids) - 1, 1))
+            if o.stats.rounds:
+                taus.append(o.stats.tau)
+                accept += o.stats.accept_lengths
+                per_position.append(o.stats.acceptance_per_position)
+                imposed = o.stats.imposed_acceptance
+    step_s = time_replays(engine, batch, iters=20)
+    context = cfg.prompt_len + cfg.output_len
+    n_bytes = step_bytes(engine, context, batch)
+    row = {
+        "batch": batch,
+        "ttft_ms_p50": percentile(ttft, 50) * 1e3, "ttft_ms_p99": percentile(ttft, 99) * 1e3,
+        "tpot_ms_p50": percentile(tpot, 50) * 1e3, "tpot_ms_p99": percentile(tpot, 99) * 1e3,
+        "tok_s_per_user": 1.0 / percentile(tpot, 50), "tok_s_total": batch / percentile(tpot, 50),
+        "step_ms": step_s * 1e3, "step_bytes": n_bytes, "step_gbps": n_bytes / step_s / 1e9,
+    }
+    if copy_gbps:
+        row["floor_ms"] = n_bytes / (copy_gbps * 1e9) * 1e3
+        row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+    if engine.draft is not None:
+        row["tau"] = sum(accept) / len(accept) if accept else float("nan")
+        row["acceptance_per_position"] = [
+            sum(p[k] for p in per_position if not math.isnan(p[k])) / max(1, sum(not math.isnan(p[k]) for p in per_position))
+            for k in range(engine.block_size)]
+        row["imposed_acceptance"] = imposed
+        if cfg.phase_split:
+            row.update(time_round_phases(engine, batch, iters=20))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# building the models
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                "float32": torch.float32, "fp32": torch.float32}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use bfloat16, float16 or float32") from None
+
+
+def build_models(cfg: BenchConfig, device: torch.device):
+    dtype = _dtype(cfg.dtype)
+    if cfg.target_dir:
+        target = load_target(cfg.target_dir, dtype=dtype, device=device)
+        draft = load_draft(cfg.draft_dir, target.config, dtype=dtype, device=device) if cfg.draft_dir else None
+        return target, draft, "checkpoint"
+    name = cfg.preset or ("lfm2.5-1.2b" if device.type == "cuda" else "tiny")
+    tcfg = target_preset(name)
+    target = random_target(tcfg, dtype, device, cfg.seed)
+    draft_name = DEFAULT_DRAFT.get(name) if cfg.draft_preset == "default" else cfg.draft_preset
+    draft = random_draft(draft_preset(draft_name), tcfg.hidden_size, dtype, device, cfg.seed + 1) if draft_name else None
+    return target, draft, f"preset {name}" + (f" + {draft_name}" if draft_name else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["lfmspark"] + sys.argv[1:]) if sys.argv else "", "lfmspark": __version__,
+           "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "device": str(device)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device), "config": asdict(cfg)}
+    copy_gbps = copy_bandwidth_gbps(device)
+    report["copy_gbps"] = copy_gbps
+    target, draft, source = build_models(cfg, device)
+    report["models"] = source
+    report["target_bytes"] = module_bytes(target)
+    report["draft_bytes"] = module_bytes(draft) if draft is not None else 0
+    max_seq_len = cfg.prompt_len + cfg.output_len + 64 * ((draft.config.block_size + 1) if draft else 1) + 64
+    max_batch = max(cfg.batch_sizes)
+    engines: dict[str, Engine] = {}
+
+    imposed = cfg.imposed_acceptance
+    if draft is not None and source.startswith("preset") and imposed is None:
+        imposed = [DEFAULT_IMPOSED_RATE]
+        log.info("random-weight draft: imposing a per-position acceptance rate of %.2f (outputs are labelled)",
+                 DEFAULT_IMPOSED_RATE)
+    if imposed is not None and draft is not None and len(imposed) == 1:
+        imposed = imposed * draft.config.block_size
+    report["imposed_acceptance"] = imposed
+    results: dict[str, list] = {"target_only": [], "speculative": [], "hf_eager": [], "hf_static_compile": []}
+    warmups: dict[str, dict] = {}
+
+    def engine_for(kind: str) -> Engine:
+        if kind not in engines:
+            kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, batch_sizes=sorted(set(cfg.batch_sizes)),
+                      stop_token_ids=()) if device.type == "cuda" else dict(max_batch=max_batch, max_seq_len=max_seq_len,
+                                                                             stop_token_ids=())
+            if kind == "speculative":
+                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, **kw)
+            else:
+                engines[kind] = Engine(target, None, **kw)
+            t0 = time.perf_counter()
+            rep = engines[kind].warmup(progress=True, sampling=cfg.temperature > 0)
+            warmups[kind] = {"seconds": time.perf_counter() - t0, **rep.as_dict()}
+        return engines[kind]
+
+    def save() -> None:        # after every batch size, so an interrupted run keeps what it measured
+        report["warmup"] = warmups
+        report["results"] = results
+        report["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if cfg.json_path:
+            Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(cfg.json_path, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+
+    for batch in cfg.batch_sizes:
+        log.info("batch %d: target-only", batch)
+        results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps))
+        if draft is not None:
+            log.info("batch %d: speculative", batch)
+            results["speculative"].append(measure_engine(engine_for("speculative"), cfg, batch, copy_gbps))
+        if cfg.hf:
+            results["hf_eager"].append(_hf_row(target, cfg, batch, device, compiled=False))
+            if cfg.hf_compile:
+                results["hf_static_compile"].append(_hf_row(target, cfg, batch, device, compiled=True))
+        save()
+    save()
+    return report
+
+
+def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
+    from .hf_baseline import hf_model_like, time_hf_generate
+
+    label = "HF static cache + torch.compile" if compiled else "HF eager generate"
+    log.info("batch %d: %s", batch, label)
+    row: dict = {"batch": batch}
+    try:
+        hf = hf_model_like(target)
+        if compiled:
+            hf.generation_config.cache_implementation = "static"
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
+                                generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+        timing = time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
+        row.update(ttft_ms_p50=timing["ttft_ms"], tpot_ms_p50=timing["tpot_ms"],
+                   tok_s_per_user=1e3 / timing["tpot_ms"], tok_s_total=batch * 1e3 / timing["tpot_ms"])
+    except Exception as e:       # a baseline that fails is reported as such, not hidden
+        log.warning("%s failed: %s", label, e)
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# presentation
+
+def table(report: dict) -> str:
+    from tabulate import tabulate
+
+    res = report["results"]
+    rows = []
+    ours = {r["batch"]: r for r in res["target_only"]}
+    hf = {r["batch"]: r for r in res["hf_eager"]}
+    for name, key in (("lfmspark target-only", "target_only"), ("lfmspark DSpark", "speculative"),
+                      ("HF eager generate", "hf_eager"), ("HF static+compile", "hf_static_compile")):
+        for r in res[key]:
+            if "error" in r:
+                rows.append([name, r["batch"]] + ["failed"] + [""] * 8 + [r["error"][:60]])
+                continue
+            label = name + (" (imposed acceptance)" if r.get("imposed_acceptance") else "")
+            base = ours.get(r["batch"])
+            hf_r = hf.get(r["batch"])
+            rows.append([
+                label, r["batch"], f"{r.get('ttft_ms_p50', float('nan')):.2f}", f"{r['tpot_ms_p50']:.3f}",
+                f"{r.get('tpot_ms_p99', float('nan')):.3f}", f"{r['tok_s_per_user']:.0f}", f"{r['tok_s_total']:.0f}",
+                f"{r['tau']:.2f}" if "tau" in r else "",
+                f"{r['step_gbps']:.0f}" if "step_gbps" in r else "",
+                f"{base['tpot_ms_p50'] / r['tpot_ms_p50']:.2f}x" if base else "",
+                f"{hf_r['tpot_ms_p50'] / r['tpot_ms_p50']:.1f}x" if hf_r and "tpot_ms_p50" in hf_r else "", ""])
+    headers = ["engine", "batch", "TTFT ms", "TPOT p50", "TPOT p99", "tok/s/user", "tok/s", "tau", "GB/s",
+               "vs target-only", "vs HF eager", "note"]
+    text = tabulate(rows, headers=headers)
+    if report.get("copy_gbps"):
+        text += f"\nmeasured copy bandwidth: {report['copy_gbps']:.0f} GB/s"
+    for r in res["speculative"]:
+        if "draft_ms" in r:
+            text += (f"\nround split at batch {r['batch']}: draft {r['draft_ms']:.3f} ms, verify {r['verify_ms']:.3f} ms,"
+                     f" accept+commit {r['commit_ms']:.3f} ms (round {r['step_ms']:.3f} ms)")
+    for kind, w in report.get("warmup", {}).items():
+        text += f"\nwarm-up {kind}: {w['seconds']:.1f} s ({w['mode']})"
+    return text

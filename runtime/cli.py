@@ -1,0 +1,175 @@
+"""``lfmspark`` command line: ``bench`` (the latency benchmark) and ``generate``.
+
+    lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
+    lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
+    lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from ..models.config import ConfigError
+from ..models.loading import CheckpointError
+from ..models.presets import DRAFT_PRESETS, TARGET_PRESETS
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates in [0, 1], got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"acceptance rates must be in [0, 1], got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lfmspark", description="LFM2 / LFM2-MoE inference with DSpark speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="latency benchmark: target-only, HF transformers and DSpark in one run")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(TARGET_PRESETS), help="random weights with a real model's shapes "
+                     "(default: tiny on CPU, lfm2.5-1.2b on a GPU)")
+    src.add_argument("--target", help="local HF checkpoint directory of the target")
+    b.add_argument("--draft", help="local DSpark draft directory (with --target)")
+    b.add_argument("--draft-preset", default="default", help=f"draft preset for --preset: 'default', 'none' or one "
+                   f"of {sorted(DRAFT_PRESETS)}")
+    b.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated batch sizes (default 1)")
+    b.add_argument("--prompt-len", type=_positive, default=128)
+    b.add_argument("--output-len", type=_positive, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--imposed-acceptance", type=_rates, help="per-position conditional acceptance rates for "
+                   "random-weight drafts (one value = every position); outputs are labelled as imposed")
+    b.add_argument("--runs", type=_positive, default=3)
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
+    b.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
+    b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", help="write the full report here")
+
+    g = sub.add_parser("generate", help="generate text with a local checkpoint, streaming to the terminal")
+    g.add_argument("--target", required=True, help="local HF checkpoint directory of the target")
+    g.add_argument("--draft", help="local DSpark draft directory")
+    msg = g.add_mutually_exclusive_group(required=True)
+    msg.add_argument("--prompt", help="user prompt (wrapped in the chat template when the tokenizer has one)")
+    msg.add_argument("--messages", help="JSON file with a list of chat messages")
+    msg.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    g.add_argument("--max-new-tokens", type=_positive, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-seq-len", type=_positive, default=4096)
+    g.add_argument("--device")
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    return parser
+
+
+def _bench(args) -> int:
+    import torch
+
+    from .bench import BenchConfig, run_bench, table
+
+    if args.draft and not args.target:
+        raise SystemExit("lfmspark bench: error: --draft needs --target (use --draft-preset with --preset)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("lfmspark bench: error: --device cuda but no CUDA device is available")
+    if device == "cpu":
+        torch.set_num_threads(1)   # many tiny ops: the intra-op pool costs more than it gives on CPU
+    cfg = BenchConfig(preset=args.preset, target_dir=args.target, draft_dir=args.draft,
+                      draft_preset=None if args.draft_preset == "none" else args.draft_preset,
+                      batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, output_len=args.output_len,
+                      temperature=args.temperature, imposed_acceptance=args.imposed_acceptance, runs=args.runs,
+                      hf=not args.no_hf, hf_compile=args.hf_compile, device=device,
+                      dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
+                      phase_split=not args.no_phase_split, json_path=args.json)
+    report = run_bench(cfg)
+    print(table(report))
+    if args.json:
+        print(f"report written to {args.json}")
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+
+    from .bench import _dtype
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    engine = Engine.from_pretrained(args.target, args.draft, dtype=dtype, device=device, max_batch=1,
+                                    max_seq_len=args.max_seq_len, chat=not args.raw)
+    if args.messages:
+        with open(args.messages) as f:
+            prompt = json.load(f)
+    elif args.token_ids:
+        prompt = args.token_ids
+    else:
+        prompt = args.prompt
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    output = None
+    for event in engine.stream(prompt, params):
+        if not args.no_stream:
+            sys.stdout.write(event.text if event.text is not None else " ".join(map(str, event.token_ids)) + " ")
+            sys.stdout.flush()
+        if event.finished:
+            output = event.output
+    elapsed = time.perf_counter() - t0
+    if args.no_stream:
+        print(output.text if output.text is not None else " ".join(map(str, output.token_ids)))
+    s = output.stats
+    print(f"\n[{len(output.token_ids)} tokens in {elapsed:.2f} s ({len(output.token_ids) / elapsed:.1f} tok/s), "
+          f"finish: {output.finish_reason}, TTFT {s.ttft_s * 1e3:.1f} ms"
+          + (f", tau {s.tau:.2f} over {s.rounds} rounds" if s.rounds else "") + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return _bench(args) if args.command == "bench" else _generate(args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"lfmspark {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Hugging Face transformers baselines on the same weights as an lfmspark target.
+
+The benchmark compares against HF ``generate`` in the same process: the lfmspark module's weights
+are mapped back to HF names (un-fusing qkv / w13, un-squeezing the conv taps; LFM2-MoE experts
+use transformers 5's packed ``gate_up_proj`` / ``down_proj`` layout, which equals ours) and
+adopted by an HF model without copying.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("lfmspark")
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """HF-named tensors (views of ``model``'s weights) for an lfmspark target module."""
+    cfg = model.config
+    hd, n_h, n_kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    ours = dict(model.named_parameters())
+    ours.update(dict(model.named_buffers()))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in ours.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".self_attn.qkv_proj." in name:
+            q, k, v = t.split([n_h * hd, n_kv * hd, n_kv * hd])
+            base = name.replace("qkv_proj.weight", "")
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = q, k, v
+        elif name.endswith("feed_forward.w13.weight"):
+            w1, w3 = t.chunk(2)
+            base = name.replace("w13.weight", "")
+            out[base + "w1.weight"], out[base + "w3.weight"] = w1, w3
+        elif name.endswith("conv.conv_weight"):
+            out[name.replace("conv.conv_weight", "conv.conv.weight")] = t[:, None, :]
+        elif name.endswith("experts.w13"):
+            out[name.replace("experts.w13", "experts.gate_up_proj")] = t
+        elif name.endswith("experts.w2"):
+            out[name.replace("experts.w2", "experts.down_proj")] = t
+        else:
+            out[name] = t
+    return out
+
+
+def hf_model_like(model):
+    """An HF ``Lfm2ForCausalLM`` / ``Lfm2MoeForCausalLM`` sharing ``model``'s weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = model.config.to_hf_dict()
+    model_type = d.pop("model_type")
+    hf_cfg = AutoConfig.for_model(model_type, **d)
+    kwargs = {"experts_implementation": "eager"} if model.config.is_moe else {}
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype, **kwargs)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False, assign=True)
+    missing = [m for m in missing if not m.endswith(("inv_freq", "lm_head.weight"))]
+    if missing or unexpected:
+        raise RuntimeError(f"HF weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    # rotary tables are non-persistent buffers computed at construction: rebuild them for real
+    # (the attribute is rotary_emb or pos_emb depending on the model and transformers version)
+    for parent in list(hf.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                with torch.device(model.device):
+                    setattr(parent, child_name, type(child)(hf_cfg))
+    for name, buf in hf.named_buffers():
+        if buf.is_meta:
+            raise RuntimeError(f"HF buffer {name} was not materialised")
+    return hf.eval()
+
+
+@torch.no_grad()
+def time_hf_generate(hf, prompts: torch.Tensor, new_tokens: int, runs: int) -> dict:
+    """Median TTFT (1-token generate) and TPOT of HF greedy ``generate`` for a batch of equal-length
+    prompts ``[B, P]``."""
+    mask = torch.ones_like(prompts)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def timed(n: int) -> float:
+        if prompts.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, **kw)
+        if prompts.is_cuda:
+            torch.cuda.synchronize()
+        assert out.shape[1] == prompts.shape[1] + n
+        return time.perf_counter() - t0
+
+    timed(2)                                            # warm-up (lazy init, kernels, compilation)
+    ttft = sorted(timed(1) for _ in range(runs))[runs // 2]
+    full = sorted(timed(new_tokens) for _ in range(runs))[runs // 2]
+    tpot = (full - ttft) / max(new_tokens - 1, 1)
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}

@@ -1,0 +1,196 @@
+"""``lfmspark::cache_attention``: Triton kernel (interpreter on CPU, native on CUDA) against the
+plain-PyTorch reference, op registration checks, torch.compile and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.cache_attention import cache_attention_reference, cache_attention_triton
+
+LAYERS, SLOTS = 2, 4
+LAYER = 1  # the last layer, so a wrong layer offset reads other random values
+
+
+def _inputs(device: str, dtype: torch.dtype, B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int,
+            starts: list[int], slots: list[int], seed: int = 0):
+    """Random q and a cache filled with random values everywhere (reads of wrong positions,
+    slots, layers or heads change the result)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, T, n_heads, hd, generator=g).to(device, dtype)
+    k_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
+    v_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
+    start = torch.tensor(starts, dtype=torch.int64, device=device)
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    return q, k_cache, v_cache, slot_t, start
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 2e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _check(device: str, dtype: torch.dtype, B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int,
+           starts: list[int], slots: list[int], causal: bool, num_splits: int | None, seed: int = 0) -> None:
+    q, k_cache, v_cache, slot_t, start = _inputs(device, dtype, B, T, n_heads, n_kv, hd, S, starts, slots, seed)
+    scale = hd ** -0.5
+    out = cache_attention_triton(q, k_cache, v_cache, LAYER, slot_t, start, causal, scale, num_splits=num_splits)
+    ref = cache_attention_reference(q, k_cache, v_cache, LAYER, slot_t, start, causal, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    pad = slot_t < 0
+    if pad.any():
+        assert (out[pad] == 0).all(), "padding rows must be exactly zero"
+
+
+# ---------------------------------------------------------------------------------------------
+# parity at tiny shapes: the interpreter on CPU (CI), native on CUDA
+
+# (B, T, n_heads, n_kv, hd, S, starts, slots)
+_SHAPES = {
+    # decode, group 4; row 1's query is the cache's last position
+    "decode_g4": (2, 1, 8, 2, 64, 64, [5, 63], [2, 0]),
+    # verify-sized block, group 1, a padding row in the middle
+    "t3_g1_pad": (3, 3, 2, 2, 16, 40, [0, 7, 30], [1, -1, 3]),
+    # odd head count (6 heads over 2 kv heads); row 1's window runs past the cache end
+    "t10_odd_heads_clip": (2, 10, 6, 2, 16, 200, [12, 195], [3, 1]),
+    # prefill-like: 33 tokens x group 4 = 132 rows -> two row tiles; several 64-key blocks
+    "t33_prefill": (1, 33, 4, 1, 16, 160, [100], [2]),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("name", list(_SHAPES))
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["auto", "nosplit"])
+def test_parity_fp32(triton_device: str, name: str, causal: bool, num_splits: int | None) -> None:
+    _check(triton_device, torch.float32, *_SHAPES[name], causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("num_splits", [1, 3, 9], ids=lambda n: f"splits{n}")
+def test_forced_splits(triton_device: str, causal: bool, num_splits: int) -> None:
+    # 2 rows: 3 and 253 keys (4 key blocks of 64): 3 splits give row 1 slices of 2, 2 and 0
+    # blocks; 9 splits are more slices than keys for row 0 and than key blocks for row 1
+    _check(triton_device, torch.float32, 2, 3, 4, 1, 16, 256, [0, 250], [1, 3], causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda n: f"splits{n}")
+def test_large_scores(triton_device: str, num_splits: int) -> None:
+    # scores of several hundred: exp without the running-max shift would overflow fp32 (the
+    # tolerance is looser: fp32 rounding of such scores alone moves the probabilities by ~1e-5)
+    q, k_cache, v_cache, slots, start = _inputs(triton_device, torch.float32, 1, 2, 4, 2, 16, 256, [200], [2])
+    out = cache_attention_triton(q, k_cache, v_cache, LAYER, slots, start, True, 40.0, num_splits=num_splits)
+    ref = cache_attention_reference(q, k_cache, v_cache, LAYER, slots, start, True, 40.0)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_split_with_padding_row(triton_device: str) -> None:
+    _check(triton_device, torch.float32, 2, 2, 4, 2, 16, 32, [9, 4], [-1, 2], causal=True, num_splits=4)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=["auto", "nosplit", "splits3"])
+@pytest.mark.parametrize("T,causal", [(1, True), (10, True), (9, False)], ids=["decode", "verify", "draft"])
+def test_parity_bf16(triton_device: str, T: int, causal: bool, num_splits: int | None) -> None:
+    _check(triton_device, torch.bfloat16, 2, T, 8, 2, 64, 192, [17, 180], [3, -1], causal=causal, num_splits=num_splits)
+
+
+def test_parity_fp16(triton_device: str) -> None:
+    _check(triton_device, torch.float16, 2, 3, 4, 2, 16, 32, [1, 25], [0, 1], causal=True, num_splits=None)
+
+
+def test_noncontiguous_q(triton_device: str) -> None:
+    q, k_cache, v_cache, slots, start = _inputs(triton_device, torch.float32, 2, 3, 4, 2, 16, 32, [3, 20], [2, 0])
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, H, hd] view with heads outermost
+    out = cache_attention_triton(q, k_cache, v_cache, LAYER, slots, start, True, 0.3)
+    ref = cache_attention_reference(q, k_cache, v_cache, LAYER, slots, start, True, 0.3)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# op registration, torch.compile
+
+def _op_args() -> tuple:
+    q, k_cache, v_cache, slots, start = _inputs("cpu", torch.float32, 2, 3, 4, 2, 16, 32, [4, 29], [1, -1])
+    return (q, k_cache, v_cache, LAYER, slots, start, True, 0.25)
+
+
+def test_opcheck_reference() -> None:
+    torch.library.opcheck(torch.ops.lfmspark.cache_attention, _op_args())
+
+
+def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    torch.library.opcheck(torch.ops.lfmspark.cache_attention, _op_args())
+
+
+def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    q, k_cache, v_cache, layer, slots, start, causal, scale = _op_args()
+
+    def attend(q, k_cache, v_cache, slots, start):
+        return torch.ops.lfmspark.cache_attention(q, k_cache, v_cache, layer, slots, start, causal, scale)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    eager = attend(q, k_cache, v_cache, slots, start)
+    torch.testing.assert_close(compiled(q, k_cache, v_cache, slots, start), eager, rtol=0, atol=0)
+    torch.testing.assert_close(eager, cache_attention_reference(q, k_cache, v_cache, layer, slots, start, causal,
+                                                                scale), **_tol(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: LFM2.5-1.2B shapes (32 heads, 8 kv heads, head_dim 64, 8192 positions)
+
+_GPU = dict(n_heads=32, n_kv=8, hd=64, S=8192)
+_GPU_STARTS, _GPU_SLOTS = [0, 511, 8191 - 10, 4000], [3, 0, 2, -1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T,causal", [(1, True), (10, True), (9, False), (300, True)],
+                         ids=["decode", "verify", "draft", "prefill"])
+@pytest.mark.parametrize("num_splits", [None, 1, 16], ids=["auto", "nosplit", "splits16"])
+def test_gpu_parity(dtype: torch.dtype, T: int, causal: bool, num_splits: int | None) -> None:
+    _check("cuda", dtype, 4, T, _GPU["n_heads"], _GPU["n_kv"], _GPU["hd"], _GPU["S"], _GPU_STARTS, _GPU_SLOTS,
+           causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_gpu_parity_batch(B: int) -> None:
+    starts = [(997 * i) % 8000 for i in range(B)]
+    slots = [i % SLOTS if i % 5 != 4 else -1 for i in range(B)]
+    _check("cuda", torch.bfloat16, B, 1, _GPU["n_heads"], _GPU["n_kv"], _GPU["hd"], _GPU["S"], starts, slots,
+           causal=True, num_splits=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1], ids=["auto", "nosplit"])
+def test_gpu_cuda_graph_follows_indices(num_splits: int | None) -> None:
+    B, T = 2, 10
+    q, k_cache, v_cache, slots, start = _inputs("cuda", torch.bfloat16, B, T, _GPU["n_heads"], _GPU["n_kv"],
+                                                _GPU["hd"], _GPU["S"], [100, 6000], [1, 2])
+    scale = _GPU["hd"] ** -0.5
+
+    def attend():
+        if num_splits is None:  # the op itself (default heuristic: split path at B = 2)
+            return torch.ops.lfmspark.cache_attention(q, k_cache, v_cache, LAYER, slots, start, True, scale)
+        return cache_attention_triton(q, k_cache, v_cache, LAYER, slots, start, True, scale, num_splits=num_splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+
+    for new_start, new_slots in [([100, 6000], [1, 2]), ([8100, 3], [0, -1]), ([0, 7777], [-1, 3])]:
+        start.copy_(torch.tensor(new_start))
+        slots.copy_(torch.tensor(new_slots))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = cache_attention_reference(q, k_cache, v_cache, LAYER, slots, start, True, scale)
+        torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+        assert (out[slots < 0] == 0).all()

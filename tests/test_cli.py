@@ -1,0 +1,72 @@
+"""The ``lfmspark`` command line: both commands end to end on tiny models, the JSON schema of the
+benchmark report, and clear messages with a non-zero exit for bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lfmspark.runtime.cli import main
+
+
+def lfmspark(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lfmspark.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "5",
+                 "--runs", "1", "--imposed-acceptance", "0.5", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["schema"] == 1
+    assert {"date", "command", "torch", "transformers", "lfmspark", "device"} <= set(report["environment"])
+    assert report["models"] == "preset tiny + tiny-dspark"
+    assert report["imposed_acceptance"] == [0.5] * 4
+    res = report["results"]
+    assert [r["batch"] for r in res["target_only"]] == [1, 2] == [r["batch"] for r in res["speculative"]]
+    for r in res["target_only"] + res["speculative"]:
+        for key in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tok_s_per_user", "tok_s_total",
+                    "step_ms", "step_bytes", "step_gbps"):
+            assert isinstance(r[key], float | int) and r[key] > 0, key
+    for r in res["speculative"]:
+        assert r["imposed_acceptance"] is True
+        assert 1.0 <= r["tau"] <= 5.0 and len(r["acceptance_per_position"]) == 4
+        assert r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["commit_ms"] > 0
+    for r in res["hf_eager"]:
+        assert "error" in r or r["tpot_ms_p50"] > 0
+    assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
+
+
+def test_generate_streams_text_from_a_checkpoint(tmp_path):
+    from engine_fixtures import save_tiny_target  # noqa: PLC0415
+
+    target_dir = save_tiny_target(tmp_path / "target", tokenizer=True)
+    proc = lfmspark("generate", "--target", str(target_dir), "--prompt", "hello world", "--max-new-tokens", "5",
+                    "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens in" in proc.stderr and "finish:" in proc.stderr
+    proc = lfmspark("generate", "--target", str(target_dir), "--token-ids", "3,4,5", "--max-new-tokens", "4",
+                    "--device", "cpu", "--no-stream")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--batch-sizes", "0"], "positive integers"),
+    (["bench", "--batch-sizes", "a,b"], "comma-separated integers"),
+    (["bench", "--imposed-acceptance", "1.5"], "in [0, 1]"),
+    (["bench", "--preset", "nope"], "invalid choice"),
+    (["bench", "--preset", "tiny", "--target", "x"], "not allowed with"),
+    (["bench", "--draft", "somewhere"], "--draft needs --target"),
+    (["generate", "--target", "/nonexistent", "--prompt", "hi"], "config.json"),
+    (["generate", "--prompt", "hi"], "--target"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_fail_clearly(args, message):
+    proc = lfmspark(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr

@@ -1,0 +1,33 @@
+"""The graphs package on CPU: capture sizes, and the compiled (non-graph) path matching eager."""
+
+from __future__ import annotations
+
+import torch
+
+from lfmspark.graphs.capture import default_batch_sizes
+from lfmspark.runtime import Engine, SamplingParams
+from spec_fixtures import random_tiny_target
+
+
+def test_default_batch_sizes_are_dense_at_the_small_end():
+    assert default_batch_sizes(16) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert default_batch_sizes(5) == [1, 2, 3, 4, 5]
+    sizes = default_batch_sizes(50)
+    assert sizes[-1] == 50 and sizes == sorted(set(sizes))
+
+
+def test_compiled_decode_step_matches_eager_on_cpu():
+    """Without CUDA the same API runs the compiled path: torch.compile(fullgraph=True) of the
+    decode step (the ops run their CPU implementations inside the compiled graph)."""
+    target = random_tiny_target(seed=2)
+    params = SamplingParams(max_new_tokens=6)
+    eager = Engine(target, None, max_batch=1, max_seq_len=64).generate([[3, 1, 4, 1, 5]], params)
+    engine = Engine(target, None, max_batch=1, max_seq_len=64, compile=True)
+    report = engine.warmup(progress=False, sampling=False)
+    assert report.mode == "compiled" and report.entries[0].compile_s > 0
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        out = engine.generate([[3, 1, 4, 1, 5]], params)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert out[0].token_ids == eager[0].token_ids
