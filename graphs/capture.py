@@ -83,6 +83,9 @@ class CudaGraphRunner:
                 fn(slots, sampling)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        # the pool's growth: release cached blocks first, or the capture may recycle them and the
+        # difference comes out negative (seen on the H200)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):

@@ -11,7 +11,8 @@ Layouts (time-major, so each token's ``H`` channels are contiguous):
   deduplicated window serves every accepted length (reference/sglang.md §3.3).
 
 Output ``z[t] = sum_j weight[:, j] * x_ext[t + j]`` with ``x_ext = [initial state ; Bx]``, accumulated in
-fp32 and rounded to ``Bx``'s dtype. Rows whose slot is ``-1`` are skipped (their outputs are zero).
+fp32 in tap order without FMA contraction (so the kernels equal the reference bit for bit) and
+rounded to ``Bx``'s dtype. Rows whose slot is ``-1`` are skipped (their outputs are zero).
 Tape rows are indexed by batch row, the state by slot (DESIGN §1 pitfalls).
 """
 
@@ -138,7 +139,7 @@ def short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens)
         T, H, layer,
         bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        K=weight.shape[1], BLOCK_H=_BLOCK_H,
+        K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
     )
     return out
 
@@ -158,7 +159,7 @@ def short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots) -> torc
         bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         tape.stride(0), tape.stride(1), tape.stride(2),
-        K=weight.shape[1], BLOCK_H=_BLOCK_H,
+        K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
     )
     return out
 

@@ -6,3 +6,8 @@ loading, presets) and ``lfmspark.ops`` (Triton kernels as ``torch.library`` ops)
 """
 
 __version__ = "0.1.0"
+
+from .runtime import Engine, GenerationOutput, RequestError, RequestStats, SamplingParams, StreamEvent  # noqa: E402
+
+__all__ = ["Engine", "GenerationOutput", "RequestError", "RequestStats", "SamplingParams", "StreamEvent",
+           "__version__"]
