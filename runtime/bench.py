@@ -220,7 +220,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
             sum(p[k] for p in per_position if not math.isnan(p[k])) / max(1, sum(not math.isnan(p[k]) for p in per_position))
             for k in range(engine.block_size)]
         row["imposed_acceptance"] = imposed
-        if cfg.phase_split:
+        if cfg.phase_split and batch == min(cfg.batch_sizes):   # three extra compiles: smallest batch only
             row.update(time_round_phases(engine, batch, iters=20))
     return row
 

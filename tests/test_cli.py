@@ -36,7 +36,8 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
     for r in res["speculative"]:
         assert r["imposed_acceptance"] is True
         assert 1.0 <= r["tau"] <= 5.0 and len(r["acceptance_per_position"]) == 4
-        assert r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["commit_ms"] > 0
+    first = res["speculative"][0]                      # the phase split is timed at the smallest batch
+    assert first["draft_ms"] > 0 and first["verify_ms"] > 0 and first["commit_ms"] > 0
     for r in res["hf_eager"]:
         assert "error" in r or r["tpot_ms_p50"] > 0
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
