@@ -61,17 +61,32 @@ class StepRunner(Protocol):
 
 
 class EagerRunner:
-    """Runs the step functions as they are (or compiled with ``fullgraph=True, dynamic=False``)."""
+    """Runs the step functions as they are, or compiled with ``fullgraph=True, dynamic=False``;
+    compiled batches are padded with ``-1`` rows to the next bucket so the number of compiled
+    variants stays bounded (one per bucket and sampling mode)."""
 
-    def __init__(self, steps, device: torch.device, compile: bool = False):
+    def __init__(self, steps, device: torch.device, compile: bool = False, max_batch: int = 1):
+        from .capture import default_batch_sizes
+
         self.steps, self.device, self.compiled = steps, device, compile
-        self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
+        self.buckets = default_batch_sizes(max_batch) if compile else []
+        self._fns = {StepKind.DECODE: self._decode, StepKind.ROUND: self._round}
         if compile:
-            configure_compile(n_variants=8)
+            configure_compile(n_variants=4 * len(self.buckets))
             self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in self._fns.items()}
 
+    # undecorated wrappers: each compiled frame has its own code object (and recompile budget)
+    def _decode(self, slots: torch.Tensor, sampling: bool):
+        return self.steps.decode(slots, sampling)
+
+    def _round(self, slots: torch.Tensor, sampling: bool):
+        return self.steps.spec_round(slots, sampling)
+
     def run(self, kind: StepKind, slots: list[int], sampling: bool):
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        if self.buckets:
+            size = next(b for b in self.buckets if b >= len(slots))
+            slots = list(slots) + [-1] * (size - len(slots))
+        slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         return self._fns[kind](slots_t, sampling)
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,

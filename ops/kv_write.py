@@ -24,8 +24,7 @@ def _kv_write_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, start_ptr, lens_ptr,
     T, S,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    stride_cl, stride_cs, stride_cp,
-    layer,
+    stride_cs, stride_cp,
     ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # one program per (row, token): copy the token's n_kv * head_dim values
@@ -35,7 +34,7 @@ def _kv_write_kernel(
     slot = tl.load(slots_ptr + b)
     pos = tl.load(start_ptr + b) + t
     valid = (slot >= 0) & (t < tl.load(lens_ptr + b)) & (pos < S)
-    dst = layer * stride_cl + slot.to(tl.int64) * stride_cs + pos.to(tl.int64) * stride_cp
+    dst = slot.to(tl.int64) * stride_cs + pos.to(tl.int64) * stride_cp     # int64: caches exceed 2^31 elements
     n = tl.where(valid, ROW, 0)  # a skipped token copies nothing
     for off in range(0, ROW, BLOCK):
         cols = off + tl.arange(0, BLOCK)
@@ -64,12 +63,14 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     k, v = _rows(k), _rows(v)
     row = k.shape[-2] * k.shape[-1]
     block = min(triton.next_power_of_2(row), 1024)
+    # the layer's view is taken here: an in-kernel `layer * stride` is 32-bit and overflows once a
+    # cache passes 2^31 elements (e.g. 6 layers x 32 slots x 32k positions x 512)
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
     _kv_write_kernel[(B * T,)](
-        k, v, k_cache, v_cache, slots, start, lens,
+        k, v, k_layer, v_layer, slots, start, lens,
         T, k_cache.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        layer,
+        k_layer.stride(0), k_layer.stride(1),
         ROW=row, BLOCK=block,
     )
 

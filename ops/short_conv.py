@@ -41,9 +41,9 @@ def _ext_load(bx_row, st_row, i, stride_bt, stride_st, cols, cmask, KM1: tl.cons
 @triton.jit
 def _short_conv_prefill_kernel(
     bx_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, start_ptr, lens_ptr,
-    T, H, layer,
+    T, H,
     stride_bb, stride_bt, stride_ob, stride_ot,
-    stride_sl, stride_ss, stride_st,
+    stride_ss, stride_st,
     K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -53,7 +53,7 @@ def _short_conv_prefill_kernel(
     zero_init = (tl.load(start_ptr + b) == 0).to(tl.int32)
     n = tl.load(lens_ptr + b)
     bx_row = bx_ptr + b * stride_bb
-    st_row = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
+    st_row = state_ptr + slot.to(tl.int64) * stride_ss
     for t in range(0, T):
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -70,10 +70,10 @@ def _short_conv_prefill_kernel(
 @triton.jit
 def _short_conv_verify_kernel(
     bx_ptr, w_ptr, state_ptr, tape_ptr, out_ptr, slots_ptr,
-    W, H, layer,
+    W, H,
     stride_bb, stride_bt, stride_ob, stride_ot,
-    stride_sl, stride_ss, stride_st,
-    stride_tl, stride_tr, stride_tt,
+    stride_ss, stride_st,
+    stride_tr, stride_tt,
     K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -81,8 +81,8 @@ def _short_conv_verify_kernel(
     slot = tl.load(slots_ptr + b)
     cmask = tl.where(slot >= 0, cols < H, False)
     bx_row = bx_ptr + b * stride_bb
-    st_row = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
-    tape_row = tape_ptr + layer * stride_tl + b * stride_tr
+    st_row = state_ptr + slot.to(tl.int64) * stride_ss
+    tape_row = tape_ptr + b.to(tl.int64) * stride_tr
     for i in range(0, W + K - 1):
         x = _ext_load(bx_row, st_row, i, stride_bt, stride_st, cols, cmask, K - 1, 0)
         tl.store(tape_row + i * stride_tt + cols, x.to(tape_ptr.dtype.element_ty), mask=cmask)
@@ -108,7 +108,8 @@ def _short_conv_commit_kernel(
     slot = tl.load(slots_ptr + b)
     c = tl.load(acc_ptr + b)
     cmask = tl.where(slot >= 0, cols < H, False)
-    src = tape_ptr + layer * stride_tl + b * stride_tr + c * stride_tt
+    layer = layer.to(tl.int64)
+    src = tape_ptr + layer * stride_tl + b.to(tl.int64) * stride_tr + c * stride_tt
     dst = state_ptr + layer * stride_sl + slot.to(tl.int64) * stride_ss
     for i in tl.static_range(KM1):
         x = tl.load(src + i * stride_tt + cols, mask=cmask)
@@ -134,11 +135,12 @@ def short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens)
         return out
     _check_inner(conv_state, "conv_state")
     grid = (B, triton.cdiv(H, _BLOCK_H))
+    state = conv_state[layer]          # the layer's view (no 32-bit layer * stride in the kernel)
     _short_conv_prefill_kernel[grid](
-        bx, weight.contiguous(), conv_state, out, slots, start, lens,
-        T, H, layer,
+        bx, weight.contiguous(), state, out, slots, start, lens,
+        T, H,
         bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        state.stride(0), state.stride(1),
         K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
     )
     return out
@@ -153,12 +155,13 @@ def short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots) -> torc
     _check_inner(conv_state, "conv_state")
     _check_inner(tape, "tape")
     grid = (B, triton.cdiv(H, _BLOCK_H))
+    state, tape_l = conv_state[layer], tape[layer]
     _short_conv_verify_kernel[grid](
-        bx, weight.contiguous(), conv_state, tape, out, slots,
-        W, H, layer,
+        bx, weight.contiguous(), state, tape_l, out, slots,
+        W, H,
         bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        tape.stride(0), tape.stride(1), tape.stride(2),
+        state.stride(0), state.stride(1),
+        tape_l.stride(0), tape_l.stride(1),
         K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
     )
     return out

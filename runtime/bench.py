@@ -100,15 +100,23 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 def step_bytes(engine: Engine, context: int, batch: int) -> int:
-    """Bytes one step must read at least: every target weight (the tied LM head once), the draft's
-    own weights for a speculative round, and the KV of ``context`` tokens per row."""
+    """Bytes one step must read at least: the target's weights (tied LM head once; for MoE layers
+    only the experts the step's tokens are expected to touch under uniform routing), the KV of
+    ``context`` tokens per row, and for a speculative round the draft's own weights, its context KV
+    and a second pass over the LM head (the draft projects with the target's)."""
     cfg = engine.config
     total = module_bytes(engine.target)
+    tokens = batch * engine.verify_width
+    if cfg.is_moe:
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * engine.dtype.itemsize
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens)
+        total -= int(n_moe * (cfg.num_experts - touched) * expert)
     kv_token = 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
     total += batch * context * kv_token
     if engine.draft is not None:
         dc = engine.draft.config
-        total += module_bytes(engine.draft)
+        total += module_bytes(engine.draft) + engine.target.lm_head.weight.numel() * engine.dtype.itemsize
         total += batch * context * 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * engine.dtype.itemsize
     return total
 
@@ -118,16 +126,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_replays(engine: Engine, batch: int, iters: int) -> float:
-    """Median seconds of one step (decode or round) for ``batch`` real rows, graph-replayed on a GPU."""
+def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> float:
+    """Median seconds of one step (decode or round) for ``batch`` real rows, graph-replayed on a GPU.
+    Runs on the slots the measured requests used (now free); their lengths are restored after."""
     slots = list(range(batch))
+    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
     times = []
     for _ in range(iters):
         _sync(engine.device)
         t0 = time.perf_counter()
-        engine.runner.run(engine.step_kind, slots, False)
+        engine.runner.run(engine.step_kind, slots, sampling)
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
+    engine.state.seq_len.copy_(saved[0])
+    engine.state.anchor.copy_(saved[1])
     return percentile(times, 50)
 
 
@@ -188,10 +200,14 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
     ttft, tpot, taus, accept = [], [], [], []
     per_position: list[list[float]] = []
     imposed = False
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     for run in range(cfg.runs):
         prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=gen).tolist()
-        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.output_len, stop_token_ids=[],
-                                seed=cfg.seed + run)
+        # one seed per request: imposed acceptance draws are keyed by (seed, position), so shared
+        # seeds would make every row accept in lockstep
+        params = [SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.output_len, stop_token_ids=[],
+                                 seed=cfg.seed + 1000 * run + i) for i in range(batch)]
         outs = engine.generate(prompts, params)
         for o in outs:
             ttft.append(o.stats.ttft_s)
@@ -201,7 +217,8 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 accept += o.stats.accept_lengths
                 per_position.append(o.stats.acceptance_per_position)
                 imposed = o.stats.imposed_acceptance
-    step_s = time_replays(engine, batch, iters=20)
+    peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
+    step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
     row = {
@@ -210,6 +227,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         "tpot_ms_p50": percentile(tpot, 50) * 1e3, "tpot_ms_p99": percentile(tpot, 99) * 1e3,
         "tok_s_per_user": 1.0 / percentile(tpot, 50), "tok_s_total": batch / percentile(tpot, 50),
         "step_ms": step_s * 1e3, "step_bytes": n_bytes, "step_gbps": n_bytes / step_s / 1e9,
+        "peak_memory_bytes": peak,
     }
     if copy_gbps:
         row["floor_ms"] = n_bytes / (copy_gbps * 1e9) * 1e3
@@ -278,6 +296,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device), "config": asdict(cfg)}
     copy_gbps = copy_bandwidth_gbps(device)
     report["copy_gbps"] = copy_gbps
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)       # the probe's buffers are not the engine's
     target, draft, source = build_models(cfg, device)
     report["models"] = source
     report["target_bytes"] = module_bytes(target)

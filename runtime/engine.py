@@ -204,7 +204,7 @@ class Engine:
 
             return CudaGraphRunner(self.steps, self.device, self.max_batch, batch_sizes,
                                    compile=True if compile is None else compile)
-        return EagerRunner(self.steps, self.device, compile=bool(compile))
+        return EagerRunner(self.steps, self.device, compile=bool(compile), max_batch=self.max_batch)
 
     # -- public API -------------------------------------------------------------------------
     def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:

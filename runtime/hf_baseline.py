@@ -45,14 +45,16 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_model_like(model):
-    """An HF ``Lfm2ForCausalLM`` / ``Lfm2MoeForCausalLM`` sharing ``model``'s weights."""
+def hf_model_like(model, experts_implementation: str | None = None):
+    """An HF ``Lfm2ForCausalLM`` / ``Lfm2MoeForCausalLM`` sharing ``model``'s weights. MoE models use
+    transformers' default experts implementation unless one is named (parity tests use "eager",
+    the benchmark the fast default)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = model.config.to_hf_dict()
     model_type = d.pop("model_type")
     hf_cfg = AutoConfig.for_model(model_type, **d)
-    kwargs = {"experts_implementation": "eager"} if model.config.is_moe else {}
+    kwargs = {"experts_implementation": experts_implementation} if model.config.is_moe and experts_implementation else {}
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=model.dtype, **kwargs)
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False, assign=True)

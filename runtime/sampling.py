@@ -140,6 +140,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     sorted_p = torch.softmax(sorted_x, dim=-1)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
     keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)        # the first token is always kept
+    # top_p == 1 keeps everything: the fp32 cumsum reaches 1.0 before the end of a large vocabulary
+    keep = torch.where(top_p >= 1.0, V, keep)
     threshold = torch.maximum(sorted_x.gather(1, (keep - 1)[:, None]), kth)
     probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), V).to(probs.dtype)

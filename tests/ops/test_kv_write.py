@@ -107,3 +107,20 @@ def test_cuda_graph_replay_follows_new_indices():
     want = expected(k, v, before, 2, [4, -1, 3, 0], [5, 0, 50, 1], [10, 10, 10, 3])
     for a, b in zip(caches, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_cache_past_2_pow_31_elements():
+    """Layer offsets beyond 2^31 elements (6 layers x 64 slots x 512k positions x 16) are addressed
+    in 64 bits: the last layer's write lands where the reference puts it."""
+    L, n_slots, S, n_kv, hd = 6, 64, 1 << 19, 1, 16
+    assert (L - 1) * n_slots * S * n_kv * hd >= 2**31
+    caches = [torch.zeros(L, n_slots, S, n_kv, hd, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    k = torch.randn(2, 3, n_kv, hd, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    slots = torch.tensor([63, 5], device="cuda")
+    start = torch.tensor([S - 3, 7], device="cuda")
+    lens = torch.tensor([3, 3], device="cuda")
+    kv_write_triton(k, v, *caches, L - 1, slots, start, lens)
+    assert torch.equal(caches[0][L - 1, 63, S - 3:], k[0]) and torch.equal(caches[1][L - 1, 5, 7:10], v[1])
+    assert int((caches[0] != 0).sum()) == int((k != 0).sum())     # nothing written anywhere else
