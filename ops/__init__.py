@@ -6,6 +6,5 @@ launcher, reference implementation and ``torch.library`` registration (DESIGN §
 
 from . import cache_attention, kv_norm_rope_write, kv_write, moe, short_conv  # noqa: F401  (registers the ops)
 from .rope import apply_rope, gather_cos_sin, rope_cos_sin_table
-from .short_conv import short_conv_decode
 
-__all__ = ["apply_rope", "gather_cos_sin", "rope_cos_sin_table", "short_conv_decode"]
+__all__ = ["apply_rope", "gather_cos_sin", "rope_cos_sin_table"]

@@ -286,10 +286,3 @@ def _commit_cuda(conv_state, tape, slots, accepted) -> None:
 @short_conv_commit.register_fake
 def _commit_fake(conv_state, tape, slots, accepted) -> None:
     return None
-
-
-def short_conv_decode(bx: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, layer: int,
-                      slots: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """One token per row (``bx [B, 1, H]``): the prefill op with ``T = 1``."""
-    ones = torch.ones_like(slots)
-    return torch.ops.lfmspark.short_conv_prefill(bx, weight, conv_state, layer, slots, start, ones)
