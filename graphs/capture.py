@@ -1,8 +1,8 @@
 """CUDA graph capture of the step functions, one graph per batch size (DESIGN §5).
 
-Each step (``decode`` or the speculative ``round``, greedy and sampling variants) is compiled with
-``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own cudagraphs), run on a
-side stream to warm up (compilation, Triton autotuning, cuBLAS handles happen there, never during
+Each step (``decode`` or the speculative ``round``, greedy and sampling variants) runs its regions
+compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own cudagraphs;
+graphs/compile.py says which regions), runs on a side stream to warm up (compilation, Triton autotuning, cuBLAS handles happen there, never during
 capture), then captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared
 memory pool. Warm-up and capture run with every row a padding row (slot ``-1``), so they change
 no state. At run time a batch is padded with ``-1`` rows up to the next captured size, the slots
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .compile import configure_compile
+from .compile import compile_regions
 from .runner import StepKind, WarmupEntry, WarmupReport
 
 log = logging.getLogger("lfmspark")
@@ -46,12 +46,9 @@ class CudaGraphRunner:
         if self.batch_sizes[-1] < max_batch:
             raise ValueError(f"captured batch sizes {self.batch_sizes} do not cover max_batch {max_batch}")
         self.compiled = compile
-        fns = {StepKind.DECODE: self._decode, StepKind.ROUND: self._round}
         if compile:
-            # one compiled graph per (step, batch size, sampling): raise the recompile budget
-            configure_compile(n_variants=4 * len(self.batch_sizes))
-            fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in fns.items()}
-        self._fns = fns
+            compile_regions(steps, len(self.batch_sizes))
+        self._fns = {StepKind.DECODE: self._decode, StepKind.ROUND: self._round}
         # static inputs: one slots buffer per batch size, plus two pinned staging buffers (the
         # next launch may refill one while the previous copy is still queued on the stream)
         self._slots = {b: torch.full((b,), -1, dtype=torch.int64, device=device) for b in self.batch_sizes}
@@ -111,6 +108,12 @@ class CudaGraphRunner:
                          "sample" if sampling else "greedy", bs, entry.compile_s, entry.capture_s,
                          entry.graph_bytes / 2**20)
         report.total_s = time.perf_counter() - t_all
+        if progress:
+            from torch._dynamo.utils import counters
+
+            inductor = counters["inductor"]
+            log.info("warm-up %.1fs; Inductor FX graph cache: %d hits, %d misses, %d bypassed", report.total_s,
+                     inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"])
         return report
 
     # -- replay -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .compile import configure_compile
+from .compile import compile_regions
 
 log = logging.getLogger("lfmspark")
 
@@ -61,7 +61,7 @@ class StepRunner(Protocol):
 
 
 class EagerRunner:
-    """Runs the step functions as they are, or compiled with ``fullgraph=True, dynamic=False``;
+    """Runs the step functions as they are, or with their regions compiled (graphs/compile.py);
     compiled batches are padded with ``-1`` rows to the next bucket so the number of compiled
     variants stays bounded (one per bucket and sampling mode)."""
 
@@ -70,17 +70,9 @@ class EagerRunner:
 
         self.steps, self.device, self.compiled = steps, device, compile
         self.buckets = default_batch_sizes(max_batch) if compile else []
-        self._fns = {StepKind.DECODE: self._decode, StepKind.ROUND: self._round}
         if compile:
-            configure_compile(n_variants=4 * len(self.buckets))
-            self._fns = {k: torch.compile(f, fullgraph=True, dynamic=False) for k, f in self._fns.items()}
-
-    # undecorated wrappers: each compiled frame has its own code object (and recompile budget)
-    def _decode(self, slots: torch.Tensor, sampling: bool):
-        return self.steps.decode(slots, sampling)
-
-    def _round(self, slots: torch.Tensor, sampling: bool):
-        return self.steps.spec_round(slots, sampling)
+            compile_regions(steps, len(self.buckets))
+        self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
 
     def run(self, kind: StepKind, slots: list[int], sampling: bool):
         if self.buckets:

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.rope import rope_cos_sin_table
-from .config import DraftConfig, TargetConfig
+from .config import ATTENTION, DraftConfig, TargetConfig
+
+# one decoder layer's share of the cache: (k, v) or (conv_state, conv_tape), each a one-layer slice
+LayerCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -44,6 +47,22 @@ class TargetCache:
     @property
     def max_seq_len(self) -> int:
         return self.k.shape[2]
+
+    def layer_caches(self, cfg: TargetConfig) -> list[LayerCache]:
+        """Each decoder layer's one-layer slices (``[1, ...]`` views, addressed as layer 0 by the ops).
+
+        Slicing outside the layer is what lets one compiled graph serve every layer of a kind: the
+        layer sees its cache as a plain input instead of indexing by a constant it would specialise on.
+        """
+        out, n_attn, n_conv = [], 0, 0
+        for kind in cfg.layer_types:
+            if kind == ATTENTION:
+                out.append((self.k[n_attn:n_attn + 1], self.v[n_attn:n_attn + 1]))
+                n_attn += 1
+            else:
+                out.append((self.conv_state[n_conv:n_conv + 1], self.conv_tape[n_conv:n_conv + 1]))
+                n_conv += 1
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv_state, self.conv_tape))

@@ -16,7 +16,7 @@ positions ``s .. s+gamma-1`` and overwritten when the round commits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +82,28 @@ class DraftAttention(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.eps, self.is_neox = cfg.rms_norm_eps, cfg.rope_is_neox_style
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, kv_weight: torch.Tensor, k_norm_weight: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One layer over the block ``x [B, G, H]``; this layer's stacked K/V projection, k_norm
+        weight and cache come in as one-layer slices (addressed as layer 0 by the ops), so one
+        compiled graph serves every layer."""
+        attn = self.self_attn
+        B, G, _ = x.shape
+        h = self.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
+        q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
+        lfm.kv_norm_rope_write(F.linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
+                               torch.full_like(slots, G), self.eps, self.is_neox)
+        o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
+        x = x + attn.o_proj(o.reshape(B, G, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MarkovHead(nn.Module):
@@ -178,37 +196,32 @@ class DSparkDraft(nn.Module):
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 
     # -- block ------------------------------------------------------------------------------
-    def backbone(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor
-                 ) -> torch.Tensor:
-        """Final-normed hidden states ``[B, gamma, H]`` of the block ``[anchor, MASK, ...]`` at
-        positions ``start .. start + gamma - 1``."""
+    def block_hidden(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
+                     layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """The last-layer output ``[B, gamma, H]`` (before the final norm) of the block
+        ``[anchor, MASK, ...]`` at positions ``start .. start + gamma - 1``. ``layers`` replaces
+        ``self.layers`` one for one (compiled wrappers, graphs/compile.py)."""
         cfg = self.config
         B, G = anchor.shape[0], cfg.block_size
         masks = torch.full((B, G - 1), cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
         x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
         cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        full = torch.full_like(slots, G)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
-            q = apply_rope(q.float(), cos, sin, cfg.rope_is_neox_style).to(x.dtype)
-            kv = F.linear(h, self.kv_proj[i])
-            lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, i, slots, start, full,
-                                   cfg.rms_norm_eps, cfg.rope_is_neox_style)
-            o = lfm.cache_attention(q, cache.k, cache.v, i, slots, start, False, attn.head_dim ** -0.5)
-            x = x + attn.o_proj(o.reshape(B, G, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        for i, layer in enumerate(layers or self.layers):
+            x = layer(x, self.kv_proj[i], self.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1], cache.rope, slots,
+                      start, cos, sin)
+        return x
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
                 pick: TokenPicker) -> DraftProposal:
         """Draft one block: backbone, LM head, then the Markov walk left to right (``pick`` chooses
         each token from its corrected logits)."""
-        h = self.backbone(anchor, cache, slots, start)
-        base = self.lm_head(h).float()                                # [B, gamma, V]
-        return self.walk(base, h, anchor, pick)
+        return self.head_and_walk(self.block_hidden(anchor, cache, slots, start), anchor, pick)
+
+    def head_and_walk(self, x: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
+        """Final norm and LM head over the block's last-layer output ``x``, then the Markov walk."""
+        h = self.norm(x)
+        return self.walk(self.lm_head(h).float(), h, anchor, pick)
 
     def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
         head, conf_head = self.markov_head, self.confidence_head

@@ -18,6 +18,7 @@ Any mode can return the aux hidden states of ``aux_layer_ids`` (HF "output of de
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
-from .cache import TargetCache
+from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
 from .layers import RMSNorm, SwiGLU
 
@@ -57,18 +58,17 @@ class TargetOutput:
 class Lfm2Attention(nn.Module):
     """GQA attention: fused qkv projection, per-head q/k RMSNorm, neox RoPE, slot-indexed KV cache."""
 
-    def __init__(self, cfg: TargetConfig, cache_layer: int):
+    def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.cache_layer = cache_layer          # index among attention layers in the KV cache
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
         self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cache: TargetCache, rows: Rows, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerCache, rows: Rows, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
@@ -79,33 +79,31 @@ class Lfm2Attention(nn.Module):
         # the difference is within bf16 noise and keeps this path identical to the fused kernels)
         q = apply_rope(q.float(), cos, sin, is_neox=True).to(x.dtype)
         k = apply_rope(k.float(), cos, sin, is_neox=True).to(x.dtype)
-        lfm.kv_write(k, v, cache.k, cache.v, self.cache_layer, rows.slots, rows.start, rows.lens)
-        o = lfm.cache_attention(q, cache.k, cache.v, self.cache_layer, rows.slots, rows.start, True, self.scale)
+        k_cache, v_cache = kv
+        lfm.kv_write(k, v, k_cache, v_cache, 0, rows.slots, rows.start, rows.lens)
+        o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
         return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class Lfm2ShortConv(nn.Module):
     """Double-gated short convolution: ``out_proj(C * conv(B * x))`` with ``[B | C | x] = in_proj(h)``."""
 
-    def __init__(self, cfg: TargetConfig, cache_layer: int):
+    def __init__(self, cfg: TargetConfig):
         super().__init__()
         H = cfg.hidden_size
-        self.cache_layer = cache_layer          # index among conv layers in the conv state
         self.in_proj = nn.Linear(H, 3 * H, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(H, cfg.conv_L_cache))   # HF conv.conv.weight squeezed
         self.out_proj = nn.Linear(H, H, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: TargetCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
         b_gate, c_gate, xx = self.in_proj(x).chunk(3, dim=-1)
         bx = b_gate * xx
+        conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
-            # the whole tape is passed (never a view: a mutated view forces copies under compile); a
-            # block narrower than the allocated width records into its first W + K - 1 columns
-            z = lfm.short_conv_verify(bx, self.conv_weight, cache.conv_state, cache.conv_tape, self.cache_layer,
-                                      rows.slots)
+            # a block narrower than the allocated tape width records into its first W + K - 1 columns
+            z = lfm.short_conv_verify(bx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
-            z = lfm.short_conv_prefill(bx, self.conv_weight, cache.conv_state, self.cache_layer, rows.slots,
-                                       rows.start, rows.lens)
+            z = lfm.short_conv_prefill(bx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
         return self.out_proj(c_gate * z)
 
 
@@ -113,22 +111,23 @@ class Lfm2DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer: int, feed_forward: nn.Module):
         super().__init__()
         self.is_attention = cfg.layer_types[layer] == ATTENTION
-        cache_layer = (cfg.attention_layers if self.is_attention else cfg.conv_layers).index(layer)
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if self.is_attention:
-            self.self_attn = Lfm2Attention(cfg, cache_layer)
+            self.self_attn = Lfm2Attention(cfg)
         else:
-            self.conv = Lfm2ShortConv(cfg, cache_layer)
+            self.conv = Lfm2ShortConv(cfg)
         self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, cache: TargetCache, rows: Rows, mode: ForwardMode, cos: torch.Tensor,
+    def forward(self, h: torch.Tensor, layer_cache: LayerCache, rows: Rows, mode: ForwardMode, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
+        """``layer_cache``: this layer's one-layer slices of the cache, ``(k, v)`` for attention,
+        ``(conv_state, conv_tape)`` for ShortConv (see :meth:`TargetCache.layer_caches`)."""
         x = self.operator_norm(h)
         if self.is_attention:
-            h = h + self.self_attn(x, cache, rows, cos, sin)
+            h = h + self.self_attn(x, layer_cache, rows, cos, sin)
         else:
-            h = h + self.conv(x, cache, rows, mode)
+            h = h + self.conv(x, layer_cache, rows, mode)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -165,6 +164,19 @@ class Lfm2ForCausalLM(nn.Module):
         column per row to project (prefill needs only the last real token); otherwise every column
         is projected.
         """
+        h, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
+        if logits_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_index]
+        return TargetOutput(logits=self.compute_logits(h), aux=aux)
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
+                      lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
+                      aux_layer_ids: tuple[int, ...] = (), layers: Sequence[nn.Module] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's output ``[B, T, H]`` (before the final norm) and the aux taps.
+
+        ``layers`` replaces ``self.model.layers`` one for one: the runtime passes compiled wrappers
+        of them (graphs/compile.py)."""
         B, T = input_ids.shape
         if lens is None:
             lens = torch.full_like(slots, T)
@@ -176,16 +188,15 @@ class Lfm2ForCausalLM(nn.Module):
         taps = {i: None for i in aux_layer_ids}
         if -1 in taps:
             taps[-1] = h
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cache, rows, mode, cos, sin)
+        for i, (layer, layer_cache) in enumerate(zip(layers or self.model.layers, cache.layer_caches(self.config))):
+            h = layer(h, layer_cache, rows, mode, cos, sin)
             if i in taps:
                 taps[i] = h
         aux = torch.cat([taps[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return h, aux
 
-        if logits_index is not None:
-            h = h[torch.arange(B, device=h.device), logits_index]
-        logits = self.lm_head(self.model.embedding_norm(h))
-        return TargetOutput(logits=logits, aux=aux)
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.embedding_norm(h))
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:

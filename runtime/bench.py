@@ -47,7 +47,7 @@ class BenchConfig:
     prompt_len: int = 128
     output_len: int = 128
     temperature: float = 0.0
-    imposed_acceptance: list[float] | None = None
+    imposed_acceptance: list[list[float]] | None = None    # profiles, each one rate or one per position
     runs: int = 3
     hf: bool = True
     hf_compile: bool = False
@@ -56,6 +56,7 @@ class BenchConfig:
     seed: int = 0
     phase_split: bool = True
     json_path: str | None = None
+    profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +145,9 @@ def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> floa
 
 
 def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float]:
-    """Milliseconds of the round's phases (draft / verify / accept+commit), each compiled and
-    captured as its own CUDA graph on a GPU (plain calls elsewhere), for ``batch`` real rows."""
+    """Milliseconds of the round's phases (draft / verify / accept+commit), each captured as its own
+    CUDA graph on a GPU (plain calls elsewhere), for ``batch`` real rows. The phases run the
+    engine's compiled regions, so they compile nothing new when the batch size was warmed up."""
     steps = engine.steps
     slots = torch.arange(batch, device=engine.device)
 
@@ -157,30 +159,29 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def verify_phase():
         v = steps.round_verify(steps.round_inputs(slots, False), tokens)
-        return v.logits, v.aux
+        return v.hidden, v.aux
 
-    logits, aux = verify_phase()
+    hidden, aux = verify_phase()
 
     def commit_phase():
         from .steps import Drafted, Verified
 
-        out = steps.round_accept_commit(steps.round_inputs(slots, False), Drafted(tokens, None), Verified(logits, aux))
+        out = steps.round_accept_commit(steps.round_inputs(slots, False), Drafted(tokens, None), Verified(hidden, aux))
         return out.tokens, out.n_new
 
     result = {}
     for name, fn in (("draft", draft_phase), ("verify", verify_phase), ("commit", commit_phase)):
         call = fn
         if engine.device.type == "cuda":
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
-                compiled()
-                compiled()
+                fn()
+                fn()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph), torch.no_grad():
-                compiled()
+                fn()
             call = graph.replay
         times = []
         with torch.no_grad():
@@ -192,6 +193,33 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
                 times.append(time.perf_counter() - t0)
         result[name + "_ms"] = percentile(times, 50) * 1e3
     return result
+
+
+def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> None:
+    """Write a per-kernel table of ``iters`` step replays (GPU time per replay, launches per
+    replay): the breakdown behind a step's distance from its bandwidth floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = list(range(batch))
+    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
+    engine.runner.run(engine.step_kind, slots, False)
+    _sync(engine.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            engine.runner.run(engine.step_kind, slots, False)
+        _sync(engine.device)
+    engine.state.seq_len.copy_(saved[0])
+    engine.state.anchor.copy_(saved[1])
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in kernels) / iters
+    lines = [f"{engine.step_kind.value} replay, batch {batch}: {total:.1f} us of kernel time per replay, "
+             f"{sum(e.count for e in kernels) / iters:.0f} kernels per replay",
+             f"{'us/replay':>10} {'n/replay':>8}  kernel"]
+    lines += [f"{e.device_time_total / iters:10.1f} {e.count / iters:8.1f}  {e.key[:150]}" for e in kernels]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
 
 
 def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:
@@ -219,6 +247,10 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 imposed = o.stats.imposed_acceptance
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
+    if cfg.profile_dir and engine.device.type == "cuda" and batch == min(cfg.batch_sizes):
+        path = Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt"
+        if not path.exists():            # once per step kind, not once per imposed profile
+            profile_replays(engine, batch, path)
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
     row = {
@@ -238,7 +270,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
             sum(p[k] for p in per_position if not math.isnan(p[k])) / max(1, sum(not math.isnan(p[k]) for p in per_position))
             for k in range(engine.block_size)]
         row["imposed_acceptance"] = imposed
-        if cfg.phase_split and batch == min(cfg.batch_sizes):   # three extra compiles: smallest batch only
+        if cfg.phase_split:
             row.update(time_round_phases(engine, batch, iters=20))
     return row
 
@@ -307,14 +339,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     max_batch = max(cfg.batch_sizes)
     engines: dict[str, Engine] = {}
 
-    imposed = cfg.imposed_acceptance
-    if draft is not None and source.startswith("preset") and imposed is None:
-        imposed = [DEFAULT_IMPOSED_RATE]
+    profiles = cfg.imposed_acceptance
+    if draft is not None and source.startswith("preset") and profiles is None:
+        profiles = [[DEFAULT_IMPOSED_RATE]]
         log.info("random-weight draft: imposing a per-position acceptance rate of %.2f (outputs are labelled)",
                  DEFAULT_IMPOSED_RATE)
-    if imposed is not None and draft is not None and len(imposed) == 1:
-        imposed = imposed * draft.config.block_size
-    report["imposed_acceptance"] = imposed
+    if profiles is not None and draft is not None:
+        profiles = [p * draft.config.block_size if len(p) == 1 else p for p in profiles]
+    report["imposed_acceptance"] = profiles
+    imposed = profiles[0] if profiles else None
     results: dict[str, list] = {"target_only": [], "speculative": [], "hf_eager": [], "hf_static_compile": []}
     warmups: dict[str, dict] = {}
 
@@ -345,8 +378,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         log.info("batch %d: target-only", batch)
         results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps))
         if draft is not None:
-            log.info("batch %d: speculative", batch)
-            results["speculative"].append(measure_engine(engine_for("speculative"), cfg, batch, copy_gbps))
+            for profile in profiles or [None]:
+                log.info("batch %d: speculative%s", batch, f", imposed acceptance {profile}" if profile else "")
+                engine = engine_for("speculative")
+                if profile is not None:
+                    engine.set_imposed_acceptance(profile)
+                row = measure_engine(engine, cfg, batch, copy_gbps)
+                row["imposed_profile"] = profile
+                results["speculative"].append(row)
         if cfg.hf:
             results["hf_eager"].append(_hf_row(target, cfg, batch, device, compiled=False))
             if cfg.hf_compile:
@@ -394,7 +433,10 @@ def table(report: dict) -> str:
             if "error" in r:
                 rows.append([name, r["batch"]] + ["failed"] + [""] * 8 + [r["error"][:60]])
                 continue
-            label = name + (" (imposed acceptance)" if r.get("imposed_acceptance") else "")
+            label = name
+            if r.get("imposed_acceptance"):
+                rates = r["imposed_profile"]
+                label += f" (imposed {rates[0]:g})" if len(set(rates)) == 1 else " (imposed profile)"
             base = ours.get(r["batch"])
             hf_r = hf.get(r["batch"])
             rows.append([

@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=_positive, default=128)
     b.add_argument("--output-len", type=_positive, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--imposed-acceptance", type=_rates, help="per-position conditional acceptance rates for "
-                   "random-weight drafts (one value = every position); outputs are labelled as imposed")
+    b.add_argument("--imposed-acceptance", type=_rates, action="append", help="per-position conditional "
+                   "acceptance rates for random-weight drafts (one value = every position); repeat the option "
+                   "to measure several profiles on the same captured graphs; outputs are labelled as imposed")
     b.add_argument("--runs", type=_positive, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     b.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", help="write the full report here")
+    b.add_argument("--profile-dir", help="write per-kernel profiles of the step replays (smallest batch) here")
 
     g = sub.add_parser("generate", help="generate text with a local checkpoint, streaming to the terminal")
     g.add_argument("--target", required=True, help="local HF checkpoint directory of the target")
@@ -114,7 +116,7 @@ def _bench(args) -> int:
                       temperature=args.temperature, imposed_acceptance=args.imposed_acceptance, runs=args.runs,
                       hf=not args.no_hf, hf_compile=args.hf_compile, device=device,
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
-                      phase_split=not args.no_phase_split, json_path=args.json)
+                      phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir)
     report = run_bench(cfg)
     print(table(report))
     if args.json:

@@ -193,6 +193,13 @@ class Engine:
                              f"(one per draft slot), got {rates}")
         return torch.tensor(rates, dtype=torch.float32, device=self.device)
 
+    def set_imposed_acceptance(self, rates: Sequence[float]) -> None:
+        """Change the imposed per-position rates of an engine built with ``imposed_acceptance``.
+        The rates are copied into the tensor the captured graphs read, so nothing recompiles."""
+        if self.imposed_acceptance is None:
+            raise ValueError("this engine was built without imposed_acceptance: pass it to Engine(...) first")
+        self.imposed_acceptance.copy_(self._imposed(rates))
+
     def _make_runner(self, cuda_graphs: bool | None, compile: bool | None, batch_sizes):
         on_cuda = self.device.type == "cuda"
         if cuda_graphs is None:

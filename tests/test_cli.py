@@ -19,16 +19,19 @@ def lfmspark(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "5",
-                 "--runs", "1", "--imposed-acceptance", "0.5", "--device", "cpu", "--json", str(out)])
+    code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "11",
+                 "--runs", "1", "--imposed-acceptance", "0.5", "--imposed-acceptance", "1", "--device", "cpu",
+                 "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["schema"] == 1
     assert {"date", "command", "torch", "transformers", "lfmspark", "device"} <= set(report["environment"])
     assert report["models"] == "preset tiny + tiny-dspark"
-    assert report["imposed_acceptance"] == [0.5] * 4
+    assert report["imposed_acceptance"] == [[0.5] * 4, [1.0] * 4]
     res = report["results"]
-    assert [r["batch"] for r in res["target_only"]] == [1, 2] == [r["batch"] for r in res["speculative"]]
+    assert [r["batch"] for r in res["target_only"]] == [1, 2]
+    assert [(r["batch"], r["imposed_profile"]) for r in res["speculative"]] == [
+        (1, [0.5] * 4), (1, [1.0] * 4), (2, [0.5] * 4), (2, [1.0] * 4)]
     for r in res["target_only"] + res["speculative"]:
         for key in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tok_s_per_user", "tok_s_total",
                     "step_ms", "step_bytes", "step_gbps"):
@@ -36,8 +39,9 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
     for r in res["speculative"]:
         assert r["imposed_acceptance"] is True
         assert 1.0 <= r["tau"] <= 5.0 and len(r["acceptance_per_position"]) == 4
-    first = res["speculative"][0]                      # the phase split is timed at the smallest batch
-    assert first["draft_ms"] > 0 and first["verify_ms"] > 0 and first["commit_ms"] > 0
+        assert r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["commit_ms"] > 0
+        if r["imposed_profile"] == [1.0] * 4:         # 1 prefill token + two full rounds of 4 + bonus
+            assert r["tau"] == 5.0 and r["acceptance_per_position"] == [1.0] * 4
     for r in res["hf_eager"]:
         assert "error" in r or r["tpot_ms_p50"] > 0
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]

@@ -31,3 +31,30 @@ def test_compiled_decode_step_matches_eager_on_cpu():
     finally:
         torch._dynamo.config.error_on_recompile = False
     assert out[0].token_ids == eager[0].token_ids
+
+
+def test_compiled_round_reuses_one_graph_per_layer_kind_and_matches_eager():
+    """Regional compilation: a greedy speculative round at one batch size compiles five graphs,
+    whatever the depth (one ShortConv layer, one attention layer, one draft layer, the draft's
+    head + Markov walk, acceptance + commit), then runs without recompiling and emits exactly the
+    eager engine's tokens."""
+    from torch._dynamo.utils import counters
+
+    def engine(compile: bool) -> Engine:
+        return Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=2,
+                                  max_seq_len=128, compile=compile)
+
+    torch._dynamo.reset()
+    counters.clear()
+    prompts, params = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=14)
+    compiled = engine(True)
+    first = compiled.generate(prompts, params)
+    assert counters["stats"]["unique_graphs"] == 5
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        again = compiled.generate(prompts, params)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    expected = [o.token_ids for o in engine(False).generate(prompts, params)]
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in again] == expected
