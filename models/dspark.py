@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
@@ -28,7 +27,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import RMSNorm, SwiGLU
+from .layers import Linear, RMSNorm, SwiGLU, linear
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -74,8 +73,8 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
 
@@ -99,7 +98,7 @@ class DraftLayer(nn.Module):
         h = self.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
         q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
-        lfm.kv_norm_rope_write(F.linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
+        lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
                                torch.full_like(slots, G), self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
         x = x + attn.o_proj(o.reshape(B, G, -1))
@@ -115,7 +114,7 @@ class MarkovHead(nn.Module):
         self.kind = cfg.markov_head_type
         self.rank = r
         self.markov_w1 = nn.Embedding(vocab, r)
-        self.markov_w2 = nn.Linear(r, vocab, bias=False)
+        self.markov_w2 = Linear(r, vocab)
         if self.kind == "gated":
             self.gate_proj = nn.Linear(H + r, r, bias=True)
         elif self.kind == "rnn":
@@ -159,7 +158,7 @@ class DSparkDraft(nn.Module):
         self.config = cfg
         H, L = cfg.hidden_size, cfg.num_hidden_layers
         self.kv_width = cfg.num_key_value_heads * cfg.head_dim
-        self.fc = nn.Linear(cfg.n_taps * target_hidden, H, bias=False)
+        self.fc = Linear(cfg.n_taps * target_hidden, H)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(L))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -191,7 +190,7 @@ class DSparkDraft(nn.Module):
         """Write context K/V for the first ``lens[b]`` columns of ``aux [B, T, n_taps*H_t]`` at
         positions ``start[b] + t`` in every draft layer."""
         ctx = self.hidden_norm(self.fc(aux))
-        kv = F.linear(ctx, self.kv_proj.flatten(0, 1))
+        kv = linear(ctx, self.kv_proj.flatten(0, 1))
         lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, 0, slots, start, lens,
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 

@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.skinny_linear import MAX_M
+
+lfm = torch.ops.lfmspark
+
+
+def _skinny_rows() -> tuple[int, int]:
+    """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
+    ``all`` (default, 1..64), ``verify`` (2..64: leave M = 1 to Inductor's GEMV) or ``off``."""
+    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "all")
+    return {"all": (1, MAX_M), "verify": (2, MAX_M), "off": (1, 0)}[mode]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias). On CUDA, products with few rows (decode, verify, the draft block)
+    go through ``lfmspark::skinny_linear``, which streams the weight once near copy bandwidth;
+    cuBLAS reaches ~2.9 TB/s at such shapes and Inductor's fused M = 1 GEMVs ~2.6 TB/s
+    (docs/benchmarks.md). Prefill-sized products stay on cuBLAS."""
+    rows = x.numel() // x.shape[-1]
+    lo, hi = _skinny_rows()
+    if x.is_cuda and lo <= rows <= hi:
+        return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` computed by :func:`linear`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -27,8 +63,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.w13 = nn.Linear(hidden, 2 * ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w13 = Linear(hidden, 2 * ffn)
+        self.w2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)

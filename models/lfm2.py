@@ -29,7 +29,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import RMSNorm, SwiGLU
+from .layers import Linear, RMSNorm, SwiGLU
 
 lfm = torch.ops.lfmspark
 
@@ -61,8 +61,8 @@ class Lfm2Attention(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
-        self.out_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim)
+        self.out_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size)
         self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.scale = self.head_dim ** -0.5
@@ -91,9 +91,9 @@ class Lfm2ShortConv(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         H = cfg.hidden_size
-        self.in_proj = nn.Linear(H, 3 * H, bias=False)
+        self.in_proj = Linear(H, 3 * H)
         self.conv_weight = nn.Parameter(torch.empty(H, cfg.conv_L_cache))   # HF conv.conv.weight squeezed
-        self.out_proj = nn.Linear(H, H, bias=False)
+        self.out_proj = Linear(H, H)
 
     def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
         b_gate, c_gate, xx = self.in_proj(x).chunk(3, dim=-1)
@@ -151,7 +151,7 @@ class Lfm2ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Lfm2Backbone(cfg, make_feed_forward)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

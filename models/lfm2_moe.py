@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .config import TargetConfig
-from .layers import SwiGLU
+from .layers import Linear, SwiGLU
 from .lfm2 import Lfm2ForCausalLM
 
 lfm = torch.ops.lfmspark
@@ -35,7 +35,7 @@ class Lfm2MoeBlock(nn.Module):
         self.use_expert_bias = cfg.use_expert_bias
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
         self.experts = Lfm2MoeExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         # kept fp32 whatever the model dtype (HF creates it fp32; the loader preserves that)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))

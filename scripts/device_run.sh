@@ -19,11 +19,14 @@ for step in $STEPS; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)   # gpu-marked tests plus the op tests, which run natively on CUDA
-      LFMSPARK_COORDINATE_DESCENT=0 timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs \
+      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rs \
         tests/ops tests/test_graphs_gpu.py 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1
       tail -40 $RUN/kernels.log ;;
+    skinny)
+      timeout ${T_SKINNY:-60} python3 benchmarks/kernels/skinny_linear.py --json $RUN/skinny.json 2>&1 \
+        | tee $RUN/skinny.log | tail -32 ;;
     bench12)
       timeout ${T_BENCH12:-300} lfmspark bench --preset lfm2.5-1.2b --batch-sizes ${BATCH_SIZES:-1} --runs 2 \
         $IMPOSED_ARGS ${BENCH_ARGS:-} --profile-dir $RUN/profile_1p2b --json $RUN/bench_1p2b.json 2>&1 \
@@ -33,7 +36,7 @@ for step in $STEPS; do
         $IMPOSED_ARGS ${BENCH_ARGS:-} --profile-dir $RUN/profile_8b --json $RUN/bench_8b.json 2>&1 \
         | tee $RUN/bench_8b.log | tail -25 ;;
     profiles)
-      for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-30} $f; done ;;
+      for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -17,6 +17,7 @@ import kv_norm_rope_write  # noqa: E402
 import kv_write  # noqa: E402
 import moe  # noqa: E402
 import short_conv  # noqa: E402
+import skinny_linear  # noqa: E402
 from common import copy_bandwidth_gbps  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def main() -> None:
 
     copy = copy_bandwidth_gbps()
     report = {"copy_gbps": copy, "rows": []}
-    for module in (kv_write, short_conv, kv_norm_rope_write, cache_attention, moe):
+    for module in (kv_write, short_conv, kv_norm_rope_write, cache_attention, moe, skinny_linear):
         rows = module.run(copy)
         report["rows"] += rows
         print(tabulate(rows, headers="keys"), flush=True)

@@ -1,0 +1,162 @@
+"""``lfmspark::skinny_linear``: the Triton kernels (interpreter on CPU, native on CUDA) against the
+reference ``F.linear``; forced split-K, launch heuristic, registration checks, torch.compile.
+
+The oracle is the product in fp64 of the (upcast) inputs. Tolerances, as relative Frobenius errors
+``|out - oracle| / |oracle|``: fp32 1e-5 (the kernel lands near 2e-7); bf16 1e-2 (one rounding of
+the fp32 sum, about 3e-3, as the reference; the interpreter truncates fp32 -> bf16 instead of
+rounding, still about 3e-3 at these sizes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, skinny_config, skinny_linear_reference,
+                                        skinny_linear_triton)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _inputs(device: str, dtype: torch.dtype, M: int, N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    return x, w
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    assert out.shape == (x.shape[0], w.shape[0]) and out.dtype == x.dtype and out.device == x.device
+    want = x.double() @ w.double().T
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < TOL[x.dtype], err
+    ref = skinny_linear_reference(x, w)
+    ref_err = ((ref.double() - want).norm() / want.norm()).item()
+    assert ref_err < TOL[x.dtype], ref_err  # the reference itself meets the same bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [1, 3, 10, 17, 40])
+@pytest.mark.parametrize("N, K", [(160, 256), (100, 128), (33, 96 + 32 + 7)], ids=["even", "n_tail", "k_tail"])
+def test_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int) -> None:
+    x, w = _inputs(triton_device, dtype, M, N, K, seed=M)
+    _check(skinny_linear_triton(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N, K, cfg", [
+    (10, 100, 256, SkinnyConfig(block_n=32, block_k=64, split_k=4)),    # 4 even splits
+    (17, 48, 200, SkinnyConfig(block_n=16, block_k=32, split_k=3)),     # K tail in the last split
+    (3, 64, 192, SkinnyConfig(block_n=64, block_k=64, split_k=5)),      # 5 asked, 3 non-empty
+    (40, 160, 128, SkinnyConfig(block_n=128, block_k=16, split_k=8)),   # N tail, one K step a split
+], ids=["even", "k_tail", "fewer_splits", "n_tail"])
+def test_forced_split_k(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int, cfg: SkinnyConfig) -> None:
+    x, w = _inputs(triton_device, dtype, M, N, K, seed=N)
+    _check(skinny_linear_triton(x, w, cfg), x, w)
+
+
+def test_split_k_is_deterministic(triton_device: str) -> None:
+    x, w = _inputs(triton_device, torch.float32, 10, 64, 256)
+    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=4)
+    assert torch.equal(skinny_linear_triton(x, w, cfg), skinny_linear_triton(x, w, cfg))
+
+
+def test_strided_x(triton_device: str) -> None:
+    """``x`` as a column slice of a wider activation (row stride > K), and as a transposed view
+    (column stride != 1: made contiguous)."""
+    wide, w = _inputs(triton_device, torch.float32, 10, 96, 3 * 64)
+    _check(skinny_linear_triton(wide[:, 64:128], w[:, :64].contiguous()), wide[:, 64:128], w[:, :64])
+    xt = torch.randn(64, 10, device=triton_device).T
+    _check(skinny_linear_triton(xt, w[:, :64].contiguous()), xt, w[:, :64])
+
+
+def test_empty_and_zero_k(triton_device: str) -> None:
+    x, w = _inputs(triton_device, torch.float32, 0, 32, 64)
+    assert skinny_linear_triton(x, w).shape == (0, 32)
+    x, w = _inputs(triton_device, torch.float32, 4, 32, 0)
+    assert torch.equal(skinny_linear_triton(x, w), torch.zeros(4, 32, device=triton_device))
+
+
+def test_rejects_unsupported(triton_device: str) -> None:
+    x, w = _inputs(triton_device, torch.float32, MAX_M + 1, 32, 64)
+    with pytest.raises(ValueError, match=str(MAX_M)):
+        skinny_linear_triton(x, w)
+    with pytest.raises(ValueError, match=str(MAX_M)):
+        torch.ops.lfmspark.skinny_linear(x, w)  # the op (reference path on CPU) has the same limit
+    with pytest.raises(ValueError, match="row-major"):
+        skinny_linear_triton(x[:8], w.T.contiguous().T)
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_linear_triton(x[:8], w.double())
+
+
+@pytest.mark.parametrize("M", [1, 9, 10, 18, 20, 36, 40, 64])
+@pytest.mark.parametrize("N, K", [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048),
+                                  (65536, 2048), (2048, 4096), (4096, 2048), (12288, 2048)])
+def test_config_heuristic_h200(M: int, N: int, K: int) -> None:
+    """At the served shapes on 132 SMs: the fast (unmasked) path, at least 1.5 programs per SM,
+    a split only when N alone cannot supply them, and no more splits than K steps allow."""
+    cfg = skinny_config(M, N, K, 2, 132)
+    assert K % cfg.block_k == 0 and 64 <= cfg.block_k <= 256 and 16 <= cfg.block_n <= 128
+    n_blocks, k_steps = -(-N // cfg.block_n), K // cfg.block_k
+    assert cfg.split_k == 1 or n_blocks < 1.5 * 132
+    steps_per_split = -(-k_steps // cfg.split_k)
+    assert cfg.split_k == 1 or steps_per_split >= 4
+    assert n_blocks * -(-k_steps // steps_per_split) >= 1.5 * 132
+
+
+# ---------------------------------------------------------------------------------------------
+# op registration, torch.compile
+
+def _op_args() -> tuple[torch.Tensor, torch.Tensor]:
+    return _inputs("cpu", torch.float32, 10, 48, 96)
+
+
+def test_opcheck_reference() -> None:
+    torch.library.opcheck(torch.ops.lfmspark.skinny_linear, _op_args())
+
+
+def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    torch.library.opcheck(torch.ops.lfmspark.skinny_linear, _op_args())
+
+
+def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    x, w = _op_args()
+
+    def project(x, w):
+        return torch.ops.lfmspark.skinny_linear(x * 2, w).relu()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(project, fullgraph=True)
+    eager = project(x, w)
+    torch.testing.assert_close(compiled(x, w), eager, rtol=0, atol=0)
+    torch.testing.assert_close(eager, skinny_linear_reference(x * 2, w).relu(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the served shapes (LFM2.5-1.2B target and its draft), default heuristic
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 9, 10, 40, 64])
+@pytest.mark.parametrize("N, K", [(6144, 2048), (2048, 8192), (3072, 2048), (65536, 2048), (2048, 4096)])
+def test_gpu_served_shapes(M: int, N: int, K: int) -> None:
+    x, w = _inputs("cuda", torch.bfloat16, M, N, K, seed=M)
+    _check(torch.ops.lfmspark.skinny_linear(x, w), x, w)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_follows_input() -> None:
+    x, w = _inputs("cuda", torch.bfloat16, 10, 2048, 8192)   # the split-K path
+    assert skinny_config(10, 2048, 8192, 2, torch.cuda.get_device_properties(0).multi_processor_count).split_k > 1
+    torch.ops.lfmspark.skinny_linear(x, w)                    # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.lfmspark.skinny_linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    _check(out, x, w)
+    first = out.clone()
+    graph.replay()
+    assert torch.equal(out, first)  # deterministic run to run
