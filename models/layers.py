@@ -16,16 +16,15 @@ lfm = torch.ops.lfmspark
 
 def _skinny_rows() -> tuple[int, int]:
     """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
-    ``all`` (default, 1..64), ``verify`` (2..64: leave M = 1 to Inductor's GEMV) or ``off``."""
-    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "all")
+    ``off`` (default), ``all`` (1..64) or ``verify`` (2..64). Off because on the H200 it measured
+    no faster than cuBLAS at these shapes (docs/benchmarks.md); kept as a measured alternative."""
+    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "off")
     return {"all": (1, MAX_M), "verify": (2, MAX_M), "off": (1, 0)}[mode]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (no bias). On CUDA, products with few rows (decode, verify, the draft block)
-    go through ``lfmspark::skinny_linear``, which streams the weight once near copy bandwidth;
-    cuBLAS reaches ~2.9 TB/s at such shapes and Inductor's fused M = 1 GEMVs ~2.6 TB/s
-    (docs/benchmarks.md). Prefill-sized products stay on cuBLAS."""
+    """``x @ weight.T`` (no bias): ``F.linear``, or ``lfmspark::skinny_linear`` for few-row products on
+    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`)."""
     rows = x.numel() // x.shape[-1]
     lo, hi = _skinny_rows()
     if x.is_cuda and lo <= rows <= hi:

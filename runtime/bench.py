@@ -144,6 +144,7 @@ def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> floa
     return percentile(times, 50)
 
 
+@torch.no_grad()
 def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float]:
     """Milliseconds of the round's phases (draft / verify / accept+commit), each captured as its own
     CUDA graph on a GPU (plain calls elsewhere), for ``batch`` real rows. The phases run the
