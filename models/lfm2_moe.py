@@ -28,6 +28,20 @@ class Lfm2MoeExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, ffn))
 
 
+def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest of each row of ``scores [N, E]``, in descending order (ties: lower index
+    first), like ``torch.topk(...).indices`` for distinct scores. Computed from pairwise ranks,
+    which Inductor fuses into one small kernel; ``torch.topk`` costs a sort and a gather kernel
+    per layer (~9 us of a ~2 ms LFM2-8B-A1B decode step, 22 times; docs/benchmarks.md)."""
+    E = scores.shape[-1]
+    idx = torch.arange(E, device=scores.device)
+    s_i, s_j = scores[:, :, None], scores[:, None, :]
+    beats = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None])[None])   # [N, i, j]: j ranks above i
+    rank = beats.sum(-1)                                                          # [N, E], a permutation of 0..E-1
+    slot = torch.arange(k, device=scores.device)
+    return ((rank[:, None, :] == slot[None, :, None]) * idx).sum(-1)              # [N, k]: the expert at each rank
+
+
 class Lfm2MoeBlock(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -43,11 +57,9 @@ class Lfm2MoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [N, k], topk_weights [N, k])`` for tokens ``x [N, H]``."""
         probs = self.gate(x).sigmoid()
-        if self.use_expert_bias:
-            _, ids = torch.topk(probs + self.expert_bias, self.top_k, dim=-1)   # fp32 scores select
-            weights = probs.gather(1, ids)                                      # unbiased weights
-        else:
-            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        scores = probs + self.expert_bias if self.use_expert_bias else probs   # fp32 scores select
+        ids = top_k_ids(scores, self.top_k)
+        weights = probs.gather(1, ids)                                          # unbiased weights
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
         return ids, weights * self.routed_scaling_factor
