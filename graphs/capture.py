@@ -1,13 +1,14 @@
 """CUDA graph capture of the step functions, one graph per batch size (DESIGN §5).
 
 Each step (``decode`` or the speculative ``round``, greedy and sampling variants) runs its regions
-compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own cudagraphs;
-graphs/compile.py says which regions), runs on a side stream to warm up (compilation, Triton autotuning, cuBLAS handles happen there, never during
-capture), then captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared
-memory pool. Warm-up and capture run with every row a padding row (slot ``-1``), so they change
-no state. At run time a batch is padded with ``-1`` rows up to the next captured size, the slots
-are copied into that size's static input buffer (only when they changed), and the graph replays:
-no allocation, no host sync, no recompilation.
+compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own
+cudagraphs; graphs/compile.py says which regions). It runs on a side stream to warm up
+(compilation, Triton autotuning, cuBLAS handles happen there, never during capture), then is
+captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared memory pool. Warm-up
+and capture run with every row a padding row (slot ``-1``), so they change no state. At run time a
+batch is padded with ``-1`` rows up to the next captured size, the slots are copied into that
+size's static input buffer (only when they changed), and the graph replays: no allocation, no host
+sync, no recompilation.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Importing this package registers every op. Each module holds one op family: its 
 launcher, reference implementation and ``torch.library`` registration (DESIGN §3).
 """
 
-from . import cache_attention, kv_norm_rope_write, kv_write, moe, short_conv, skinny_linear  # noqa: F401  (registers the ops)
+# importing the modules registers the ops
+from . import cache_attention, kv_norm_rope_write, kv_write, moe, short_conv, skinny_linear  # noqa: F401
 from .rope import apply_rope, gather_cos_sin, rope_cos_sin_table
 
 __all__ = ["apply_rope", "gather_cos_sin", "rope_cos_sin_table"]

@@ -224,22 +224,7 @@ class Engine:
         round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
         service), sampling. Call once before taking traffic; progress goes to the ``lfmspark`` logger."""
         modes = (False, True) if sampling else (False,)
-        report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
-        self._warm_prefill(modes)
-        return report
-
-    @torch.no_grad()
-    def _warm_prefill(self, modes: tuple[bool, ...]) -> None:
-        """Run prefill on a padding row (slot -1: nothing is written) so the Triton kernels and
-        library handles it needs are built now rather than inside the first request's TTFT.
-        Two lengths, because Triton specialises integer arguments on divisibility by 16."""
-        one = torch.ones(1, dtype=torch.int64, device=self.device)
-        for sampling in modes:
-            for n in (16, 17):
-                ids = torch.zeros((1, n), dtype=torch.int64, device=self.device)
-                self.steps.prefill(ids, -one, 0 * one, n * one, sampling)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
