@@ -96,7 +96,10 @@ class CudaGraphRunner:
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
                sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:
+        from torch._dynamo.utils import counters
+
         report = WarmupReport(mode="cuda-graphs")
+        cache_before = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         t_all = time.perf_counter()
         todo = [(k, s, b) for k in kinds for s in sampling_modes for b in reversed(self.batch_sizes)]
         for i, (kind, sampling, bs) in enumerate(todo):
@@ -109,12 +112,9 @@ class CudaGraphRunner:
                          "sample" if sampling else "greedy", bs, entry.compile_s, entry.capture_s,
                          entry.graph_bytes / 2**20)
         report.total_s = time.perf_counter() - t_all
-        if progress:
-            from torch._dynamo.utils import counters
-
-            inductor = counters["inductor"]
-            log.info("warm-up %.1fs; Inductor FX graph cache: %d hits, %d misses, %d bypassed", report.total_s,
-                     inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"])
+        if progress:       # the counters are per process: report this warm-up's share
+            hits, misses = (counters["inductor"][k] - v for k, v in cache_before.items())
+            log.info("warm-up %.1fs; Inductor FX graph cache: %d hits, %d misses", report.total_s, hits, misses)
         return report
 
     # -- replay -----------------------------------------------------------------------------

@@ -12,8 +12,10 @@ slices as inputs (models/cache.py), so nothing in a compiled layer depends on wh
 
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
 ``LFMSPARK_CACHE_DIR`` (default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
-from cache instead of recompiling. Each step is compiled once per static shape (batch size) and
-sampling mode, so Dynamo's recompile limits are raised to cover them.
+from cache instead of recompiling (set at import, so it also holds for other ``torch.compile``
+calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins). Each region is compiled once
+per static shape (batch size) and, for the tails, sampling mode, so Dynamo's recompile limits are
+raised to cover them.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def configure_compile(n_variants: int) -> None:
     inductor = torch._inductor.config
     inductor.fx_graph_cache = True
     # Coordinate-descent tuning is what makes Inductor decompose M = 1 matmuls into tuned GEMV
-    # reductions; the few-row products now run in lfmspark::skinny_linear (models/layers.py), so it
-    # would only tune small pointwise/norm kernels while lengthening every compile. Off by default;
-    # LFMSPARK_COORDINATE_DESCENT=1 turns it on (e.g. with LFMSPARK_SKINNY_LINEAR=verify).
+    # reductions (with the norms fused in). On the H200 that decode step was only ~1% faster than
+    # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
+    # default; LFMSPARK_COORDINATE_DESCENT=1 turns it on.
     inductor.coordinate_descent_tuning = os.environ.get("LFMSPARK_COORDINATE_DESCENT", "0") == "1"
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)

@@ -206,15 +206,15 @@ class DSparkDraft(nn.Module):
         x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
         cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        for i, layer in enumerate(layers or self.layers):
+        for i, layer in enumerate(self.layers if layers is None else layers):
             x = layer(x, self.kv_proj[i], self.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1], cache.rope, slots,
                       start, cos, sin)
         return x
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
                 pick: TokenPicker) -> DraftProposal:
-        """Draft one block: backbone, LM head, then the Markov walk left to right (``pick`` chooses
-        each token from its corrected logits)."""
+        """Draft one block: the layers, final norm and LM head, then the Markov walk left to right
+        (``pick`` chooses each token from its corrected logits)."""
         return self.head_and_walk(self.block_hidden(anchor, cache, slots, start), anchor, pick)
 
     def head_and_walk(self, x: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:

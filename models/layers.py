@@ -14,12 +14,18 @@ from ..ops.skinny_linear import MAX_M
 lfm = torch.ops.lfmspark
 
 
+_SKINNY_MODES = {"off": (1, 0), "all": (1, MAX_M), "verify": (2, MAX_M)}
+
+
 def _skinny_rows() -> tuple[int, int]:
     """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
     ``off`` (default), ``all`` (1..64) or ``verify`` (2..64). Off because on the H200 it measured
-    no faster than cuBLAS at these shapes (docs/benchmarks.md); kept as a measured alternative."""
+    no faster than cuBLAS at these shapes (docs/benchmarks.md); kept as a measured alternative.
+    Read at each call (under compile: at trace time), so a process can compare both."""
     mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "off")
-    return {"all": (1, MAX_M), "verify": (2, MAX_M), "off": (1, 0)}[mode]
+    if mode not in _SKINNY_MODES:
+        raise ValueError(f"LFMSPARK_SKINNY_LINEAR={mode!r}: use one of {sorted(_SKINNY_MODES)}")
+    return _SKINNY_MODES[mode]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

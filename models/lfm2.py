@@ -188,7 +188,8 @@ class Lfm2ForCausalLM(nn.Module):
         taps = {i: None for i in aux_layer_ids}
         if -1 in taps:
             taps[-1] = h
-        for i, (layer, layer_cache) in enumerate(zip(layers or self.model.layers, cache.layer_caches(self.config))):
+        layers = self.model.layers if layers is None else layers
+        for i, (layer, layer_cache) in enumerate(zip(layers, cache.layer_caches(self.config), strict=True)):
             h = layer(h, layer_cache, rows, mode, cos, sin)
             if i in taps:
                 taps[i] = h

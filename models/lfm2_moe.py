@@ -29,8 +29,10 @@ class Lfm2MoeExperts(nn.Module):
 
 
 def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest of each row of ``scores [N, E]``, in descending order (ties: lower index
-    first), like ``torch.topk(...).indices`` for distinct scores. Computed from pairwise ranks,
+    """The ``k`` largest of each row of ``scores [N, E]``, in descending order, like
+    ``torch.topk(...).indices`` for distinct scores; ties go to the lower expert index (torch.topk
+    leaves tie order unspecified, so bf16 router scores without an expert bias may pick another of
+    two tied experts than HF does). Computed from pairwise ranks,
     which Inductor fuses into one small kernel; ``torch.topk`` costs a sort and a gather kernel
     per layer (~9 us of a ~2 ms LFM2-8B-A1B decode step, 22 times; docs/benchmarks.md)."""
     E = scores.shape[-1]

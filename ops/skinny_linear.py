@@ -1,9 +1,10 @@
 """Skinny linear: ``x [M, K] @ weight[N, K]^T`` for a handful of rows (``M <= 64``), fp32 accumulation.
 
 Why: at batch 1 a speculative-decoding verify step multiplies ``M = 10`` rows (the draft ``M = 9``)
-by every weight matrix of the model. Such a GEMM is bound by reading the weight once; cuBLAS reaches
-only ~2.85 TB/s of the H200's ~4.2 TB/s copy bandwidth there, and Inductor's own GEMV path covers
-only ``M = 1``.
+by every weight matrix of the model. Such a GEMM is bound by reading the weight once, and Inductor's
+own GEMV path covers only ``M = 1``. Measured on the H200 (docs/benchmarks.md) this kernel matches
+cuBLAS on large matrices and loses on small ones, so the models use it only when
+``LFMSPARK_SKINNY_LINEAR`` asks for it (models/layers.py).
 
 Design: each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
@@ -120,8 +121,8 @@ def _block_m(M: int) -> int:
 
 
 def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
-    """Launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs (a heuristic, not yet swept on
-    the H200: ``python benchmarks/kernels/skinny_linear.py --sweep`` times the alternatives).
+    """Launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs (a heuristic, timed on the H200
+    but not swept: ``python benchmarks/kernels/skinny_linear.py --sweep`` times the alternatives).
 
     The kernel is bound by the weight stream, so the aims are (1) enough programs to keep every SM
     loading, at least ``_MIN_PROGRAMS_PER_SM`` per SM, and (2) enough weight bytes in flight per

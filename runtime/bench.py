@@ -33,7 +33,7 @@ from .sampling import SamplingParams
 
 log = logging.getLogger("lfmspark")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2     # 2: imposed_acceptance is a list of profiles; speculative rows carry imposed_profile
 DEFAULT_IMPOSED_RATE = 0.9     # per-position conditional rate imposed on random-weight drafts
 
 
@@ -151,6 +151,7 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     engine's compiled regions, so they compile nothing new when the batch size was warmed up."""
     steps = engine.steps
     slots = torch.arange(batch, device=engine.device)
+    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()   # each commit advances the rows
 
     def draft_phase():
         inp = steps.round_inputs(slots, False)
@@ -193,6 +194,8 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
                 _sync(engine.device)
                 times.append(time.perf_counter() - t0)
         result[name + "_ms"] = percentile(times, 50) * 1e3
+    engine.state.seq_len.copy_(saved[0])
+    engine.state.anchor.copy_(saved[1])
     return result
 
 
@@ -223,7 +226,10 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
 
 
-def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:
+def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None,
+                   profile: bool = True) -> dict:
+    """One row: ``cfg.runs`` batches of requests through ``engine``, then step timings. ``profile``
+    allows the per-kernel profile (written at the smallest batch when ``cfg.profile_dir`` is set)."""
     gen = torch.Generator().manual_seed(cfg.seed + batch)
     vocab = engine.config.vocab_size
     ttft, tpot, taus, accept = [], [], [], []
@@ -254,10 +260,8 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 imposed = o.stats.imposed_acceptance
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
-    if cfg.profile_dir and engine.device.type == "cuda" and batch == min(cfg.batch_sizes):
-        path = Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt"
-        if not path.exists():            # once per step kind, not once per imposed profile
-            profile_replays(engine, batch, path)
+    if profile and cfg.profile_dir and engine.device.type == "cuda" and batch == min(cfg.batch_sizes):
+        profile_replays(engine, batch, Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt")
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
     row = {
@@ -354,6 +358,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                  DEFAULT_IMPOSED_RATE)
     if profiles is not None and draft is not None:
         profiles = [p * draft.config.block_size if len(p) == 1 else p for p in profiles]
+        bad = [p for p in profiles if len(p) != draft.config.block_size]
+        if bad:        # refuse before anything is measured, not after the first profile's rows
+            raise ValueError(f"--imposed-acceptance needs one rate or {draft.config.block_size} (one per draft "
+                             f"slot), got {bad}")
     report["imposed_acceptance"] = profiles
     imposed = profiles[0] if profiles else None
     results: dict[str, list] = {"target_only": [], "speculative": [], "hf_eager": [], "hf_static_compile": []}
@@ -386,12 +394,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         log.info("batch %d: target-only", batch)
         results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps))
         if draft is not None:
-            for profile in profiles or [None]:
+            for i, profile in enumerate(profiles or [None]):
                 log.info("batch %d: speculative%s", batch, f", imposed acceptance {profile}" if profile else "")
                 engine = engine_for("speculative")
                 if profile is not None:
                     engine.set_imposed_acceptance(profile)
-                row = measure_engine(engine, cfg, batch, copy_gbps)
+                row = measure_engine(engine, cfg, batch, copy_gbps, profile=i == 0)
                 row["imposed_profile"] = profile
                 results["speculative"].append(row)
         if cfg.hf:
@@ -461,7 +469,10 @@ def table(report: dict) -> str:
         text += f"\nmeasured copy bandwidth: {report['copy_gbps']:.0f} GB/s"
     for r in res["speculative"]:
         if "draft_ms" in r:
-            text += (f"\nround split at batch {r['batch']}: draft {r['draft_ms']:.3f} ms, verify {r['verify_ms']:.3f} ms,"
+            rates = r.get("imposed_profile")
+            tag = f" (imposed {rates[0]:g})" if rates and len(set(rates)) == 1 else ""
+            text += (f"\nround split at batch {r['batch']}{tag}: draft {r['draft_ms']:.3f} ms, "
+                     f"verify {r['verify_ms']:.3f} ms,"
                      f" accept+commit {r['commit_ms']:.3f} ms (round {r['step_ms']:.3f} ms)")
     for kind, w in report.get("warmup", {}).items():
         text += f"\nwarm-up {kind}: {w['seconds']:.1f} s ({w['mode']})"

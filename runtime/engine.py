@@ -98,7 +98,11 @@ def _common_prefix(a: str, b: str) -> str:
 
 
 class Engine:
-    """Serve one target (dense LFM2 or LFM2-MoE) with an optional DSpark draft."""
+    """Serve one target (dense LFM2 or LFM2-MoE) with an optional DSpark draft.
+
+    The engine is inference-only: it turns ``requires_grad`` off on the models' parameters, and the
+    draft borrows the target's embedding and LM head (``DSparkDraft.attach_target``).
+    """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,

@@ -1,8 +1,10 @@
 """The device-side step functions: prefill, target-only decode, and the DSpark speculative round.
 
 All of them are plain tensor code over the slot-indexed state, with no host syncs: accepted
-lengths, positions, slots and anchors stay on the device, so ``decode`` and ``spec_round`` can be
-compiled with ``fullgraph=True`` and captured whole in a CUDA graph per batch size (DESIGN §5).
+lengths, positions, slots and anchors stay on the device, so ``decode`` and ``spec_round`` are
+captured whole in a CUDA graph per batch size (DESIGN §5). Their regions (each layer, and the
+tails ``finish_decode``, ``finish_draft``, ``round_accept_commit``) are what gets compiled, with
+``fullgraph=True`` (graphs/compile.py).
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 

@@ -24,7 +24,7 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
                  "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert report["schema"] == 1
+    assert report["schema"] == 2
     assert {"date", "command", "torch", "transformers", "lfmspark", "device"} <= set(report["environment"])
     assert report["models"] == "preset tiny + tiny-dspark"
     assert report["imposed_acceptance"] == [[0.5] * 4, [1.0] * 4]
