@@ -44,27 +44,33 @@ def _short_conv_prefill_kernel(
     T, H,
     stride_bb, stride_bt, stride_ob, stride_ot,
     stride_ss, stride_st,
-    K: tl.constexpr, BLOCK_H: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    # program (row, channel block, time block): the outputs are independent across time, so long
+    # prompts spread over many programs instead of one sequential scan per channel block
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t0 = tl.program_id(2) * BLOCK_T
     slot = tl.load(slots_ptr + b)
     cmask = tl.where(slot >= 0, cols < H, False)
     zero_init = (tl.load(start_ptr + b) == 0).to(tl.int32)
     n = tl.load(lens_ptr + b)
     bx_row = bx_ptr + b * stride_bb
     st_row = state_ptr + slot.to(tl.int64) * stride_ss
-    for t in range(0, T):
+    for t in range(t0, tl.minimum(t0 + BLOCK_T, T)):
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
             w = tl.load(w_ptr + cols * K + j, mask=cmask, other=0.0).to(tl.float32)
             acc += w * _ext_load(bx_row, st_row, t + j, stride_bt, stride_st, cols, cmask, K - 1, zero_init)
         tl.store(out_ptr + b * stride_ob + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
-    # new state = x_ext[n : n + K-1]; column i reads x_ext[n + i] with n + i >= i, so writing in
-    # increasing i never overwrites a state column that is still to be read
-    for i in tl.static_range(K - 1):
-        x = _ext_load(bx_row, st_row, n + i, stride_bt, stride_st, cols, cmask, K - 1, zero_init)
-        tl.store(st_row + i * stride_st + cols, x.to(state_ptr.dtype.element_ty), mask=cmask)
+    # new state = x_ext[n : n + K-1], written by the first time block only: it is the only block
+    # that reads the old state (t + j < K - 1 needs t < K - 1 <= BLOCK_T), and it has read it by now.
+    # Column i reads x_ext[n + i] with n + i >= i, so writing in increasing i never overwrites a
+    # state column that is still to be read.
+    if t0 == 0:
+        for i in tl.static_range(K - 1):
+            x = _ext_load(bx_row, st_row, n + i, stride_bt, stride_st, cols, cmask, K - 1, zero_init)
+            tl.store(st_row + i * stride_st + cols, x.to(state_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -120,6 +126,7 @@ def _short_conv_commit_kernel(
 # launchers
 
 _BLOCK_H = 256
+_BLOCK_T = 16      # prefill tokens per program (>= K - 1, see the prefill kernel)
 
 
 def _check_inner(x: torch.Tensor, name: str) -> None:
@@ -129,19 +136,22 @@ def _check_inner(x: torch.Tensor, name: str) -> None:
 
 def short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens) -> torch.Tensor:
     B, T, H = bx.shape
+    K = weight.shape[1]
+    if K - 1 > _BLOCK_T:
+        raise ValueError(f"conv kernel width {K} exceeds what the prefill kernel supports ({_BLOCK_T + 1})")
     bx = bx if bx.stride(-1) == 1 else bx.contiguous()
-    out = torch.zeros_like(bx, memory_format=torch.contiguous_format)
+    out = torch.empty_like(bx, memory_format=torch.contiguous_format)     # every element is stored
     if B * T == 0:
         return out
     _check_inner(conv_state, "conv_state")
-    grid = (B, triton.cdiv(H, _BLOCK_H))
+    grid = (B, triton.cdiv(H, _BLOCK_H), triton.cdiv(T, _BLOCK_T))
     state = conv_state[layer]          # the layer's view (no 32-bit layer * stride in the kernel)
     _short_conv_prefill_kernel[grid](
         bx, weight.contiguous(), state, out, slots, start, lens,
         T, H,
         bx.stride(0), bx.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1),
-        K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
+        K=K, BLOCK_H=_BLOCK_H, BLOCK_T=_BLOCK_T, enable_fp_fusion=False,
     )
     return out
 
@@ -149,7 +159,7 @@ def short_conv_prefill_triton(bx, weight, conv_state, layer, slots, start, lens)
 def short_conv_verify_triton(bx, weight, conv_state, tape, layer, slots) -> torch.Tensor:
     B, W, H = bx.shape
     bx = bx if bx.stride(-1) == 1 else bx.contiguous()
-    out = torch.zeros_like(bx, memory_format=torch.contiguous_format)
+    out = torch.empty_like(bx, memory_format=torch.contiguous_format)     # every element is stored
     if B * W == 0:
         return out
     _check_inner(conv_state, "conv_state")

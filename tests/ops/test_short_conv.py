@@ -41,7 +41,7 @@ def idx(values: list[int], device: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T, H", [(1, 64), (5, 300), (9, 33)])
+@pytest.mark.parametrize("T, H", [(1, 64), (5, 300), (9, 33), (37, 40)])   # 37: three time blocks
 def test_prefill_matches_reference(triton_device, dtype, T, H):
     bx, w, state = inputs(triton_device, dtype, 4, T, H, seed=T + H)
     slots = idx([3, -1, 0, 5], triton_device)
