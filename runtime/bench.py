@@ -12,12 +12,15 @@ versions, GPU name and date (DESIGN §7).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import math
 import platform
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +54,7 @@ class BenchConfig:
     runs: int = 3
     hf: bool = True
     hf_compile: bool = False
+    hf_compile_timeout_s: float = 600.0   # past it the HF compiled baseline is reported as failed
     device: str | None = None
     dtype: str = "bfloat16"
     seed: int = 0
@@ -411,6 +415,31 @@ def run_bench(cfg: BenchConfig) -> dict:
     return report
 
 
+class BaselineTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise :class:`BaselineTimeout` inside the block after ``seconds`` (SIGALRM: main thread on
+    POSIX; elsewhere no limit), so a baseline that compiles too long is reported as failed."""
+    if (math.isinf(seconds) or not hasattr(signal, "setitimer")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise BaselineTimeout(f"did not finish within {seconds:g} s (--hf-compile-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
     from .hf_baseline import hf_model_like, time_hf_generate
 
@@ -418,13 +447,14 @@ def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled
     log.info("batch %d: %s", batch, label)
     row: dict = {"batch": batch}
     try:
-        hf = hf_model_like(target)
-        if compiled:
-            hf.generation_config.cache_implementation = "static"
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
-                                generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-        timing = time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
+        with _time_limit(cfg.hf_compile_timeout_s if compiled else math.inf):
+            hf = hf_model_like(target)
+            if compiled:
+                hf.generation_config.cache_implementation = "static"
+                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
+                                    generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+            timing = time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
         row.update(ttft_ms_p50=timing["ttft_ms"], tpot_ms_p50=timing["tpot_ms"],
                    tok_s_per_user=1e3 / timing["tpot_ms"], tok_s_total=batch * 1e3 / timing["tpot_ms"])
     except Exception as e:       # a baseline that fails is reported as such, not hidden

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=_positive, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     b.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    b.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline may "
+                   "take per batch size before it is reported as failed (default 600)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
@@ -114,7 +116,8 @@ def _bench(args) -> int:
                       draft_preset=None if args.draft_preset == "none" else args.draft_preset,
                       batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, output_len=args.output_len,
                       temperature=args.temperature, imposed_acceptance=args.imposed_acceptance, runs=args.runs,
-                      hf=not args.no_hf, hf_compile=args.hf_compile, device=device,
+                      hf=not args.no_hf, hf_compile=args.hf_compile,
+                      hf_compile_timeout_s=args.hf_compile_timeout, device=device,
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
                       phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir)
     report = run_bench(cfg)

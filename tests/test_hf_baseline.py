@@ -25,3 +25,21 @@ def test_hf_model_shares_our_weights_and_matches_our_logits(moe):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     timing = time_hf_generate(hf, ids, 4, runs=1)
     assert timing["tpot_ms"] > 0 and timing["ttft_ms"] > 0
+
+
+def test_a_compiled_baseline_past_its_time_limit_is_reported_as_failed(monkeypatch):
+    import time
+
+    from lfmspark.runtime import bench, hf_baseline
+
+    def too_slow(*args, **kwargs):
+        time.sleep(5)
+        return {"ttft_ms": 1.0, "tpot_ms": 1.0}
+
+    monkeypatch.setattr(hf_baseline, "time_hf_generate", too_slow)
+    cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=0.3)
+    t0 = time.perf_counter()
+    row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
+    assert time.perf_counter() - t0 < 3
+    assert row["error"].startswith("BaselineTimeout: did not finish within 0.3 s")
+    assert "tpot_ms_p50" not in row
