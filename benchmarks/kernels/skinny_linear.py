@@ -41,6 +41,15 @@ def _weights(N: int, K: int) -> list[torch.Tensor]:
     return [(torch.randn(N, K, generator=gen, device="cuda") / K ** 0.5).to(DTYPE) for _ in range(n_copies)]
 
 
+def _cases():
+    """``(N, K, M, weights, x)`` for every served shape and row count (one weight set per shape)."""
+    for N, K in SHAPES:
+        weights = _weights(N, K)
+        for M in ROWS:
+            yield N, K, M, weights, torch.randn(M, K, device="cuda").to(DTYPE)
+        del weights
+
+
 def _per_product_ms(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     def step():
         for w in weights:
@@ -55,18 +64,14 @@ def _bytes(M: int, N: int, K: int) -> int:
 def run(copy_gbps: float) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for N, K in SHAPES:
-        weights = _weights(N, K)
-        for M in ROWS:
-            x = torch.randn(M, K, device="cuda").to(DTYPE)
-            shape = f"M={M} N={N} K={K} bf16"
-            cfg = skinny_config(M, N, K, DTYPE.itemsize, sms)
-            ms = _per_product_ms(torch.ops.lfmspark.skinny_linear, x, weights)
-            rows.append(row("skinny_linear", shape, ms, _bytes(M, N, K), copy_gbps,
-                            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k))
-            ms = _per_product_ms(F.linear, x, weights)
-            rows.append(row("F.linear (cuBLAS)", shape, ms, _bytes(M, N, K), copy_gbps))
-        del weights
+    for N, K, M, weights, x in _cases():
+        shape = f"M={M} N={N} K={K} bf16"
+        cfg = skinny_config(M, N, K, DTYPE.itemsize, sms)
+        ms = _per_product_ms(torch.ops.lfmspark.skinny_linear, x, weights)
+        rows.append(row("skinny_linear", shape, ms, _bytes(M, N, K), copy_gbps,
+                        block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k))
+        ms = _per_product_ms(F.linear, x, weights)
+        rows.append(row("F.linear (cuBLAS)", shape, ms, _bytes(M, N, K), copy_gbps))
     return rows
 
 
@@ -84,25 +89,21 @@ def sweep(copy_gbps: float, budget_s: float = 480.0) -> list[dict]:
     ``budget_s / (shapes x rows)`` seconds each at most (compiles included); returns all rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for N, K in SHAPES:
-        weights = _weights(N, K)
-        for M in ROWS:
-            x = torch.randn(M, K, device="cuda").to(DTYPE)
-            default = skinny_config(M, N, K, DTYPE.itemsize, sms)
-            t0 = time.time()
-            for cfg in [default] + _candidates(M):
-                if time.time() - t0 > budget_s / (len(SHAPES) * len(ROWS)):
-                    break
-                op = lambda x, w, cfg=cfg: skinny_linear_triton(x, w, cfg)  # noqa: E731
-                try:
-                    ms = _per_product_ms(op, x, weights)
-                except Exception as exc:  # e.g. out of shared memory for a large tile
-                    rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "error": type(exc).__name__})
-                    continue
-                r = row("skinny_linear", f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
-                rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "default": cfg is default,
-                             "us": r["us"], "GB/s": r["GB/s"], "frac_of_copy": r["frac_of_copy"]})
-        del weights
+    for N, K, M, weights, x in _cases():
+        default = skinny_config(M, N, K, DTYPE.itemsize, sms)
+        t0 = time.time()
+        for cfg in [default] + _candidates(M):
+            if time.time() - t0 > budget_s / (len(SHAPES) * len(ROWS)):
+                break
+            op = lambda x, w, cfg=cfg: skinny_linear_triton(x, w, cfg)  # noqa: E731
+            try:
+                ms = _per_product_ms(op, x, weights)
+            except Exception as exc:  # e.g. out of shared memory for a large tile
+                rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "error": type(exc).__name__})
+                continue
+            r = row("skinny_linear", f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
+            rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "default": cfg is default,
+                         "us": r["us"], "GB/s": r["GB/s"], "frac_of_copy": r["frac_of_copy"]})
     return rows
 
 
