@@ -12,15 +12,12 @@ versions, GPU name and date (DESIGN §7).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import math
 import platform
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,14 +162,15 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def verify_phase():
         v = steps.round_verify(steps.round_inputs(slots, False), tokens)
-        return v.hidden, v.aux
+        return v.hidden, v.delta, v.aux
 
-    hidden, aux = verify_phase()
+    hidden, delta, aux = verify_phase()
 
     def commit_phase():
         from .steps import Drafted, Verified
 
-        out = steps.round_accept_commit(steps.round_inputs(slots, False), Drafted(tokens, None), Verified(hidden, aux))
+        out = steps.round_accept_commit(steps.round_inputs(slots, False), Drafted(tokens, None),
+                                         Verified(hidden, delta, aux))
         return out.tokens, out.n_new
 
     result = {}
@@ -415,43 +413,20 @@ def run_bench(cfg: BenchConfig) -> dict:
     return report
 
 
-class BaselineTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Raise :class:`BaselineTimeout` inside the block after ``seconds`` (SIGALRM: main thread on
-    POSIX; elsewhere no limit), so a baseline that compiles too long is reported as failed."""
-    if (math.isinf(seconds) or not hasattr(signal, "setitimer")
-            or threading.current_thread() is not threading.main_thread()):
-        yield
-        return
-
-    def expire(signum, frame):
-        raise BaselineTimeout(f"did not finish within {seconds:g} s (--hf-compile-timeout)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
+    """HF eager ``generate`` runs in this process; static cache + compile runs in a child process
+    (runtime/hf_subprocess.py), so its crash or over-long compile becomes a failed row."""
     from .hf_baseline import hf_model_like, time_hf_generate
+    from .hf_subprocess import run_baseline
 
     label = "HF static cache + torch.compile" if compiled else "HF eager generate"
-    log.info("batch %d: %s", batch, label)
+    log.info("batch %d: %s%s", batch, label, " (child process)" if compiled else "")
     row: dict = {"batch": batch}
     try:
-        with _time_limit(cfg.hf_compile_timeout_s if compiled else math.inf):
+        if compiled:
+            timing = run_baseline(cfg, batch, device, compiled=True)
+        else:
             hf = hf_model_like(target)
-            if compiled:
-                hf.generation_config.cache_implementation = "static"
-                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
             prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
                                     generator=torch.Generator().manual_seed(cfg.seed)).to(device)
             timing = time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))

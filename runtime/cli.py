@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=_positive, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     b.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
-    b.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline may "
-                   "take per batch size before it is reported as failed (default 600)")
+    b.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline "
+                   "(a child process) may take per batch size before it is reported as failed (default 600)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")

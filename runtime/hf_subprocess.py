@@ -1,0 +1,99 @@
+"""Run an HF baseline in a child process: ``python -m lfmspark.runtime.hf_subprocess``.
+
+Why a child: HF ``generate`` with a static cache under ``torch.compile(mode="reduce-overhead")``
+compiles for minutes and, on the H200 (torch 2.11, transformers 5.17), once took the whole
+benchmark process down with it, leaving no JSON at all. In a child, a crash or an over-long
+compile becomes a failed row with its reason, the benchmark's own numbers survive, and the
+baseline's compile settings (Dynamo limits, CUDA-graph trees) cannot leak into the engine's.
+
+The child rebuilds the same target the benchmark measures: the same checkpoint directory, or the
+same preset materialised from the same seed (deterministic), so the baseline runs on the same
+weights. It prints one JSON line (``{"ttft_ms": ..., "tpot_ms": ...}``) as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import torch
+
+log = logging.getLogger("lfmspark")
+
+_STDERR_TAIL_LINES = 6
+
+
+class BaselineTimeout(Exception):
+    pass
+
+
+class BaselineFailed(Exception):
+    pass
+
+
+def child_command(cfg, batch: int, device: torch.device, compiled: bool) -> list[str]:
+    config = json.dumps(asdict(replace(cfg, json_path=None, profile_dir=None)))
+    cmd = [sys.executable, "-m", "lfmspark.runtime.hf_subprocess", "--config", config, "--batch", str(batch),
+           "--device", str(device)]
+    return cmd + (["--compiled"] if compiled else [])
+
+
+def run_baseline(cfg, batch: int, device: torch.device, compiled: bool) -> dict:
+    """Time one HF baseline in a child process. Returns ``{"ttft_ms", "tpot_ms"}``; raises
+    :class:`BaselineTimeout` past ``cfg.hf_compile_timeout_s`` and :class:`BaselineFailed` (with the
+    exit status and the end of the child's stderr) when the child dies or reports no result."""
+    cmd = child_command(cfg, batch, device, compiled)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.hf_compile_timeout_s,
+                              env=os.environ.copy())
+    except subprocess.TimeoutExpired as e:
+        raise BaselineTimeout(f"did not finish within {cfg.hf_compile_timeout_s:g} s (--hf-compile-timeout)") from e
+    if done.returncode != 0:
+        status = f"exit code {done.returncode}"
+        if done.returncode < 0:
+            status = f"killed by {signal.Signals(-done.returncode).name}"
+        tail = " | ".join(line for line in done.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
+        raise BaselineFailed(f"child process {status}: {tail}")
+    lines = done.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+        return {"ttft_ms": float(result["ttft_ms"]), "tpot_ms": float(result["tpot_ms"])}
+    except (IndexError, ValueError, KeyError, TypeError) as e:
+        raise BaselineFailed(f"child printed no result line (stdout ended with {lines[-1:]!r})") from e
+
+
+def _child(config: dict, batch: int, device: torch.device, compiled: bool) -> dict:
+    from .bench import BenchConfig, build_models
+    from .hf_baseline import hf_model_like, time_hf_generate
+
+    cfg = BenchConfig(**{**config, "draft_preset": None, "draft_dir": None})
+    target, _, _ = build_models(cfg, device)
+    hf = hf_model_like(target)
+    if compiled:
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
+                            generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    return time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="the benchmark's BenchConfig as JSON")
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--compiled", action="store_true", help="static cache + torch.compile instead of eager")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    timing = _child(json.loads(args.config), args.batch, torch.device(args.device), args.compiled)
+    print(json.dumps(timing), flush=True)
+
+
+if __name__ == "__main__":
+    main()
