@@ -78,6 +78,38 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, dst_ptr,
+    N, K, k_split,
+    stride_wn, stride_ds,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
+    # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
+    # it once at the end, so each K step is one wide weight load and a multiply-add
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = split * k_split
+    k_end = tl.minimum(k0 + k_split, K)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptr + k + ks)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + ks) < k_end
+            xv = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    tl.store(dst_ptr + split * stride_ds + cols, out.to(dst_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
 def _skinny_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     # out (contiguous [M, N]) = sum of the SPLIT_K workspace slices, in split order (deterministic);
     # the unrolled loop issues all the slices' loads at once
@@ -100,6 +132,7 @@ class SkinnyConfig:
     split_k: int = 1  # upper bound: the launcher drops splits that would be empty
     num_warps: int = 4
     num_stages: int = 4
+    gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -186,15 +219,22 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
         dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
         dst = out
-    _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, weight, dst,
-        M, N, K, k_split,
-        x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-        UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if M == 1 and cfg.gemv:
+        _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+            x, weight, dst, N, K, k_split, weight.stride(0), dst.stride(0) if split_k > 1 else 0,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+            x, weight, dst,
+            M, N, K, k_split,
+            x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if split_k > 1:
         block = 1024
         _skinny_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=block)

@@ -41,11 +41,11 @@ def _weights(N: int, K: int) -> list[torch.Tensor]:
     return [(torch.randn(N, K, generator=gen, device="cuda") / K ** 0.5).to(DTYPE) for _ in range(n_copies)]
 
 
-def _cases():
-    """``(N, K, M, weights, x)`` for every served shape and row count (one weight set per shape)."""
-    for N, K in SHAPES:
+def _cases(rows_m=tuple(ROWS), shapes=tuple(SHAPES)):
+    """``(N, K, M, weights, x)`` for every shape and row count (one weight set per shape)."""
+    for N, K in shapes:
         weights = _weights(N, K)
-        for M in ROWS:
+        for M in rows_m:
             yield N, K, M, weights, torch.randn(M, K, device="cuda").to(DTYPE)
         del weights
 
@@ -79,21 +79,29 @@ def run(copy_gbps: float) -> list[dict]:
 # tuning aid
 
 def _candidates(M: int) -> list[SkinnyConfig]:
+    if M == 1:  # the tl.dot-free kernel
+        return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=2, gemv=True)
+                for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048), (1, 2, 4), (4, 8))]
     widths = (16, 32, 64, 128) if M <= 16 else (32, 64, 128)
     return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
             for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), (1, 2, 4, 8), (4,), (3, 4))]
 
 
-def sweep(copy_gbps: float, budget_s: float = 480.0) -> list[dict]:
-    """Time the heuristic's config and the candidates at each served shape and M, for
+def sweep(copy_gbps: float, budget_s: float = 480.0, rows_m: tuple[int, ...] = tuple(ROWS),
+          shapes: tuple[tuple[int, int], ...] = tuple(SHAPES)) -> list[dict]:
+    """Time cuBLAS, the heuristic's config and the candidates at each shape and M, for
     ``budget_s / (shapes x rows)`` seconds each at most (compiles included); returns all rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for N, K, M, weights, x in _cases():
+    for N, K, M, weights, x in _cases(rows_m, shapes):
+        ms = _per_product_ms(F.linear, x, weights)
+        r = row("F.linear", f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
+        rows.append({"M": M, "N": N, "K": K, "config": "cuBLAS", "default": True,
+                     "us": r["us"], "GB/s": r["GB/s"], "frac_of_copy": r["frac_of_copy"]})
         default = skinny_config(M, N, K, DTYPE.itemsize, sms)
         t0 = time.time()
         for cfg in [default] + _candidates(M):
-            if time.time() - t0 > budget_s / (len(SHAPES) * len(ROWS)):
+            if time.time() - t0 > budget_s / (len(shapes) * len(rows_m)):
                 break
             op = lambda x, w, cfg=cfg: skinny_linear_triton(x, w, cfg)  # noqa: E731
             try:
@@ -113,17 +121,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate launch configs instead")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds the sweep may take")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to sweep, e.g. 1,10")
+    parser.add_argument("--target-shapes", action="store_true", help="sweep only the target's six shapes")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps()
-    rows = sweep(copy_gbps, args.budget) if args.sweep else run(copy_gbps)
+    rows_m = tuple(int(m) for m in args.rows.split(","))
+    shapes = tuple(SHAPES[:6]) if args.target_shapes else tuple(SHAPES)
+    rows = sweep(copy_gbps, args.budget, rows_m, shapes) if args.sweep else run(copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy_gbps, "rows": rows}, f, indent=1)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
     if args.sweep:
-        for (N, K), M in itertools.product(SHAPES, ROWS):
+        for (N, K), M in itertools.product(shapes, rows_m):
             ok = sorted((r for r in rows if (r["M"], r["N"], r["K"]) == (M, N, K) and "us" in r), key=lambda r: r["us"])
-            print(tabulate(ok[:3] + [r for r in ok[3:] if r["default"]], headers="keys"))
+            print(tabulate(ok[:4] + [r for r in ok[4:] if r["default"]], headers="keys"))
     else:
         print(tabulate(rows, headers="keys"))

@@ -56,6 +56,23 @@ def test_forced_split_k(triton_device: str, dtype: torch.dtype, M: int, N: int, 
     _check(skinny_linear_triton(x, w, cfg), x, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N, K, cfg", [
+    (160, 256, SkinnyConfig(block_n=16, block_k=128, gemv=True)),               # two K steps
+    (100, 300, SkinnyConfig(block_n=8, block_k=64, gemv=True)),                 # N and K tails
+    (64, 512, SkinnyConfig(block_n=32, block_k=64, split_k=3, gemv=True)),      # splits, K tail in the last
+    (33, 1024, SkinnyConfig(block_n=4, block_k=256, split_k=4, gemv=True)),     # even splits, N tail
+], ids=["even", "tails", "split_tail", "split_even"])
+def test_gemv_kernel_for_one_row(triton_device: str, dtype: torch.dtype, N: int, K: int, cfg: SkinnyConfig) -> None:
+    x, w = _inputs(triton_device, dtype, 1, N, K, seed=K)
+    _check(skinny_linear_triton(x, w, cfg), x, w)
+
+
+def test_gemv_flag_is_ignored_for_several_rows(triton_device: str) -> None:
+    x, w = _inputs(triton_device, torch.float32, 3, 64, 128)
+    _check(skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=64, gemv=True)), x, w)
+
+
 def test_split_k_is_deterministic(triton_device: str) -> None:
     x, w = _inputs(triton_device, torch.float32, 10, 64, 256)
     cfg = SkinnyConfig(block_n=32, block_k=32, split_k=4)
