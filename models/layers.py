@@ -14,15 +14,16 @@ from ..ops.skinny_linear import MAX_M
 lfm = torch.ops.lfmspark
 
 
-_SKINNY_MODES = {"off": (1, 0), "all": (1, MAX_M), "verify": (2, MAX_M)}
+_SKINNY_MODES = {"off": (1, 0), "gemv": (1, 1), "all": (1, MAX_M), "verify": (2, MAX_M)}
 
 
 def _skinny_rows() -> tuple[int, int]:
     """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
-    ``off`` (default), ``all`` (1..64) or ``verify`` (2..64). Off because on the H200 it measured
-    no faster than cuBLAS at these shapes (docs/benchmarks.md); kept as a measured alternative.
-    Read at each call (under compile: at trace time), so a process can compare both."""
-    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "off")
+    ``gemv`` (default: one-row products, where its GEMV kernel beat cuBLAS at every served shape on
+    the H200), ``off`` (cuBLAS everywhere), ``all`` (1..64 rows) or ``verify`` (2..64). The
+    several-row kernel measured no faster than cuBLAS (docs/benchmarks.md), so it is opt-in.
+    Read at each call (under compile: at trace time), so a process can compare modes."""
+    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "gemv")
     if mode not in _SKINNY_MODES:
         raise ValueError(f"LFMSPARK_SKINNY_LINEAR={mode!r}: use one of {sorted(_SKINNY_MODES)}")
     return _SKINNY_MODES[mode]

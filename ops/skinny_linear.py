@@ -1,12 +1,13 @@
 """Skinny linear: ``x [M, K] @ weight[N, K]^T`` for a handful of rows (``M <= 64``), fp32 accumulation.
 
-Why: at batch 1 a speculative-decoding verify step multiplies ``M = 10`` rows (the draft ``M = 9``)
-by every weight matrix of the model. Such a GEMM is bound by reading the weight once, and Inductor's
-own GEMV path covers only ``M = 1``. Measured on the H200 (docs/benchmarks.md) this kernel matches
-cuBLAS on large matrices and loses on small ones, so the models use it only when
-``LFMSPARK_SKINNY_LINEAR`` asks for it (models/layers.py).
+Why: a decode step at batch 1 multiplies one row by every weight matrix, and a speculative verify
+``M = 10`` rows (the draft ``M = 9``); such products are bound by reading the weight once. For
+``M = 1`` a ``tl.dot``-free GEMV kernel streams the served LFM2.5-1.2B shapes 3-31% faster than
+cuBLAS on the H200 (up to 0.998 of copy bandwidth on the LM head; docs/benchmarks.md), so one-row
+products use it by default. For several rows the ``tl.dot`` kernel matched cuBLAS on large matrices
+and lost on small ones, so it runs only when ``LFMSPARK_SKINNY_LINEAR`` asks (models/layers.py).
 
-Design: each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
+Design (``M > 1``): each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
 exactly once; ``x`` is tiny and is re-read from L2 by every program. When ``N`` is too small to
 give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is split as well: the
@@ -168,6 +169,13 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     bf16 tiles, 64 for 128-wide ones; shortened to divide K when K % 64 == 0), with as many
     pipeline stages (2-4) as fit ``_SMEM_BYTES``.
     """
+    if M == 1:
+        # the tl.dot-free kernel: on the H200 (benchmarks/kernels/skinny_linear.py --sweep) 4 columns
+        # x 1024-wide K steps per program was the best or within 3% of the best at every served shape,
+        # and beat cuBLAS's GEMVs by 3-31% (docs/benchmarks.md); no split: N / 4 programs already
+        # oversubscribe the SMs at N >= 2048
+        return SkinnyConfig(block_n=4, block_k=min(1024, max(16, triton.next_power_of_2(K))), split_k=1,
+                            num_warps=4, num_stages=2, gemv=True)
     block_m = _block_m(M)
     widths = [bn for bn in (128, 64, 32, 16) if bn >= (16 if block_m == 16 else 32)]
     block_n = next((bn for bn in widths if triton.cdiv(N, bn) >= _MIN_PROGRAMS_PER_SM * sms), widths[-1])
