@@ -417,14 +417,23 @@ def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled
     """HF eager ``generate`` runs in this process; static cache + compile runs in a child process
     (runtime/hf_subprocess.py), so its crash or over-long compile becomes a failed row."""
     from .hf_baseline import hf_model_like, time_hf_generate
-    from .hf_subprocess import run_baseline
+    from .hf_subprocess import COMPILE_MODES, BaselineFailed, run_baseline
 
     label = "HF static cache + torch.compile" if compiled else "HF eager generate"
     log.info("batch %d: %s%s", batch, label, " (child process)" if compiled else "")
     row: dict = {"batch": batch}
     try:
-        if compiled:
-            timing = run_baseline(cfg, batch, device, compiled=True)
+        if compiled:    # each mode in turn; a crashed attempt is kept in the row, not hidden
+            for mode in COMPILE_MODES:
+                try:
+                    timing = run_baseline(cfg, batch, device, compile_mode=mode)
+                    row["compile_mode"] = mode
+                    break
+                except BaselineFailed as e:
+                    if mode == COMPILE_MODES[-1]:
+                        raise
+                    log.warning("%s, mode=%s failed (%s); trying the next mode", label, mode, e)
+                    row[f"error_{mode.replace('-', '_')}"] = f"{type(e).__name__}: {e}"[:500]
         else:
             hf = hf_model_like(target)
             prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
@@ -455,6 +464,9 @@ def table(report: dict) -> str:
                 rows.append([name, r["batch"]] + ["failed"] + [""] * 8 + [r["error"][:60]])
                 continue
             label = name
+            note = f"mode={r['compile_mode']}" if "compile_mode" in r else ""
+            if any(k.startswith("error_") for k in r):
+                note += " (" + ", ".join(k[6:] + " failed" for k in r if k.startswith("error_")) + ")"
             if r.get("imposed_acceptance"):
                 rates = r["imposed_profile"]
                 label += f" (imposed {rates[0]:g})" if len(set(rates)) == 1 else " (imposed profile)"
@@ -466,7 +478,7 @@ def table(report: dict) -> str:
                 f"{r['tau']:.2f}" if "tau" in r else "",
                 f"{r['step_gbps']:.0f}" if "step_gbps" in r else "",
                 f"{base['tpot_ms_p50'] / r['tpot_ms_p50']:.2f}x" if base else "",
-                f"{hf_r['tpot_ms_p50'] / r['tpot_ms_p50']:.1f}x" if hf_r and "tpot_ms_p50" in hf_r else "", ""])
+                f"{hf_r['tpot_ms_p50'] / r['tpot_ms_p50']:.1f}x" if hf_r and "tpot_ms_p50" in hf_r else "", note])
     headers = ["engine", "batch", "TTFT ms", "TPOT p50", "TPOT p99", "tok/s/user", "tok/s", "tau", "GB/s",
                "vs target-only", "vs HF eager", "note"]
     text = tabulate(rows, headers=headers)

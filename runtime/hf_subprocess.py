@@ -1,10 +1,12 @@
 """Run an HF baseline in a child process: ``python -m lfmspark.runtime.hf_subprocess``.
 
 Why a child: HF ``generate`` with a static cache under ``torch.compile(mode="reduce-overhead")``
-compiles for minutes and, on the H200 (torch 2.11, transformers 5.17), once took the whole
-benchmark process down with it, leaving no JSON at all. In a child, a crash or an over-long
-compile becomes a failed row with its reason, the benchmark's own numbers survive, and the
-baseline's compile settings (Dynamo limits, CUDA-graph trees) cannot leak into the engine's.
+segfaults on the H200 (torch 2.11, transformers 5.17, LFM2: the conv-state update is a mutated
+input, CUDA graphs are skipped, then the process dies), which took the whole benchmark down with
+it, leaving no JSON at all. In a child, a crash or an over-long compile becomes a failed attempt
+with its reason, the benchmark's own numbers survive, and the baseline's compile settings (Dynamo
+limits, CUDA-graph trees) cannot leak into the engine's. The child runs with ``faulthandler`` on,
+so a native crash still reports the Python frames it happened in.
 
 The child rebuilds the same target the benchmark measures: the same checkpoint directory, or the
 same preset materialised from the same seed (deterministic), so the baseline runs on the same
@@ -27,6 +29,8 @@ import torch
 log = logging.getLogger("lfmspark")
 
 _STDERR_TAIL_LINES = 6
+# tried in order by the benchmark: CUDA graphs first (the fast HF configuration), then without them
+COMPILE_MODES = ("reduce-overhead", "default")
 
 
 class BaselineTimeout(Exception):
@@ -37,18 +41,28 @@ class BaselineFailed(Exception):
     pass
 
 
-def child_command(cfg, batch: int, device: torch.device, compiled: bool) -> list[str]:
+def child_command(cfg, batch: int, device: torch.device, compile_mode: str | None) -> list[str]:
     config = json.dumps(asdict(replace(cfg, json_path=None, profile_dir=None)))
-    cmd = [sys.executable, "-m", "lfmspark.runtime.hf_subprocess", "--config", config, "--batch", str(batch),
-           "--device", str(device)]
-    return cmd + (["--compiled"] if compiled else [])
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "lfmspark.runtime.hf_subprocess", "--config", config,
+           "--batch", str(batch), "--device", str(device)]
+    return cmd + (["--compile-mode", compile_mode] if compile_mode else [])
 
 
-def run_baseline(cfg, batch: int, device: torch.device, compiled: bool) -> dict:
-    """Time one HF baseline in a child process. Returns ``{"ttft_ms", "tpot_ms"}``; raises
+def _crash_report(stderr: str) -> str:
+    """The innermost frames of a faulthandler dump when there is one, else the end of stderr."""
+    lines = stderr.strip().splitlines()
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    picked = lines[fatal:fatal + _STDERR_TAIL_LINES] if fatal is not None else lines[-_STDERR_TAIL_LINES:]
+    return " | ".join(line.strip() for line in picked)
+
+
+def run_baseline(cfg, batch: int, device: torch.device, compile_mode: str | None) -> dict:
+    """Time one HF baseline in a child process: eager ``generate`` (``compile_mode=None``) or a static
+    cache with ``torch.compile(mode=compile_mode)``. Returns ``{"ttft_ms", "tpot_ms"}``; raises
     :class:`BaselineTimeout` past ``cfg.hf_compile_timeout_s`` and :class:`BaselineFailed` (with the
-    exit status and the end of the child's stderr) when the child dies or reports no result."""
-    cmd = child_command(cfg, batch, device, compiled)
+    exit status and the crash site or the end of the child's stderr) when the child dies or reports
+    no result."""
+    cmd = child_command(cfg, batch, device, compile_mode)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.hf_compile_timeout_s,
                               env=os.environ.copy())
@@ -58,8 +72,7 @@ def run_baseline(cfg, batch: int, device: torch.device, compiled: bool) -> dict:
         status = f"exit code {done.returncode}"
         if done.returncode < 0:
             status = f"killed by {signal.Signals(-done.returncode).name}"
-        tail = " | ".join(line for line in done.stderr.strip().splitlines()[-_STDERR_TAIL_LINES:])
-        raise BaselineFailed(f"child process {status}: {tail}")
+        raise BaselineFailed(f"child process {status}: {_crash_report(done.stderr)}")
     lines = done.stdout.strip().splitlines()
     try:
         result = json.loads(lines[-1])
@@ -68,16 +81,16 @@ def run_baseline(cfg, batch: int, device: torch.device, compiled: bool) -> dict:
         raise BaselineFailed(f"child printed no result line (stdout ended with {lines[-1:]!r})") from e
 
 
-def _child(config: dict, batch: int, device: torch.device, compiled: bool) -> dict:
+def _child(config: dict, batch: int, device: torch.device, compile_mode: str | None) -> dict:
     from .bench import BenchConfig, build_models
     from .hf_baseline import hf_model_like, time_hf_generate
 
     cfg = BenchConfig(**{**config, "draft_preset": None, "draft_dir": None})
     target, _, _ = build_models(cfg, device)
     hf = hf_model_like(target)
-    if compiled:
+    if compile_mode:
         hf.generation_config.cache_implementation = "static"
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        hf.forward = torch.compile(hf.forward, mode=compile_mode, fullgraph=True)
     prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
                             generator=torch.Generator().manual_seed(cfg.seed)).to(device)
     return time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
@@ -88,10 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", required=True, help="the benchmark's BenchConfig as JSON")
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--device", required=True)
-    p.add_argument("--compiled", action="store_true", help="static cache + torch.compile instead of eager")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, help="static cache + torch.compile in this mode "
+                   "(default: eager generate)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    timing = _child(json.loads(args.config), args.batch, torch.device(args.device), args.compiled)
+    timing = _child(json.loads(args.config), args.batch, torch.device(args.device), args.compile_mode)
     print(json.dumps(timing), flush=True)
 
 

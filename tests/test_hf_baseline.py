@@ -46,13 +46,41 @@ def test_a_crashing_baseline_child_is_reported_with_its_signal(monkeypatch):
 
     from lfmspark.runtime import bench, hf_subprocess
 
-    crash = "import os, signal, sys; print('compiling...', file=sys.stderr); os.kill(os.getpid(), signal.SIGSEGV)"
-    monkeypatch.setattr(hf_subprocess, "child_command", lambda *a: [sys.executable, "-c", crash])
+    # a native crash: faulthandler's dump names the Python frame it happened in
+    crash = ("import ctypes, sys; print('compiling...', file=sys.stderr)\n"
+             "def compile_step(): ctypes.string_at(0)\n"
+             "compile_step()")
+    tried = []
+
+    def command(cfg, batch, device, mode):
+        tried.append(mode)
+        return [sys.executable, "-X", "faulthandler", "-c", crash]
+
+    monkeypatch.setattr(hf_subprocess, "child_command", command)
     cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=60)
     row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
-    assert row["error"].startswith("BaselineFailed: child process killed by SIGSEGV")
-    assert "compiling..." in row["error"]
+    assert tried == list(hf_subprocess.COMPILE_MODES)          # every mode was tried before giving up
+    assert row["error"].startswith("BaselineFailed: child process killed by SIGSEGV: Fatal Python error")
+    assert "compile_step" in row["error"]
+    assert row["error_reduce_overhead"].startswith("BaselineFailed: child process killed by SIGSEGV")
     assert "tpot_ms_p50" not in row
+
+
+def test_a_compiled_baseline_falls_back_to_the_next_mode_and_says_so(monkeypatch):
+    from lfmspark.runtime import bench, hf_subprocess
+
+    def run(cfg, batch, device, compile_mode):
+        if compile_mode == "reduce-overhead":
+            raise hf_subprocess.BaselineFailed("child process killed by SIGSEGV: ...")
+        return {"ttft_ms": 3.0, "tpot_ms": 2.0}
+
+    monkeypatch.setattr(hf_subprocess, "run_baseline", run)
+    cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True)
+    row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
+    assert row["compile_mode"] == "default" and row["tpot_ms_p50"] == 2.0
+    assert "SIGSEGV" in row["error_reduce_overhead"] and "error" not in row
+    report = {"results": {"target_only": [], "speculative": [], "hf_eager": [], "hf_static_compile": [row]}}
+    assert "mode=default (reduce_overhead failed)" in bench.table(report)
 
 
 def test_a_baseline_child_rebuilds_the_benchmarked_weights_and_reports_its_timing():
@@ -60,7 +88,7 @@ def test_a_baseline_child_rebuilds_the_benchmarked_weights_and_reports_its_timin
 
     # the eager baseline through the child (the compiled one needs a GPU-sized time budget)
     cfg = bench.BenchConfig(prompt_len=4, output_len=3, runs=1, hf_compile_timeout_s=300, seed=3)
-    timing = hf_subprocess.run_baseline(cfg, 2, torch.device("cpu"), compiled=False)
+    timing = hf_subprocess.run_baseline(cfg, 2, torch.device("cpu"), compile_mode=None)
     assert timing["tpot_ms"] > 0 and timing["ttft_ms"] > 0
 
 
