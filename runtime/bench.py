@@ -228,10 +228,8 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
 
 
-def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None,
-                   profile: bool = True) -> dict:
-    """One row: ``cfg.runs`` batches of requests through ``engine``, then step timings. ``profile``
-    allows the per-kernel profile (written at the smallest batch when ``cfg.profile_dir`` is set)."""
+def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:
+    """One row: ``cfg.runs`` batches of requests through ``engine``, then step timings."""
     gen = torch.Generator().manual_seed(cfg.seed + batch)
     vocab = engine.config.vocab_size
     ttft, tpot, taus, accept = [], [], [], []
@@ -262,8 +260,6 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 imposed = o.stats.imposed_acceptance
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
-    if profile and cfg.profile_dir and engine.device.type == "cuda" and batch == min(cfg.batch_sizes):
-        profile_replays(engine, batch, Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt")
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
     row = {
@@ -396,12 +392,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         log.info("batch %d: target-only", batch)
         results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps))
         if draft is not None:
-            for i, profile in enumerate(profiles or [None]):
+            for profile in profiles or [None]:
                 log.info("batch %d: speculative%s", batch, f", imposed acceptance {profile}" if profile else "")
                 engine = engine_for("speculative")
                 if profile is not None:
                     engine.set_imposed_acceptance(profile)
-                row = measure_engine(engine, cfg, batch, copy_gbps, profile=i == 0)
+                row = measure_engine(engine, cfg, batch, copy_gbps)
                 row["imposed_profile"] = profile
                 results["speculative"].append(row)
         if cfg.hf:
@@ -409,6 +405,13 @@ def run_bench(cfg: BenchConfig) -> dict:
             if cfg.hf_compile:
                 results["hf_static_compile"].append(_hf_row(target, cfg, batch, device, compiled=True))
         save()
+    # Profiles come last, after every timing: a torch.profiler session leaves CUPTI attached to the
+    # process, which slows later kernel launches (docs/benchmarks.md: HF eager, which is launch-bound,
+    # measured 12 ms/token with no profile before it and ~60 ms in runs that profiled first).
+    if cfg.profile_dir and device.type == "cuda":
+        for engine in engines.values():
+            batch = min(cfg.batch_sizes)
+            profile_replays(engine, batch, Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt")
     save()
     return report
 
