@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import time
 
 import torch
@@ -83,8 +84,10 @@ def _candidates(M: int) -> list[SkinnyConfig]:
         return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=2, gemv=True)
                 for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048), (1, 2, 4), (4, 8))]
     widths = (16, 32, 64, 128) if M <= 16 else (32, 64, 128)
-    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
-            for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), (1, 2, 4, 8), (4,), (3, 4))]
+    configs = [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
+               for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4))]
+    random.Random(0).shuffle(configs)  # a time budget then samples the whole space, not one corner
+    return configs
 
 
 def sweep(copy_gbps: float, budget_s: float = 480.0, rows_m: tuple[int, ...] = tuple(ROWS),
