@@ -29,12 +29,18 @@ def _skinny_rows() -> tuple[int, int]:
     return _SKINNY_MODES[mode]
 
 
+def _routed_to_skinny(x: torch.Tensor) -> bool:
+    """Whether a product with input ``x [..., K]`` runs on the skinny kernels (CUDA only)."""
+    rows = x.numel() // x.shape[-1]
+    lo, hi = _skinny_rows()
+    return x.is_cuda and lo <= rows <= hi
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias): ``F.linear``, or ``lfmspark::skinny_linear`` for few-row products on
     CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`)."""
     rows = x.numel() // x.shape[-1]
-    lo, hi = _skinny_rows()
-    if x.is_cuda and lo <= rows <= hi:
+    if _routed_to_skinny(x):
         return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
@@ -73,5 +79,9 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _routed_to_skinny(x) and x.numel() == x.shape[-1]:
+            # one row (batch-1 decode): the activation rides in the gate/up GEMV's epilogue
+            h = lfm.swiglu_gemv(x.reshape(1, -1), self.w13.weight).view(*x.shape[:-1], -1)
+            return self.w2(h)
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)

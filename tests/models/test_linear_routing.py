@@ -39,3 +39,31 @@ def test_gpu_default_routing(monkeypatch):
                                                                                       dtype=torch.bfloat16)
     assert torch.equal(linear(one, w), torch.ops.lfmspark.skinny_linear(one.view(1, 2048), w).view(1, 1, 2048))
     assert torch.equal(linear(ten, w), F.linear(ten, w))
+
+
+def test_cpu_swiglu_is_the_unfused_composition():
+    from lfmspark.models.layers import SwiGLU
+
+    mlp = SwiGLU(16, 24)
+    torch.nn.init.normal_(mlp.w13.weight)
+    torch.nn.init.normal_(mlp.w2.weight)
+    x = torch.randn(1, 1, 16)
+    gate, up = F.linear(x, mlp.w13.weight).chunk(2, dim=-1)
+    assert torch.equal(mlp(x), F.linear(F.silu(gate) * up, mlp.w2.weight))
+
+
+@pytest.mark.gpu
+def test_gpu_one_row_swiglu_uses_the_fused_gemv(monkeypatch):
+    from lfmspark.models.layers import SwiGLU
+
+    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+    mlp = SwiGLU(2048, 8192).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(mlp.w13.weight, std=2048 ** -0.5)
+    torch.nn.init.normal_(mlp.w2.weight, std=8192 ** -0.5)
+    x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    fused = torch.ops.lfmspark.swiglu_gemv(x.view(1, 2048), mlp.w13.weight)
+    out = mlp(x)
+    assert torch.equal(out, torch.ops.lfmspark.skinny_linear(fused, mlp.w2.weight).view(1, 1, 2048))
+    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
+    plain = mlp(x)
+    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2
