@@ -2,13 +2,16 @@
 
 A step (decode, speculative round) is not compiled as one graph. Its repeated pieces are compiled
 once each and reused: one graph per *kind* of decoder layer (ShortConv, attention; dense or MoE
-feed-forward; the draft layer), plus the step's tail functions (LM head + pick for decode; LM head
-+ Markov walk for the draft; acceptance + commit for the round). A 16-layer target then costs two
-layer compiles instead of sixteen inlined layers, which is what made whole-step compiles take
-about a minute per batch size on the H200 (docs/benchmarks.md). The step as a whole is still
-captured into one CUDA graph per batch size (graphs/capture.py), so the uncompiled glue between
-regions (a few index ops) costs kernel nodes, not Python. Each layer receives its one-layer cache
-slices as inputs (models/cache.py), so nothing in a compiled layer depends on which layer it is.
+feed-forward; the draft layer), one more for the first target layer and the first draft layer,
+which start without a pending residual add (models/lfm2.py: each layer's last add is fused into
+the next layer's first norm, the last layer's into the tail's final norm), plus the step's tail
+functions (LM head + pick for decode; LM head + Markov walk for the draft; acceptance + commit for
+the round). A 16-layer target then costs three layer compiles instead of sixteen inlined layers,
+which is what made whole-step compiles take about a minute per batch size on the H200
+(docs/benchmarks.md). The step as a whole is still captured into one CUDA graph per batch size
+(graphs/capture.py), so the uncompiled glue between regions (a few index ops) costs kernel nodes,
+not Python. Each layer receives its one-layer cache slices as inputs (models/cache.py), so nothing
+in a compiled layer depends on which layer it is.
 
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
 ``LFMSPARK_CACHE_DIR`` (default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
@@ -36,8 +39,9 @@ COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
 def compile_regions(steps, n_batch_sizes: int) -> None:
     """Swap a :class:`~lfmspark.runtime.steps.Steps`' regions for compiled versions (see the module
     doc). Only that object changes: the models stay plain, and prefill runs their layers directly."""
-    # each region is compiled per batch size and sampling mode; layers per kind and mode as well
-    configure_compile(n_variants=8 * n_batch_sizes)
+    # each region is compiled per batch size and sampling mode; a target layer per batch size, kind
+    # and mode (decode, verify): up to 5 kinds (ShortConv / attention x dense / MoE, the first layer)
+    configure_compile(n_variants=10 * n_batch_sizes)
     steps.target_layers = [torch.compile(layer, **COMPILE_OPTIONS) for layer in steps.target.model.layers]
     steps.finish_decode = torch.compile(steps.finish_decode, **COMPILE_OPTIONS)
     if steps.draft is not None:

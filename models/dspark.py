@@ -87,14 +87,20 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, kv_weight: torch.Tensor, k_norm_weight: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One layer over the block ``x [B, G, H]``; this layer's stacked K/V projection, k_norm
-        weight and cache come in as one-layer slices (addressed as layer 0 by the ops), so one
-        compiled graph serves every layer."""
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, kv_weight: torch.Tensor,
+                k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
+                slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the block ``x [B, G, H]`` plus the previous layer's pending MLP output
+        ``delta`` (None for the first layer): the residual carry of models/lfm2.py, so the compiled
+        layer fuses the add into ``input_layernorm``. Returns ``(x, delta)``, the residual stream
+        after attention and this layer's pending MLP output (the layer's output is their sum).
+        This layer's stacked K/V projection, k_norm weight and cache come in as one-layer slices
+        (addressed as layer 0 by the ops), so one compiled graph serves every layer but the first."""
         attn = self.self_attn
         B, G, _ = x.shape
+        if delta is not None:
+            x = x + delta
         h = self.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
         q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
@@ -102,7 +108,7 @@ class DraftLayer(nn.Module):
                                torch.full_like(slots, G), self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
         x = x + attn.o_proj(o.reshape(B, G, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x, self.mlp(self.post_attention_layernorm(x))
 
 
 class MarkovHead(nn.Module):
@@ -196,30 +202,34 @@ class DSparkDraft(nn.Module):
 
     # -- block ------------------------------------------------------------------------------
     def block_hidden(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
-                     layers: Sequence[nn.Module] | None = None) -> torch.Tensor:
+                     layers: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The last-layer output ``[B, gamma, H]`` (before the final norm) of the block
-        ``[anchor, MASK, ...]`` at positions ``start .. start + gamma - 1``. ``layers`` replaces
-        ``self.layers`` one for one (compiled wrappers, graphs/compile.py)."""
+        ``[anchor, MASK, ...]`` at positions ``start .. start + gamma - 1``, as the pair ``(x, delta)``
+        whose sum it is: :meth:`head_and_walk` adds them, fused with the final norm under compile.
+        ``layers`` replaces ``self.layers`` one for one (compiled wrappers, graphs/compile.py)."""
         cfg = self.config
         B, G = anchor.shape[0], cfg.block_size
         masks = torch.full((B, G - 1), cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
-        x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
+        x, delta = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1)), None
         cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         for i, layer in enumerate(self.layers if layers is None else layers):
-            x = layer(x, self.kv_proj[i], self.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1], cache.rope, slots,
-                      start, cos, sin)
-        return x
+            x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1],
+                             cache.rope, slots, start, cos, sin)
+        return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
                 pick: TokenPicker) -> DraftProposal:
         """Draft one block: the layers, final norm and LM head, then the Markov walk left to right
         (``pick`` chooses each token from its corrected logits)."""
-        return self.head_and_walk(self.block_hidden(anchor, cache, slots, start), anchor, pick)
+        x, delta = self.block_hidden(anchor, cache, slots, start)
+        return self.head_and_walk(x, delta, anchor, pick)
 
-    def head_and_walk(self, x: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
-        """Final norm and LM head over the block's last-layer output ``x``, then the Markov walk."""
-        h = self.norm(x)
+    def head_and_walk(self, x: torch.Tensor, delta: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker
+                      ) -> DraftProposal:
+        """Final norm and LM head over the block's last-layer output ``x + delta`` (see
+        :meth:`block_hidden`), then the Markov walk."""
+        h = self.norm(x + delta)
         return self.walk(self.lm_head(h).float(), h, anchor, pick)
 
     def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:

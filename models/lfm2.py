@@ -13,6 +13,15 @@ The module is compile-friendly: no Python branching on tensor values and no host
 
 Any mode can return the aux hidden states of ``aux_layer_ids`` (HF "output of decoder layer k",
 ``-1`` = the embeddings) concatenated as ``[B, T, n_taps * H]``, which feed the DSpark draft.
+
+Residual carry: a decoder layer does not finish with its residual add. It returns its
+feed-forward output as a pending ``delta`` and the next layer starts with ``h = h + delta``, the
+same bf16 add as HF's, so each layer's compiled graph (graphs/compile.py) fuses that add into its
+first RMSNorm; at the end of a layer it would be a kernel of its own, between a GEMM without an
+epilogue and a region boundary. The last layer's delta is added by the consumer, which fuses it
+into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Eager results are bit-identical to
+adding at the end of each layer; compiled, the fused norm reads the sum before its bf16 rounding
+(Inductor elides the round trip), as the norm after the mid-layer add always did.
 """
 
 from __future__ import annotations
@@ -119,16 +128,30 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = Lfm2ShortConv(cfg)
         self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, layer_cache: LayerCache, rows: Rows, mode: ForwardMode, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        """``layer_cache``: this layer's one-layer slices of the cache, ``(k, v)`` for attention,
-        ``(conv_state, conv_tape)`` for ShortConv (see :meth:`TargetCache.layer_caches`)."""
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, layer_cache: LayerCache, rows: Rows,
+                mode: ForwardMode, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer over the residual stream ``h`` plus the previous layer's pending feed-forward
+        output ``delta`` (None for the first layer, whose ``h`` is the embeddings; see the module doc).
+
+        Returns ``(h_in, h, delta)``: the input after the pending add (= the previous layer's HF
+        output, which the aux taps need), the residual stream after the mixer, and this layer's own
+        pending feed-forward output; this layer's HF output is ``h + delta``. ``layer_cache``: this
+        layer's one-layer slices of the cache, ``(k, v)`` for attention, ``(conv_state, conv_tape)``
+        for ShortConv (see :meth:`TargetCache.layer_caches`).
+
+        ``delta is None`` makes the first layer a graph of its own under compile. Handing it a zero
+        delta instead would keep one graph per layer kind but cost a fill kernel (and the add),
+        which is what this interface removes; the extra graph costs compile time only."""
+        if delta is not None:
+            h = h + delta
+        h_in = h
         x = self.operator_norm(h)
         if self.is_attention:
             h = h + self.self_attn(x, layer_cache, rows, cos, sin)
         else:
             h = h + self.conv(x, layer_cache, rows, mode)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h_in, h, self.feed_forward(self.ffn_norm(h))
 
 
 class Lfm2Backbone(nn.Module):
@@ -164,16 +187,20 @@ class Lfm2ForCausalLM(nn.Module):
         column per row to project (prefill needs only the last real token); otherwise every column
         is projected.
         """
-        h, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
+        h, delta, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
         if logits_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_index]
-        return TargetOutput(logits=self.compute_logits(h), aux=aux)
+            picked = torch.arange(h.shape[0], device=h.device), logits_index
+            h, delta = h[picked], delta[picked]
+        return TargetOutput(logits=self.compute_logits(h, delta), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
                       aux_layer_ids: tuple[int, ...] = (), layers: Sequence[nn.Module] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last layer's output ``[B, T, H]`` (before the final norm) and the aux taps.
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(h, delta, aux)``: the last layer's output ``[B, T, H]`` (before the final norm) as its
+        residual stream ``h`` and pending feed-forward output ``delta``, left unadded so that the
+        caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), and the
+        aux taps.
 
         ``layers`` replaces ``self.model.layers`` one for one: the runtime passes compiled wrappers
         of them (graphs/compile.py)."""
@@ -184,20 +211,22 @@ class Lfm2ForCausalLM(nn.Module):
         cos, sin = gather_cos_sin(cache.rope, window_positions(start, T))
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]        # broadcast over heads
 
-        h = self.model.embed_tokens(input_ids)
+        h, delta = self.model.embed_tokens(input_ids), None
         taps = {i: None for i in aux_layer_ids}
-        if -1 in taps:
-            taps[-1] = h
         layers = self.model.layers if layers is None else layers
         for i, (layer, layer_cache) in enumerate(zip(layers, cache.layer_caches(self.config), strict=True)):
-            h = layer(h, layer_cache, rows, mode, cos, sin)
-            if i in taps:
-                taps[i] = h
+            h_in, h, delta = layer(h, delta, layer_cache, rows, mode, cos, sin)
+            if i - 1 in taps:      # layer i's input is layer i - 1's output (the embeddings for i = 0)
+                taps[i - 1] = h_in
+        last = len(layers) - 1
+        if last in taps:           # its own add: no later layer completes it (drafts never tap it)
+            taps[last] = h + delta
         aux = torch.cat([taps[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return h, aux
+        return h, delta, aux
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.embedding_norm(h))
+    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`)."""
+        return self.lm_head(self.model.embedding_norm(h + delta))
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -44,7 +44,8 @@ class Drafted:
 
 @dataclass
 class Verified:
-    hidden: torch.Tensor          # [B, W, H] the target's last-layer output (logits are taken at acceptance)
+    hidden: torch.Tensor          # [B, W, H] the target's last-layer output is hidden + delta, left unadded:
+    delta: torch.Tensor           # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py)
     aux: torch.Tensor             # [B, W, n_taps * H] target features for the draft context
 
 
@@ -99,15 +100,16 @@ class Steps:
         st = self.state
         r = st.gather_index(slots)
         s, x0 = st.seq_len[r], st.anchor[r]
-        h, _ = self.target.hidden_states(x0[:, None], self.tcache, slots, s, torch.ones_like(s), ForwardMode.DECODE,
-                                         layers=self.target_layers)
-        return self.finish_decode(h, slots, r, s, sampling)
+        h, delta, _ = self.target.hidden_states(x0[:, None], self.tcache, slots, s, torch.ones_like(s),
+                                                ForwardMode.DECODE, layers=self.target_layers)
+        return self.finish_decode(h, delta, slots, r, s, sampling)
 
-    def finish_decode(self, h: torch.Tensor, slots: torch.Tensor, r: torch.Tensor, s: torch.Tensor,
-                      sampling: bool) -> StepOutput:
-        """LM head, pick the next token, advance the rows' state."""
+    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, r: torch.Tensor,
+                      s: torch.Tensor, sampling: bool) -> StepOutput:
+        """Final norm of ``h + delta`` (the last layer's output, see ``hidden_states``), LM head, pick
+        the next token, advance the rows' state."""
         st = self.state
-        logits = self.target.compute_logits(h[:, 0]).float()
+        logits = self.target.compute_logits(h[:, 0], delta[:, 0]).float()
         nxt = st.sampling.rows(r).pick(logits, s + 1, STREAM_TOKEN) if sampling else logits.argmax(dim=-1)
         w = st.scatter_index(slots)
         st.seq_len[w] = s + 1
@@ -132,11 +134,11 @@ class Steps:
     def round_draft(self, inp: RoundInputs) -> Drafted:
         """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
         distribution q, the exact one its token was drawn from."""
-        x = self.draft.block_hidden(inp.x0, self.dcache, inp.slots, inp.s, self.draft_layers)
-        return self.finish_draft(inp, x)
+        x, delta = self.draft.block_hidden(inp.x0, self.dcache, inp.slots, inp.s, self.draft_layers)
+        return self.finish_draft(inp, x, delta)
 
-    def finish_draft(self, inp: RoundInputs, x: torch.Tensor) -> Drafted:
-        """Final norm, LM head and the Markov walk over the block's hidden states ``x``."""
+    def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
+        """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
         rows, s = inp.rows, inp.s
         draft_probs: list[torch.Tensor] = []
 
@@ -147,21 +149,21 @@ class Steps:
             draft_probs.append(probs)
             return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
 
-        proposal = self.draft.head_and_walk(x, inp.x0, pick)
+        proposal = self.draft.head_and_walk(x, delta, inp.x0, pick)
         return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
         """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
         column i predicts position s + i + 1."""
-        h, aux = self.target.hidden_states(torch.cat([inp.x0[:, None], d], dim=1), self.tcache, inp.slots, inp.s,
-                                           None, ForwardMode.VERIFY, self.taps, self.target_layers)
-        return Verified(h, aux)
+        h, delta, aux = self.target.hidden_states(torch.cat([inp.x0[:, None], d], dim=1), self.tcache, inp.slots,
+                                                  inp.s, None, ForwardMode.VERIFY, self.taps, self.target_layers)
+        return Verified(h, delta, aux)
 
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
         x0, d_1..d_a (conv state from the tape, draft context from the aux states)."""
         st, gamma, rows, s = self.state, self.gamma, inp.rows, inp.s
-        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden).float()
+        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta).float()
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:
             target_pick = logits.argmax(dim=-1)                                # [B, W]
