@@ -105,15 +105,15 @@ class Lfm2ShortConv(nn.Module):
         self.out_proj = Linear(H, H)
 
     def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
-        b_gate, c_gate, xx = self.in_proj(x).chunk(3, dim=-1)
-        bx = b_gate * xx
+        # the ops take the whole in_proj output [B | C | x] and apply both gates in the conv kernel
+        bcx = self.in_proj(x)
         conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
             # a block narrower than the allocated tape width records into its first W + K - 1 columns
-            z = lfm.short_conv_verify(bx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
+            y = lfm.short_conv_verify(bcx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
-            z = lfm.short_conv_prefill(bx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
-        return self.out_proj(c_gate * z)
+            y = lfm.short_conv_prefill(bcx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
+        return self.out_proj(y)
 
 
 class Lfm2DecoderLayer(nn.Module):
