@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.argmax_rows import argmax_last
 from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
@@ -34,6 +35,13 @@ lfm = torch.ops.lfmspark
 
 # pick(k, logits_k [B, V] fp32) -> tokens [B] int64: greedy argmax or a sampler of the runtime
 TokenPicker = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def greedy_pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
+    """The greedy :data:`TokenPicker`. Passed as such (compared by identity), it lets
+    :meth:`DSparkDraft.walk` run the fused walk (``lfmspark::markov_greedy_walk``), which returns
+    the tokens only; any other picker, even an equivalent argmax, runs the general walk."""
+    return logits_k.argmax(dim=-1)
 
 
 def check_draft_fits_target(cfg: DraftConfig, target: TargetConfig) -> None:
@@ -154,8 +162,10 @@ class ConfidenceHead(nn.Module):
 @dataclass
 class DraftProposal:
     tokens: torch.Tensor            # [B, gamma] int64: x_1 .. x_gamma
-    logits: torch.Tensor            # [B, gamma, V] fp32 Markov-corrected logits (q = softmax(logits / T))
-    confidence: torch.Tensor | None  # [B, gamma] conditional acceptance estimates c_k
+    logits: torch.Tensor | None      # [B, gamma, V] fp32 Markov-corrected logits (q = softmax(logits / T))
+    confidence: torch.Tensor | None  # [B, gamma] conditional acceptance estimates c_k (None: no confidence head)
+    # the fused greedy walk (pick = greedy_pick, see DSparkDraft.walk) gives tokens only: logits and
+    # confidence are None there
 
 
 class DSparkDraft(nn.Module):
@@ -233,8 +243,17 @@ class DSparkDraft(nn.Module):
         return self.walk(self.lm_head(h).float(), h, anchor, pick)
 
     def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
+        """The Markov walk over the LM-head logits ``base [B, G, V]`` fp32. With ``pick`` =
+        :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
+        (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
+        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
+        if pick is greedy_pick and head is None:
+            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
+        if pick is greedy_pick and head.kind == "vanilla":
+            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight)
+            return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None
         tokens, logits, confidence = [], [], []

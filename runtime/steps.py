@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..models.cache import DraftCache, TargetCache
-from ..models.dspark import DSparkDraft
+from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM
+from ..ops.argmax_rows import argmax_last
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
 from .state import SlotState
 
@@ -84,11 +85,11 @@ class Steps:
         if self.draft is not None:
             self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
         end = start + lens
-        logits = out.logits.float()
+        logits = out.logits               # the greedy argmax reads them as they are (exact in fp32)
         if sampling:
-            token = st.sampling.rows(st.gather_index(slots)).pick(logits, end, STREAM_TOKEN)
+            token = st.sampling.rows(st.gather_index(slots)).pick(logits.float(), end, STREAM_TOKEN)
         else:
-            token = logits.argmax(dim=-1)
+            token = argmax_last(logits)
         w = st.scatter_index(slots)
         st.seq_len[w] = end
         st.anchor[w] = token
@@ -109,8 +110,8 @@ class Steps:
         """Final norm of ``h + delta`` (the last layer's output, see ``hidden_states``), LM head, pick
         the next token, advance the rows' state."""
         st = self.state
-        logits = self.target.compute_logits(h[:, 0], delta[:, 0]).float()
-        nxt = st.sampling.rows(r).pick(logits, s + 1, STREAM_TOKEN) if sampling else logits.argmax(dim=-1)
+        logits = self.target.compute_logits(h[:, 0], delta[:, 0])
+        nxt = st.sampling.rows(r).pick(logits.float(), s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
         w = st.scatter_index(slots)
         st.seq_len[w] = s + 1
         st.anchor[w] = nxt
@@ -143,13 +144,11 @@ class Steps:
         draft_probs: list[torch.Tensor] = []
 
         def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
-            if rows is None:
-                return logits_k.argmax(dim=-1)
             probs = rows.probs(logits_k)
             draft_probs.append(probs)
             return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
 
-        proposal = self.draft.head_and_walk(x, delta, inp.x0, pick)
+        proposal = self.draft.head_and_walk(x, delta, inp.x0, greedy_pick if rows is None else pick)
         return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
@@ -163,13 +162,13 @@ class Steps:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
         x0, d_1..d_a (conv state from the tape, draft context from the aux states)."""
         st, gamma, rows, s = self.state, self.gamma, inp.rows, inp.s
-        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta).float()
+        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta)
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:
-            target_pick = logits.argmax(dim=-1)                                # [B, W]
+            target_pick = argmax_last(logits)                                  # [B, W], no fp32 copy
             accepted = d == target_pick[:, :-1]
         else:
-            p = rows.probs(logits)                                             # [B, W, V]
+            p = rows.probs(logits.float())                                     # [B, W, V]
             q = drafted.probs                                                  # [B, gamma, V]
             p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
             q_d = q.gather(-1, d[..., None])[..., 0]

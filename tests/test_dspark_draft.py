@@ -10,6 +10,7 @@ from torch import nn
 
 from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import DraftConfig
+from lfmspark.models.dspark import greedy_pick
 from lfmspark.models.presets import random_draft
 from reference_dspark import reference_block
 
@@ -107,3 +108,34 @@ def test_rope_pairing_changes_the_draft():
         outs.append(reference_block(draft, torch.randn(8, TAPS * H, generator=torch.Generator().manual_seed(0)), 3,
                                     embed.weight, lm_head.weight)[1])
     assert not torch.allclose(outs[0], outs[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "none"])
+def test_greedy_pick_walk_gives_the_argmax_walk(head, monkeypatch):
+    """``pick = greedy_pick`` (what greedy rounds pass) gives the tokens of an argmax walk. With a
+    vanilla Markov head, or none, it runs the fused walk (``lfmspark::markov_greedy_walk``, or one
+    row argmax), which returns tokens only; gated / RNN heads keep the general walk and its logits.
+    The fused Triton walk (interpreter) is checked on Markov weights whose products sum exactly in
+    any order (tests/ops/test_markov_walk.py), so its tokens must equal the loop's."""
+    cfg = draft_config(head="vanilla" if head == "none" else head, rank=0 if head == "none" else 16,
+                       confidence=True, with_markov=head != "none", block=7)
+    draft, _, _ = make_draft(cfg, seed=21)
+    if draft.markov_head is not None:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for w in (draft.markov_head.markov_w1.weight, draft.markov_head.markov_w2.weight):
+                w.copy_(torch.randint(-16, 17, w.shape, generator=g) / 8)
+    g = torch.Generator().manual_seed(2)
+    base = (torch.randint(-40, 41, (3, cfg.block_size, V), generator=g) / 4).float()
+    h, anchor = torch.randn(3, cfg.block_size, H, generator=g), torch.tensor([5, 0, V - 1])
+    with torch.no_grad():
+        general = draft.walk(base, h, anchor, lambda k, logits: logits.argmax(-1))
+        greedy = draft.walk(base, h, anchor, greedy_pick)
+        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")        # the ops on their Triton kernels
+        greedy_triton = draft.walk(base, h, anchor, greedy_pick)
+    assert general.logits is not None and general.confidence is not None
+    assert torch.equal(greedy.tokens, general.tokens) and torch.equal(greedy_triton.tokens, general.tokens)
+    if head in ("vanilla", "none"):
+        assert greedy.logits is None and greedy.confidence is None
+    else:
+        assert torch.equal(greedy.logits, general.logits)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import argmax_walk  # noqa: E402
 import cache_attention  # noqa: E402
 import kv_norm_rope_write  # noqa: E402
 import kv_write  # noqa: E402
@@ -29,7 +30,7 @@ def main() -> None:
 
     copy = copy_bandwidth_gbps()
     report = {"copy_gbps": copy, "rows": []}
-    for module in (kv_write, short_conv, kv_norm_rope_write, cache_attention, moe, skinny_linear):
+    for module in (kv_write, short_conv, kv_norm_rope_write, cache_attention, moe, skinny_linear, argmax_walk):
         rows = module.run(copy)
         report["rows"] += rows
         print(tabulate(rows, headers="keys"), flush=True)

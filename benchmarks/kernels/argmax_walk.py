@@ -1,0 +1,55 @@
+"""Microbenchmark: ``lfmspark::argmax_rows`` against ``torch.argmax``, and the fused greedy Markov
+walk ``lfmspark::markov_greedy_walk`` against the loop it replaces (``markov_greedy_walk_reference``:
+embedding, cuBLAS GEMV, add, argmax per slot, compiled with Inductor as the draft's tail is), at the
+LFM2.5-1.2B draft's shape: V = 65536, Markov rank 256 (bf16), block G = 9.
+
+Bytes: argmax reads the logits once; the walk reads ``base`` once and ``w2`` once per slot (33.5 MB
+each, from L2 after the first on the H200; GB/s above the HBM copy rate means L2 hits).
+
+    python benchmarks/kernels/argmax_walk.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.markov_walk import markov_greedy_walk_reference
+
+try:
+    from .common import copy_bandwidth_gbps, row, time_ms
+except ImportError:  # run as a script
+    from common import copy_bandwidth_gbps, row, time_ms
+
+V, RANK, G = 65536, 256, 9
+
+
+def run(copy_gbps: float) -> list[dict]:
+    dev, rows = "cuda", []
+    for R in (1, 4, 10, 40):
+        x = torch.randn(R, V, device=dev)
+        for name, fn in (("argmax_rows", lambda: torch.ops.lfmspark.argmax_rows(x)),
+                         ("torch.argmax", lambda: x.argmax(dim=-1))):
+            rows.append(row(name, f"R={R} V={V}", time_ms(fn), x.numel() * 4, copy_gbps))
+    w1 = (torch.randn(V, RANK, device=dev) * 0.05).bfloat16()
+    w2 = (torch.randn(V, RANK, device=dev) * 0.05).bfloat16()
+    compiled_loop = torch.compile(markov_greedy_walk_reference, fullgraph=True, dynamic=False)
+    for B in (1, 4):
+        base = torch.randn(B, G, V, device=dev)
+        anchor = torch.randint(0, V, (B,), device=dev)
+        if not torch.equal(torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2),
+                           markov_greedy_walk_reference(base, anchor, w1, w2)):
+            print(f"note: B={B}: the walks disagree (a near-tie under another summation order?)")
+        n_bytes = base.numel() * 4 + G * w2.numel() * 2
+        for name, fn in (("markov_greedy_walk", lambda: torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2)),
+                         ("walk loop (compiled)", lambda: compiled_loop(base, anchor, w1, w2))):
+            for graph in (True, False):
+                rows.append(row(name, f"B={B} G={G} V={V} r={RANK}", time_ms(fn, use_graph=graph), n_bytes,
+                                copy_gbps, graph=graph))
+    return rows
+
+
+if __name__ == "__main__":
+    from tabulate import tabulate
+
+    print(tabulate(run(copy_bandwidth_gbps()), headers="keys"))

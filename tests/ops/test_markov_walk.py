@@ -1,0 +1,268 @@
+"""``lfmspark::markov_greedy_walk``: the fused greedy Markov walk on the Triton kernels (interpreter
+on CPU, native on CUDA) against the plain loop (``markov_greedy_walk_reference``).
+
+Exact comparisons need inputs whose bias does not depend on the summation order: the kernel sums
+``e . w2[v]`` in another order than ``F.linear`` (tl.dot tiles vs oneDNN / cuBLAS), so with
+arbitrary weights the fp32 sums, and after one rounding the bf16 biases, may differ by an ulp and a
+near-tie could flip a token. So the exact tests draw weights from multiples of 1/8 in [-2, 2]
+(exact in bf16 and fp16): every product and partial sum is a multiple of 1/64 below 2**12, exact
+in fp32 whatever the order, and both sides round the same fp32 value to the weight dtype (round to
+nearest even; biases of about 10 need that rounding). The base logits are multiples of 1/4, so
+equal maxima are frequent and the first-index tie-break is exercised too;
+:func:`test_flat_logits_expose_any_bias_difference` makes every logit a tie unless the kernel's
+bias differs from the reference's in any column. Random continuous weights
+(:func:`test_random_weights_pick_a_near_argmax`) are compared with a margin instead: where the
+reference's top-2 margin exceeds a few ulps of the bias, tokens must be equal; elsewhere the
+kernel's pick must be within that tolerance of the maximum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.markov_walk import (WalkConfig, _round_to_weight_dtype, markov_greedy_walk_reference,
+                                      markov_greedy_walk_triton, walk_config)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SMALL = WalkConfig(block_v=64, block_r=16, num_warps=4)   # many column blocks at test sizes
+
+
+def _grid_inputs(device: str, dtype: torch.dtype, B: int, G: int, V: int, r: int, seed: int):
+    """Order-independent inputs (see the module doc)."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randint(-16, 17, (V, r), generator=g) / 8).to(device, dtype)
+    w2 = (torch.randint(-16, 17, (V, r), generator=g) / 8).to(device, dtype)
+    base = (torch.randint(-40, 41, (B, G, V), generator=g) / 4).to(device)
+    anchor = torch.randint(0, V, (B,), generator=g).to(device)
+    return base, anchor, w1, w2
+
+
+def _same(base, anchor, w1, w2, config: WalkConfig | None = None) -> torch.Tensor:
+    out = markov_greedy_walk_triton(base, anchor, w1, w2, config)
+    ref = markov_greedy_walk_reference(base.cpu(), anchor.cpu(), w1.cpu(), w2.cpu())
+    assert out.dtype == torch.int64 and out.shape == base.shape[:2] and out.device == base.device
+    assert torch.equal(out.cpu(), ref), (out, ref)
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("B, G", [(1, 9), (3, 9), (3, 1)])
+@pytest.mark.parametrize("V, r", [(500, 48), (320, 64), (97, 16)], ids=["v500_r48", "v320_r64", "v97_r16"])
+def test_matches_reference_exactly(triton_device: str, dtype: torch.dtype, B: int, G: int, V: int, r: int) -> None:
+    """V not a multiple of the block (500, 97), ranks that are (64, 16) and are not (48) a
+    multiple of the rank step; the default launch and a many-block one."""
+    base, anchor, w1, w2 = _grid_inputs(triton_device, dtype, B, G, V, r, seed=B * 100 + G * 10 + r)
+    ref = _same(base, anchor, w1, w2, SMALL)
+    _same(base, anchor, w1, w2)
+    if G > 1:
+        assert len(set(ref[0].tolist())) > 1          # the walk moves (not one repeated token)
+
+
+def test_more_rows_than_a_row_block(triton_device: str) -> None:
+    """More than 16 rows take 32-row blocks: one block for B = 20, two for B = 40."""
+    for B in (20, 40):
+        _same(*_grid_inputs(triton_device, torch.bfloat16, B, 3, 200, 16, seed=B), SMALL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_flat_logits_expose_any_bias_difference(triton_device: str, dtype: torch.dtype) -> None:
+    """Base logits built as ``c - bias`` from the reference's own (rounded) bias along a chosen
+    walk, so that every logit from the chosen token ``t_k`` on equals ``c`` exactly (those before
+    it are ``c - 1``): the walk must return ``t_k``, and any column whose bias the kernel rounds
+    differently (rounding mode, summation) would exceed ``c`` or break the tie."""
+    B, G, V, r = 2, 9, 500, 48
+    _, anchor, w1, w2 = _grid_inputs("cpu", dtype, B, G, V, r, seed=5)
+    chosen = torch.randint(0, V, (B, G), generator=torch.Generator().manual_seed(6))
+    base = torch.empty(B, G, V)
+    prev = anchor
+    for k in range(G):
+        bias = F.linear(F.embedding(prev, w1), w2).float()
+        before = torch.arange(V)[None, :] < chosen[:, k:k + 1]
+        base[:, k] = 20.0 - before.float() - bias        # exact in fp32: multiples of 1/64 below 2**8
+        prev = chosen[:, k]
+    assert torch.equal(markov_greedy_walk_reference(base, anchor, w1, w2), chosen)
+    args = (base.to(triton_device), anchor.to(triton_device), w1.to(triton_device), w2.to(triton_device))
+    assert torch.equal(markov_greedy_walk_triton(*args, SMALL).cpu(), chosen)
+    assert torch.equal(markov_greedy_walk_triton(*args).cpu(), chosen)
+
+
+def test_ties_take_the_first_index(triton_device: str) -> None:
+    """Equal maxima across and within column blocks (64 wide), and ``-inf`` logits."""
+    B, G, V, r = 2, 4, 300, 16
+    w1 = torch.zeros(V, r)
+    w2 = torch.zeros(V, r)
+    w1[:, 0] = 1.0
+    w2[250, 0] = 0.5                                 # bias +0.5 at column 250 for every prev
+    base = torch.full((B, G, V), -3.0)
+    base[0, 0, [70, 10, 200]] = 1.0                  # across blocks: 10
+    base[1, 0, [130, 129, 180]] = 1.0                # within a block, then another: 129
+    base[0, 1, [5, 250]] = torch.tensor([1.5, 1.0])  # 1.0 + 0.5 bias ties 1.5: 5
+    base[1, 1, 250] = 1.0                            # the bias decides: 250
+    base[:, 2] = -float("inf")
+    base[0, 2, 299] = -1e30                          # the only finite logit (after a zero bias)
+    base[1, 2, 250] = -float("inf")                  # all -inf (the bias leaves -inf): 0
+    base[:, 3, 33] = 7.0
+    base[:, 3, 97] = 7.0                             # across blocks again: 33
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (base.to(triton_device), torch.tensor([3, 4], device=triton_device),
+                w1.to(triton_device, dtype), w2.to(triton_device, dtype))
+        ref = _same(*args, SMALL)
+        assert ref.tolist() == [[10, 5, 299, 33], [129, 250, 0, 33]]
+        _same(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_base(triton_device: str, dtype: torch.dtype) -> None:
+    """A bf16 / fp16 ``base`` (the LM head's output, before ``.float()``) gives the tokens of its
+    fp32 copy (multiples of 1/4 below 16: exact in both)."""
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.bfloat16, 3, 9, 300, 16, seed=12)
+    ref = _same(base.to(dtype), anchor, w1, w2, SMALL)
+    assert torch.equal(ref, markov_greedy_walk_reference(base.cpu(), anchor.cpu(), w1.cpu(), w2.cpu()))
+
+
+def test_nan_logits_win(triton_device: str) -> None:
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 2, 3, 300, 16, seed=7)
+    base[0, 1, 200] = float("nan")
+    base[1, 0, 150] = base[1, 0, 20] = float("nan")
+    ref = _same(base, anchor, w1, w2, SMALL)
+    assert ref[0, 1] == 200 and ref[1, 0] == 20
+
+
+def test_strided_base_and_empty(triton_device: str) -> None:
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.bfloat16, 3, 9, 200, 16, seed=8)
+    wide = torch.zeros(3, 12, 260, device=triton_device)
+    wide[:, 1:10, 30:230] = base
+    _same(wide[:, 1:10, 30:230], anchor, w1, w2, SMALL)       # row and slot strides of a wider tensor
+    assert markov_greedy_walk_triton(base[:0], anchor[:0], w1, w2).shape == (0, 9)
+    assert markov_greedy_walk_triton(base[:, :0], anchor, w1, w2).shape == (3, 0)
+
+
+def test_random_weights_pick_a_near_argmax(triton_device: str) -> None:
+    """Continuous bf16 weights at the draft's scale: replaying the kernel's own walk, each token is
+    the reference argmax wherever the reference's top-2 margin exceeds ``tol`` (a few bf16 ulps of
+    the largest bias, which bounds the rounding differences), and within ``tol`` of the maximum
+    elsewhere."""
+    B, G, V, r = 3, 9, 1000, 64
+    g = torch.Generator().manual_seed(11)
+    w1 = (torch.randn(V, r, generator=g) * 0.5).bfloat16()
+    w2 = (torch.randn(V, r, generator=g) * 0.5).bfloat16()
+    base = torch.randn(B, G, V, generator=g) * 2
+    anchor = torch.randint(0, V, (B,), generator=g)
+    out = markov_greedy_walk_triton(base.to(triton_device), anchor.to(triton_device), w1.to(triton_device),
+                                    w2.to(triton_device)).cpu()
+    prev, decisive = anchor, 0
+    for k in range(G):
+        bias = F.linear(F.embedding(prev, w1), w2).float()
+        logits = base[:, k] + bias
+        tol = 4 * 2.0 ** -8 * bias.abs().max().item()
+        top2 = logits.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        picked = logits.gather(1, out[:, k:k + 1])[:, 0]
+        assert (picked >= top2[:, 0] - tol).all()
+        sure = margin > tol
+        assert torch.equal(out[sure, k], logits.argmax(-1)[sure])
+        decisive += int(sure.sum())
+        prev = out[:, k]
+    assert decisive >= B * G * 3 // 4                # the margin check decided most tokens
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    tl.store(out_ptr + offs, _round_to_weight_dtype(tl.load(x_ptr + offs, mask=ok), ROUND), mask=ok)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")   # the interpreter's fp16 inf
+@pytest.mark.parametrize("dtype, mode", [(torch.bfloat16, 1), (torch.float16, 2)], ids=["bf16", "fp16"])
+def test_rounding_to_the_weight_dtype(triton_device: str, dtype: torch.dtype, mode: int) -> None:
+    """The kernel's fp32 -> weight dtype -> fp32 rounding equals torch's ``.to(dtype).float()``
+    (round to nearest even), on random values, exact halfway cases, specials and overflow."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.cat([torch.randn(2000, generator=g) * 10 ** torch.randint(-3, 4, (2000,), generator=g),
+                   torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 3.4e38, -3.4e38, 7e4])])
+    bits = torch.randint(0, 2 ** 23, (1000,), generator=g, dtype=torch.int32) | 0x3F800000  # [1, 2)
+    bits[:500] = (bits[:500] & ~0xFFFF) | 0x8000          # exact bf16 halfway points, both parities
+    bits[500:700] = (bits[500:700] & ~0x1FFF) | 0x1000    # exact fp16 halfway points
+    x = torch.cat([x, bits.view(torch.float32), -bits.view(torch.float32)]).to(triton_device)
+    out = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), ROUND=mode, BLOCK=256)
+    torch.testing.assert_close(out, x.to(dtype).float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_rejects_bad_inputs(triton_device: str) -> None:
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.bfloat16, 2, 3, 100, 16, seed=9)
+    for args, match in [((base.double(), anchor, w1, w2), "fp32"), ((base, anchor.int(), w1, w2), "int64"),
+                        ((base, anchor, w1.float(), w2), "share"), ((base, anchor, w1, w2[:50]), "mismatch"),
+                        ((base, anchor[:1], w1, w2), "mismatch"), ((base[0], anchor, w1, w2), "expected")]:
+        with pytest.raises(ValueError, match=match):
+            markov_greedy_walk_triton(*args)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.lfmspark.markov_greedy_walk(*(a.cpu() for a in args))   # the reference path too
+
+
+def test_default_config() -> None:
+    assert walk_config(1, 65536, 256) == WalkConfig(block_v=256, block_r=64, num_warps=8)
+    assert walk_config(3, 100, 8) == WalkConfig(block_v=128, block_r=16, num_warps=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# op registration, dispatch, torch.compile
+
+def _op_args():
+    return _grid_inputs("cpu", torch.bfloat16, 2, 3, 150, 16, seed=10)
+
+
+def test_cpu_dispatch_is_the_reference() -> None:
+    args = _op_args()
+    assert torch.equal(torch.ops.lfmspark.markov_greedy_walk(*args), markov_greedy_walk_reference(*args))
+
+
+def test_opcheck_reference() -> None:
+    torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, _op_args())
+
+
+def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, _op_args())
+
+
+def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    base, anchor, w1, w2 = _op_args()
+
+    def walk(base, anchor, w1, w2):
+        return torch.ops.lfmspark.markov_greedy_walk(base * 2, anchor, w1, w2) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(walk, fullgraph=True)
+    assert torch.equal(compiled(base, anchor, w1, w2), markov_greedy_walk_reference(base * 2, anchor, w1, w2) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the served shape (LFM2.5-1.2B: V = 65536, r = 256, G = 9, bf16), CUDA-graph replay
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 4, 20])
+def test_gpu_served_shape(B: int) -> None:
+    _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_follows_input() -> None:
+    base, anchor, w1, w2 = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=1)
+    torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2)
+    for seed in range(3):
+        new = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=100 + seed)
+        base.copy_(new[0])
+        anchor.copy_(new[1])
+        graph.replay()
+        assert torch.equal(out.cpu(), markov_greedy_walk_reference(base.cpu(), anchor.cpu(), w1.cpu(), w2.cpu()))
