@@ -240,10 +240,11 @@ class DSparkDraft(nn.Module):
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`), then the Markov walk."""
         h = self.norm(x + delta)
-        return self.walk(self.lm_head(h).float(), h, anchor, pick)
+        return self.walk(self.lm_head(h), h, anchor, pick)
 
     def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
-        """The Markov walk over the LM-head logits ``base [B, G, V]`` fp32. With ``pick`` =
+        """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
+        logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
         (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
         argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits."""
@@ -258,7 +259,7 @@ class DSparkDraft(nn.Module):
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None
         tokens, logits, confidence = [], [], []
         for k in range(G):
-            logits_k = base[:, k]
+            logits_k = base[:, k].float()
             e_prev = None
             if head is not None:
                 e_prev = head.markov_w1(prev)
