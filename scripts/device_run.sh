@@ -20,7 +20,7 @@ for step in $STEPS; do
   case $step in
     tests)   # gpu-marked tests plus the op tests, which run natively on CUDA
       timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rs \
-        tests/ops tests/test_graphs_gpu.py 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
+        tests/ops tests/models tests/test_graphs_gpu.py 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1
       tail -40 $RUN/kernels.log ;;
