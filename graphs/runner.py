@@ -41,9 +41,11 @@ class WarmupReport:
     entries: list[WarmupEntry] = field(default_factory=list)
     total_s: float = 0.0
     mode: str = "eager"                   # "eager", "compiled" or "cuda-graphs"
+    prefill_s: float = 0.0                # the engine's prefill warm-up (runtime/engine.py)
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "total_s": self.total_s, "entries": [e.__dict__ for e in self.entries]}
+        return {"mode": self.mode, "total_s": self.total_s, "prefill_s": self.prefill_s,
+                "entries": [e.__dict__ for e in self.entries]}
 
     def table(self) -> str:
         from tabulate import tabulate

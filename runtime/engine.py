@@ -226,9 +226,38 @@ class Engine:
     def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
         """Compile and capture everything the engine will replay: its step (decode or speculative
         round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
-        service), sampling. Call once before taking traffic; progress goes to the ``lfmspark`` logger."""
+        service), sampling; then run the (eager) prefill path once per shape class (see
+        :meth:`_warm_prefill`). Call once before taking traffic; progress goes to the ``lfmspark``
+        logger."""
+        if not self.idle:
+            raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
+                               "state slots as scratch; call it right after constructing the engine")
         modes = (False, True) if sampling else (False,)
-        return self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
+        report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
+        t0 = time.perf_counter()
+        self._warm_prefill()
+        report.prefill_s = time.perf_counter() - t0
+        if progress:
+            log.info("prefill warm-up %.2fs", report.prefill_s)
+        return report
+
+    _WARM_PREFILL_LENGTHS = (16, 17)
+
+    def _warm_prefill(self) -> None:
+        """Prefill dummy prompts on free slots for one row and for several, at a length divisible
+        by 16 and one that is not. Triton compiles (or loads from its cache) one kernel variant per
+        such class of its integer arguments on first use; on the H200 a process's first request of
+        a new batch shape paid 0.1-1.7 s of TTFT for it (docs/benchmarks.md). Admission prefills a
+        slot from position 0, which resets every state this leaves behind."""
+        for rows in sorted({1, min(2, self.max_batch)}):
+            for length in self._WARM_PREFILL_LENGTHS:
+                if length > self.max_seq_len:
+                    continue
+                ids = torch.zeros(rows, length, dtype=torch.int64, device=self.device)
+                slots = torch.arange(rows, device=self.device)
+                self.steps.prefill(ids, slots, torch.zeros_like(slots), torch.full_like(slots, length), False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:

@@ -201,6 +201,25 @@ def test_bad_request_while_another_stream_runs_does_not_disturb_it(target, draft
     assert_clean(e)
 
 
+def test_warmup_prefills_scratch_slots_without_changing_what_the_engine_generates(target, good_reference):
+    """The prefill warm-up runs dummy prompts on free slots (1 and 2 rows, lengths 16 and 17); the
+    requests served afterwards must not see any of it."""
+    e = engine(target, random_tiny_draft(seed=4), max_batch=2)
+    report = e.warmup(progress=False, sampling=False)
+    assert report.prefill_s > 0 and report.as_dict()["prefill_s"] == report.prefill_s
+    assert_still_serves(e, good_reference)
+
+
+def test_warmup_is_refused_while_requests_are_in_flight(target, draft):
+    e = engine(target, draft, max_batch=2)
+    it = e.stream([[7, 8, 9]], greedy(6))
+    next(it)                                          # admitted and prefilled: its slot is in use
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        e.warmup(progress=False, sampling=False)
+    list(it)
+    assert_clean(e)
+
+
 IMPOSED_BAD = {
     "too short": ([1.0] * (GAMMA - 1), f"must give {GAMMA} per-position rates"),
     "too long": ([0.5] * (GAMMA + 1), f"must give {GAMMA} per-position rates"),
