@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ..graphs.runner import StepKind
-from ..models.dspark import DSparkDraft
 from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from .engine import Engine
@@ -406,8 +404,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results["hf_static_compile"].append(_hf_row(target, cfg, batch, device, compiled=True))
         save()
     # Profiles come last, after every timing: a torch.profiler session leaves CUPTI attached to the
-    # process, which slows later kernel launches (docs/benchmarks.md: HF eager, which is launch-bound,
-    # measured 12 ms/token with no profile before it and ~60 ms in runs that profiled first).
+    # process, which slows later kernel launches (docs/benchmarks.md: 10.0 us per eager launch on
+    # the H200 before a profile, 14.3 us after), and the HF eager baseline is launch-bound.
     if cfg.profile_dir and device.type == "cuda":
         for engine in engines.values():
             batch = min(cfg.batch_sizes)
@@ -419,7 +417,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
     """HF eager ``generate`` runs in this process; static cache + compile runs in a child process
     (runtime/hf_subprocess.py), so its crash or over-long compile becomes a failed row."""
-    from .hf_baseline import hf_model_like, time_hf_generate
+    from .hf_baseline import time_baseline
     from .hf_subprocess import COMPILE_MODES, BaselineFailed, run_baseline
 
     label = "HF static cache + torch.compile" if compiled else "HF eager generate"
@@ -438,10 +436,7 @@ def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled
                     log.warning("%s, mode=%s failed (%s); trying the next mode", label, mode, e)
                     row[f"error_{mode.replace('-', '_')}"] = f"{type(e).__name__}: {e}"[:500]
         else:
-            hf = hf_model_like(target)
-            prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
-                                    generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-            timing = time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
+            timing = time_baseline(target, cfg, batch, device)
         row.update(ttft_ms_p50=timing["ttft_ms"], tpot_ms_p50=timing["tpot_ms"],
                    tok_s_per_user=1e3 / timing["tpot_ms"], tok_s_total=batch * 1e3 / timing["tpot_ms"])
     except Exception as e:       # a baseline that fails is reported as such, not hidden

@@ -102,3 +102,16 @@ def time_hf_generate(hf, prompts: torch.Tensor, new_tokens: int, runs: int) -> d
     full = sorted(timed(new_tokens) for _ in range(runs))[runs // 2]
     tpot = (full - ttft) / max(new_tokens - 1, 1)
     return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+
+
+def time_baseline(target, cfg, batch: int, device: torch.device, compile_mode: str | None = None) -> dict:
+    """The benchmark's HF baseline for ``target`` (a :class:`~lfmspark.runtime.bench.BenchConfig`
+    gives the prompt length, output length, runs and seed): eager ``generate``, or with a static
+    cache and ``torch.compile(mode=compile_mode)``. Returns :func:`time_hf_generate`'s timings."""
+    hf = hf_model_like(target)
+    if compile_mode:
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode=compile_mode, fullgraph=True)
+    prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
+                            generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    return time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))

@@ -83,17 +83,11 @@ def run_baseline(cfg, batch: int, device: torch.device, compile_mode: str | None
 
 def _child(config: dict, batch: int, device: torch.device, compile_mode: str | None) -> dict:
     from .bench import BenchConfig, build_models
-    from .hf_baseline import hf_model_like, time_hf_generate
+    from .hf_baseline import time_baseline
 
     cfg = BenchConfig(**{**config, "draft_preset": None, "draft_dir": None})
     target, _, _ = build_models(cfg, device)
-    hf = hf_model_like(target)
-    if compile_mode:
-        hf.generation_config.cache_implementation = "static"
-        hf.forward = torch.compile(hf.forward, mode=compile_mode, fullgraph=True)
-    prompts = torch.randint(0, target.config.vocab_size, (batch, cfg.prompt_len),
-                            generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-    return time_hf_generate(hf, prompts, min(cfg.output_len, 64), runs=max(1, min(cfg.runs, 3)))
+    return time_baseline(target, cfg, batch, device, compile_mode)
 
 
 def main(argv: list[str] | None = None) -> None:
