@@ -1,14 +1,27 @@
-"""Which implementation an op runs on a given device.
+"""Which implementation an op runs on a given device, and how its kernels are launched.
 
 Every op in this package has a Triton kernel (registered for ``cuda``) and a plain-PyTorch
 reference (the CPU implementation and the test oracle). On a CPU-only machine the Triton kernels
 can still run under Triton's interpreter (``TRITON_INTERPRET=1``); setting
 ``LFMSPARK_TRITON_ON_CPU=1`` as well routes the ops' CPU implementations through the Triton
 launchers, which is how the test suite checks the kernels (and their compiled use) without a GPU.
+
+Programmatic dependent launch (PDL, Hopper and newer): a decode step is a chain of ~150 short
+kernels, each of which would otherwise wait for its predecessor to drain and then pay its own
+launch and ramp-up. Launched with PDL, a kernel may start while its predecessor is still running:
+it does the work that depends on nothing earlier (address math, the first tile of its weights),
+then executes ``gdc_wait`` — which returns once the predecessor has completed and its writes are
+visible — before it reads anything an earlier kernel wrote. Every kernel here follows that
+contract (``PDL`` constexpr: wait before the first dependent load, ``gdc_launch_dependents`` as
+early as possible). Correctness never depends on the successor: a kernel launched without PDL, or a
+CUDA-graph node of another library, simply starts after its predecessor as usual, and ``gdc_wait``
+is a no-op there. ``LFMSPARK_PDL=0`` turns it off (graphs/compile.py does the same for Inductor's
+kernels).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,3 +34,22 @@ def triton_on_cpu() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (t.device.type == "cpu" and triton_on_cpu())
+
+
+@functools.lru_cache(maxsize=None)
+def _supports_pdl(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_requested() -> bool:
+    """``LFMSPARK_PDL`` (default on): whether kernels may use programmatic dependent launch."""
+    value = os.environ.get("LFMSPARK_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_PDL={value!r}: use 1 (programmatic dependent launch) or 0 (off)")
+    return value == "1"
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on ``t`` launch with PDL: CUDA on sm90+, unless ``LFMSPARK_PDL=0``.
+    Launchers pass the result both as ``launch_pdl=`` and as the kernels' ``PDL`` constexpr."""
+    return t.device.type == "cuda" and pdl_requested() and _supports_pdl(t.device)
