@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import use_pdl, use_triton
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 
@@ -43,10 +43,12 @@ def _skinny_linear_kernel(
     M, N, K, k_split,
     stride_xm, stride_wn, stride_ds, stride_dm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split); dst is the output (one split, stride_ds = 0) or the fp32 workspace
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -59,23 +61,44 @@ def _skinny_linear_kernel(
     # columns past N read row `c % N` instead of being masked, so the weight loads of the fast path
     # carry no mask at all (full-width vector loads); those columns are never stored
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        # padding rows of x are masked, not clamped: a masked load costs no L2 traffic
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (k + tl.arange(0, BLOCK_K)) < k_end
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
+    # before waiting for the predecessor (PDL); x is its output and is read after the wait
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
+    acc = _dot_block(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_PRECISION, UPCAST)
+    for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+        acc = _dot_block(a, w, acc, DOT_PRECISION, UPCAST)
     dst = dst_ptr + split * stride_ds + rows[:, None] * stride_dm + cols[None, :]
     tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # padding rows of x are masked, not clamped: a masked load costs no L2 traffic
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    k_ok = (k + tl.arange(0, BLOCK_K)) < k_end
+    return tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_block(a, w, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -83,11 +106,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, dst_ptr,
     N, K, k_split,
     stride_wn, stride_ds,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,25 +120,34 @@ def _gemv_kernel(
     k_end = tl.minimum(k0 + k_split, K)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            xv = tl.load(x_ptr + k + ks)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (k + ks) < k_end
-            xv = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
+    for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(dst_ptr + split * stride_ds + cols, out.to(dst_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _skinny_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _load_x_vector(x_ptr, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    ks = k + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(x_ptr + ks).to(tl.float32)
+    return tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _skinny_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # out (contiguous [M, N]) = sum of the SPLIT_K workspace slices, in split order (deterministic);
     # the unrolled loop issues all the slices' loads at once
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
@@ -227,11 +261,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
         dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
         dst = out
+    pdl = use_pdl(x)
     if M == 1 and cfg.gemv:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, weight, dst, N, K, k_split, weight.stride(0), dst.stride(0) if split_k > 1 else 0,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
     else:
         _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
@@ -240,12 +275,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
             x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
     if split_k > 1:
         block = 1024
-        _skinny_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=block)
+        _skinny_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=block,
+                                                           PDL=pdl, launch_pdl=pdl)
     return out
 
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import use_pdl, use_triton
+from .skinny_linear import _load_w_block, _load_x_vector
 
 # gate columns per program (and as many up columns): 4 weight rows x 1024 per K step, the shape
 # of the best plain GEMV config (ops/skinny_linear.py); 4 + 4 rows x 512 measured 19.5 us per
@@ -36,29 +37,30 @@ _BLOCK_K = 1024
 def _swiglu_gemv_kernel(
     x_ptr, w_ptr, out_ptr,
     F, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     gate_rows = (cols % F).to(tl.int64)            # past F: a valid row, never stored
-    g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + ks[None, :]
-    u_ptrs = w_ptr + (gate_rows + F)[:, None] * stride_wn + ks[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xv = tl.load(x_ptr + k + ks).to(tl.float32)[None, :]
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            k_ok = (k + ks) < K
-            xv = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            wg = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-        acc_g += wg.to(tl.float32) * xv
-        acc_u += wu.to(tl.float32) * xv
+    g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+    u_ptrs = g_ptrs + F * stride_wn
+    # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
+    wg = _load_w_block(g_ptrs, 0, K, BLOCK_K, EVEN_K)
+    wu = _load_w_block(u_ptrs, 0, K, BLOCK_K, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    xv = _load_x_vector(x_ptr, 0, K, BLOCK_K, EVEN_K)[None, :]
+    acc_g = wg.to(tl.float32) * xv
+    acc_u = wu.to(tl.float32) * xv
+    for k in range(BLOCK_K, K, BLOCK_K):
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+        wg = _load_w_block(g_ptrs, k, K, BLOCK_K, EVEN_K)
+        wu = _load_w_block(u_ptrs, k, K, BLOCK_K, EVEN_K)
+        xv = _load_x_vector(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
+        acc_g += wg.to(tl.float32) * xv
+        acc_u += wu.to(tl.float32) * xv
     dtype = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_u, axis=1).to(dtype).to(tl.float32)
@@ -86,11 +88,14 @@ def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     out = torch.empty((1, F_), dtype=x.dtype, device=x.device)
     if F_ == 0:
         return out
+    if K == 0:  # gate = up = 0; the kernel's peeled first K block assumes K > 0
+        return out.zero_()
     x = x.contiguous()
     block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(K)))
+    pdl = use_pdl(x)
     _swiglu_gemv_kernel[(triton.cdiv(F_, _BLOCK_N),)](
         x, w13, out, F_, K, w13.stride(0),
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=4,
+        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 
