@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..ops._dispatch import pdl_requested
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("LFMSPARK_CACHE_DIR", Path.home() / ".cache" / "lfmspark" / "inductor"))
@@ -63,6 +65,11 @@ def configure_compile(n_variants: int) -> None:
     # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
     # default; LFMSPARK_COORDINATE_DESCENT=1 turns it on.
     inductor.coordinate_descent_tuning = os.environ.get("LFMSPARK_COORDINATE_DESCENT", "0") == "1"
+    # Inductor's own kernels can follow the PDL contract too (ops/_dispatch.py); it is opt-in
+    # (LFMSPARK_INDUCTOR_PDL=1) because a kernel that stores without loading is emitted without a
+    # gdc_wait, and a dependent of it then waits for that kernel only, not for the ones before it.
+    if hasattr(inductor.triton, "enable_pdl"):
+        inductor.triton.enable_pdl = pdl_requested() and os.environ.get("LFMSPARK_INDUCTOR_PDL", "0") == "1"
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)
     if hasattr(dynamo, "accumulated_recompile_limit"):

@@ -53,3 +53,9 @@ def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` launch with PDL: CUDA on sm90+, unless ``LFMSPARK_PDL=0``.
     Launchers pass the result both as ``launch_pdl=`` and as the kernels' ``PDL`` constexpr."""
     return t.device.type == "cuda" and pdl_requested() and _supports_pdl(t.device)
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel following the PDL contract, working on ``t``'s device."""
+    pdl = use_pdl(t)
+    return {"PDL": pdl, "launch_pdl": pdl}

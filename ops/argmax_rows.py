@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 _BIG = 2147483647             # "no index": larger than any column index (V < 2**31 - 1)
 _MIN_BLOCK_V, _MAX_BLOCK_V = 256, 4096
@@ -97,7 +97,10 @@ def reduce_partials_rows(pv_ptr, pi_ptr, rows, row_ok, NB, BLOCK_P: tl.constexpr
 # kernels
 
 @triton.jit
-def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, NB, stride_xr, BLOCK_V: tl.constexpr):
+def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, NB, stride_xr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # program (column block, row): one partial (value, first index) of BLOCK_V columns
     j = tl.program_id(0)
     r = tl.program_id(1)
@@ -110,7 +113,10 @@ def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, NB, stride_xr, BLOCK_V: tl.
 
 
 @triton.jit
-def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, NB, stride_out, BLOCK_P: tl.constexpr):
+def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, NB, stride_out, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # program (row): the row's partials -> its int64 index
     r = tl.program_id(0)
     best_i = reduce_partials(pv_ptr + r * NB, pi_ptr + r * NB, NB, BLOCK_P)
@@ -164,8 +170,8 @@ def argmax_rows_triton(x: torch.Tensor, block_v: int | None = None) -> torch.Ten
     nb = triton.cdiv(V, bv)
     pv = torch.empty((R, nb), dtype=torch.float32, device=x.device)
     pi = torch.empty((R, nb), dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(nb, R)](x, pv, pi, V, nb, x.stride(0), BLOCK_V=bv, num_warps=4 if bv >= 1024 else 2)
-    _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4)
+    _argmax_partial_kernel[(nb, R)](x, pv, pi, V, nb, x.stride(0), BLOCK_V=bv, num_warps=4 if bv >= 1024 else 2, **pdl_kwargs(x))
+    _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
     return out
 
 

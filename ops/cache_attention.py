@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,8 +42,11 @@ def _cache_attention_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_cs, stride_cp, stride_ch,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # One program: BLOCK_M rows = flattened (token, head-in-group) pairs of one (batch row, kv head),
     # against one slice of the key range (the whole range unless SPLIT). Every K/V tile is loaded
     # once for the whole GQA group. ``kc_ptr``/``vc_ptr`` already point at the layer's cache.
@@ -124,8 +127,11 @@ def _cache_attention_kernel(
 def _combine_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     n_out_rows, num_splits,
-    HD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # one program per output row (batch row, token, head): merges all its split partials at once
     # (a loop over the splits would serialize their load latencies)
     row = tl.program_id(0)
@@ -234,13 +240,13 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
     if split:
         _combine_splits_kernel[(B * T * H,)](
             part_m, part_l, part_acc, out,
             B * T * H, num_splits,
-            HD=hd, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HD=hd, SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl_kwargs(part_m),
         )
     return out
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 from .kv_write import window_positions, window_valid
 from .rope import apply_rope, gather_cos_sin
 
@@ -88,8 +88,11 @@ def _kv_norm_rope_write_kernel(
     stride_xb, stride_xt, stride_wl, stride_cs,
     stride_kl, stride_ks, stride_kp, stride_kh,
     stride_vl, stride_vs, stride_vp, stride_vh,
-    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
+    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # One program per (token, layer): all kv heads of the token at once, as [BLOCK_H, HD/2] tiles, so
     # the whole token is loaded before anything is stored (a loop over heads serialises a load ->
     # store latency chain per head: 2.1x slower at prefill on the H200).
@@ -193,7 +196,7 @@ def kv_norm_rope_write_triton(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HD=hd, IS_NEOX=is_neox,
-        num_warps=_NUM_WARPS,
+        num_warps=_NUM_WARPS, **pdl_kwargs(kv),
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
     )
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -25,8 +25,11 @@ def _kv_write_kernel(
     T, S,
     stride_kb, stride_kt, stride_vb, stride_vt,
     stride_cs, stride_cp,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # one program per (row, token): copy the token's n_kv * head_dim values
     pid = tl.program_id(0)
     b = pid // T
@@ -71,7 +74,7 @@ def kv_write_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         T, k_cache.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_layer.stride(0), k_layer.stride(1),
-        ROW=row, BLOCK=block,
+        ROW=row, BLOCK=block, **pdl_kwargs(k),
     )
 
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 from .argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -175,10 +175,10 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
             FIRST=k == 0, ROUND=_ROUND[w2.dtype],
             DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=base.device.type != "cuda" and w2.dtype != torch.float32,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, **pdl_kwargs(base),
         )
     last = tokens[:, G - 1]
-    _argmax_final_kernel[(B,)](pv[G - 1], pi[G - 1], last, nb, last.stride(0), BLOCK_P=block_p(nb), num_warps=4)
+    _argmax_final_kernel[(B,)](pv[G - 1], pi[G - 1], last, nb, last.stride(0), BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
     return tokens
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,8 +60,11 @@ def _moe_count_kernel(
     ids_ptr, counts_ptr,
     P, TOPK,
     stride_in, stride_ik,
-    E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # pairs per expert in chunk `pid` of CHUNK pairs: counts [n_chunks, E_PAD]
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
@@ -76,8 +79,11 @@ def _moe_plan_kernel(
     P, TOPK, n_blocks,
     stride_in, stride_ik,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, PRECOUNTED: tl.constexpr,
+    CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, PRECOUNTED: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # program `pid` places pairs [pid*CHUNK, pid*CHUNK + CHUNK) and fills the same range of the
     # block table (there are never more blocks than pairs). Each program needs the pairs per expert
     # overall and before its chunk: with few programs each counts all pairs itself (one launch);
@@ -134,8 +140,11 @@ def _moe_gate_up_kernel(
     stride_xn, stride_xh, stride_we, stride_wn, stride_wh,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk)
     if e < 0:
@@ -176,8 +185,11 @@ def _moe_down_kernel(
     stride_tn, stride_tk, stride_we, stride_wh, stride_wi,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk)
     if e < 0:
@@ -211,8 +223,11 @@ def _moe_down_kernel(
 def _moe_combine_kernel(
     pair_out_ptr, out_ptr,
     stride_on, stride_oh,
-    H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+    H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     n = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -298,7 +313,7 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
         counts = torch.empty(n_chunks, e_pad, dtype=torch.int32, device=dev)
         _moe_count_kernel[(n_chunks,)](
             topk_ids, counts, P, topk_ids.shape[1], topk_ids.stride(0), topk_ids.stride(1),
-            E=n_experts, E_PAD=e_pad, CHUNK=chunk,
+            E=n_experts, E_PAD=e_pad, CHUNK=chunk, **pdl_kwargs(topk_ids),
         )
         # the plan programs now sum rows of `counts`, count_chunk of them per step
         count_chunk = min(count_chunk, max(16, triton.next_power_of_2(n_chunks)))
@@ -307,7 +322,7 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
         P, topk_ids.shape[1], n_blocks,
         topk_ids.stride(0), topk_ids.stride(1),
         E=n_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, COUNT_CHUNK=count_chunk,
-        PRECOUNTED=precount,
+        PRECOUNTED=precount, **pdl_kwargs(topk_ids),
     )
     return slot_pair, block_expert, block_rows
 
@@ -344,7 +359,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         k,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
     bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
     _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2))](
@@ -352,13 +367,13 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         k,
         topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(inter),
     )
     block_h = min(triton.next_power_of_2(H), 1024)
     _moe_combine_kernel[(N, triton.cdiv(H, block_h))](
         pair_out, out,
         out.stride(0), out.stride(1),
-        H=H, TOPK=k, BLOCK_H=block_h,
+        H=H, TOPK=k, BLOCK_H=block_h, **pdl_kwargs(pair_out),
     )
     return out
 

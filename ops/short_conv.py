@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,8 +59,11 @@ def _short_conv_prefill_kernel(
     T, H,
     stride_bb, stride_bt, stride_ob, stride_ot,
     stride_ss, stride_st,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # program (row, channel block, time block): the outputs are independent across time, so long
     # prompts spread over many programs instead of one sequential scan per channel block
     b = tl.program_id(0)
@@ -98,8 +101,11 @@ def _short_conv_verify_kernel(
     stride_bb, stride_bt, stride_ob, stride_ot,
     stride_ss, stride_st,
     stride_tr, stride_tt,
-    K: tl.constexpr, BLOCK_H: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # program (row, channel block, block token t): output t, and tape column t + K - 1 (token t's
     # Bx, which its last tap reads anyway); token 0's program also copies the state into columns
     # 0 .. K-2. Parallel over the block's tokens: a sequential scan left 8 programs per row doing
@@ -135,8 +141,11 @@ def _short_conv_commit_kernel(
     H,
     stride_sl, stride_ss, stride_st,
     stride_tl, stride_tr, stride_tt,
-    KM1: tl.constexpr, BLOCK_H: tl.constexpr,
+    KM1: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     layer = tl.program_id(0)
     b = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -193,7 +202,7 @@ def short_conv_prefill_triton(bcx, weight, conv_state, layer, slots, start, lens
         T, H,
         bcx.stride(0), bcx.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1),
-        K=K, BLOCK_H=_BLOCK_H, BLOCK_T=_BLOCK_T, enable_fp_fusion=False,
+        K=K, BLOCK_H=_BLOCK_H, BLOCK_T=_BLOCK_T, enable_fp_fusion=False, **pdl_kwargs(bcx),
     )
     return out
 
@@ -214,7 +223,7 @@ def short_conv_verify_triton(bcx, weight, conv_state, tape, layer, slots) -> tor
         bcx.stride(0), bcx.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1),
         tape_l.stride(0), tape_l.stride(1),
-        K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False,
+        K=weight.shape[1], BLOCK_H=_BLOCK_H, enable_fp_fusion=False, **pdl_kwargs(bcx),
     )
     return out
 
@@ -230,7 +239,7 @@ def short_conv_commit_triton(conv_state, tape, slots, accepted) -> None:
         H,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         tape.stride(0), tape.stride(1), tape.stride(2),
-        KM1=km1, BLOCK_H=_BLOCK_H,
+        KM1=km1, BLOCK_H=_BLOCK_H, **pdl_kwargs(conv_state),
     )
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_pdl, use_triton
+from ._dispatch import pdl_kwargs, use_triton
 from .skinny_linear import _load_w_block, _load_x_vector
 
 # gate columns per program (and as many up columns): 4 weight rows x 1024 per K step, the shape
@@ -92,10 +92,9 @@ def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
         return out.zero_()
     x = x.contiguous()
     block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(K)))
-    pdl = use_pdl(x)
     _swiglu_gemv_kernel[(triton.cdiv(F_, _BLOCK_N),)](
         x, w13, out, F_, K, w13.stride(0),
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=4, **pdl_kwargs(x),
     )
     return out
 
