@@ -14,6 +14,14 @@ give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is
 program ``(n block, k split)`` writes fp32 partials to a ``[SPLIT_K, M, N]`` workspace, which a
 second kernel sums in a fixed split order. No atomics: results are the same run to run.
 
+Swap-AB variant (``SkinnyConfig(swap_ab=True)``, a candidate pending a GPU sweep; ``swap_ab_config``
+is its heuristic): the same tiling and split-K scheme, but each program computes the transposed tile
+``out^T [BLOCK_N, BLOCK_M] = weight tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M]``, so
+the wide weight tile is ``tl.dot``'s A operand and the few rows its N dimension. The regular kernel's
+A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <= 32``, which keeps Hopper on the
+older mma.sync path; with 64- or 128-row weight tiles as A, Triton may issue wgmma with ``BLOCK_M``
+(16 for ``M <= 16``) as the instruction's N (whether it does is for the GPU to show: the TTGIR).
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launcher is CUDA-graph safe.
@@ -102,6 +110,52 @@ def _dot_block(a, w, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _skinny_linear_swap_ab_kernel(
+    x_ptr, w_ptr, dst_ptr,
+    M, N, K, k_split,
+    stride_xm, stride_wn, stride_ds, stride_dm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    # _skinny_linear_kernel with the operands swapped: program (n block, k split) accumulates
+    # out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] over [k0, k0 + k_split)
+    # (the weight tile as the MMA's A operand, the rows as its N) and stores it transposed
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    k0 = split * k_split
+    k_end = tl.minimum(k0 + k_split, K)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]  # unmasked rows, as above
+    # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
+    acc = _dot_block_swap_ab(w, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_PRECISION, UPCAST)
+    for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+        acc = _dot_block_swap_ab(w, a, acc, DOT_PRECISION, UPCAST)
+    dst = dst_ptr + split * stride_ds + rows[None, :] * stride_dm + cols[:, None]
+    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=(cols < N)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dot_block_swap_ab(w, a, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
+        w, a = w.to(tl.float32), a.to(tl.float32)
+    return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, dst_ptr,
     N, K, k_split,
@@ -168,6 +222,8 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
+    swap_ab: bool = False  # the tl.dot kernel with the weight tile as A (_skinny_linear_swap_ab_kernel);
+    #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -231,6 +287,49 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
 
 
+_SWAP_MIN_SPLIT_ITERS = 2     # swap-AB candidate: K blocks per split at least
+
+
+def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
+    """Candidate launch parameters for the swap-AB kernel (``M > 1``), not yet used by default: the
+    starting point of the GPU sweep (``benchmarks/kernels/skinny_linear.py --sweep``), not tuned.
+
+    Column tiles of 128 when ``N / 128`` alone gives ``_MIN_PROGRAMS_PER_SM`` programs per SM (the
+    LM head), else 64 (wgmma's A tile height; narrower tiles would waste the instruction). Then as
+    ``skinny_config``: the longest K step (64-256) whose weight and ``x`` tiles fit ``_STAGE_BYTES``
+    (128 for 64-wide bf16 tiles, 64 for 128-wide; dividing K when K % 64 == 0), 3-5 pipeline stages
+    within ``_SMEM_BYTES``, 4 warps (one warpgroup), and a K split to about ``_PROGRAMS_PER_SM``
+    programs per SM when the column tiles give fewer than ``_MIN_PROGRAMS_PER_SM``, keeping at least
+    ``_SWAP_MIN_SPLIT_ITERS`` K steps per split (the small shapes are latency-bound: parallelism over
+    loop length).
+    """
+    block_m = _block_m(M)
+    block_n = 128 if triton.cdiv(N, 128) >= _MIN_PROGRAMS_PER_SM * sms else 64
+    block_k = 256
+    while block_k > 64 and (block_n + block_m) * block_k * elem_size > _STAGE_BYTES:
+        block_k //= 2
+    if K % 64 == 0:
+        while K % block_k:
+            block_k //= 2
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    n_blocks = triton.cdiv(N, block_n)
+    split_k = 1
+    if n_blocks < _MIN_PROGRAMS_PER_SM * sms:
+        max_split = max(1, triton.cdiv(K, block_k) // _SWAP_MIN_SPLIT_ITERS)
+        split_k = split_k_plan(K, block_k, min(triton.cdiv(_PROGRAMS_PER_SM * sms, n_blocks), max_split))[1]
+    stage_bytes = (block_n + block_m) * block_k * elem_size
+    num_stages = max(3, min(5, _SMEM_BYTES // stage_bytes))
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages,
+                        swap_ab=True)
+
+
+def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(k_split, splits)``: the K range each split covers (whole K blocks) and the number of
+    non-empty splits the launcher runs for a requested ``split_k``."""
+    k_split = triton.cdiv(triton.cdiv(K, max(1, split_k)), block_k) * block_k
+    return k_split, triton.cdiv(K, k_split)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -254,9 +353,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device))
     block_m = _block_m(M)
-    # whole K blocks per split; recounting the splits drops empty ones
-    k_split = triton.cdiv(triton.cdiv(K, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(K, k_split)
+    k_split, split_k = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     if split_k > 1:
         dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
@@ -269,7 +366,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
     else:
-        _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        kernel = _skinny_linear_swap_ab_kernel if cfg.swap_ab else _skinny_linear_kernel
+        kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, weight, dst,
             M, N, K, k_split,
             x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),

@@ -7,11 +7,23 @@ no call finds its weight in L2; the reported time is per product.
 
     python benchmarks/kernels/skinny_linear.py            # the report table
     python benchmarks/kernels/skinny_linear.py --sweep    # time candidate launch configs (tuning aid)
+
+The sweep times, at each shape and M: cuBLAS, the default config (``skinny_config``), the swap-AB
+heuristic (``swap_ab_config``, M > 1), then candidate configs until ``--budget`` runs out: a grid
+over the regular ``tl.dot`` kernel and the swap-AB kernel for M > 1 (or the GEMV kernel for M = 1).
+It goes config by config over all the cases (every case holds its weights), so a compiled kernel is
+timed at every shape and split count before the next one is compiled: the budget buys compiles, and
+the sampled configs are measured everywhere. ``--json`` records every timing with its full config
+and a per-case summary (cuBLAS, default, best regular, best swap-AB, swap-AB heuristic).
+
+    python benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes --budget 75 --json sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import json
 import random
@@ -21,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import SkinnyConfig, skinny_config, skinny_linear_triton
+from lfmspark.ops.skinny_linear import (SkinnyConfig, skinny_config, skinny_linear_triton, split_k_plan,
+                                        swap_ab_config)
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -42,20 +55,24 @@ def _weights(N: int, K: int) -> list[torch.Tensor]:
     return [(torch.randn(N, K, generator=gen, device="cuda") / K ** 0.5).to(DTYPE) for _ in range(n_copies)]
 
 
+def _x(M: int, K: int) -> torch.Tensor:
+    return torch.randn(M, K, device="cuda").to(DTYPE)
+
+
 def _cases(rows_m=tuple(ROWS), shapes=tuple(SHAPES)):
     """``(N, K, M, weights, x)`` for every shape and row count (one weight set per shape)."""
     for N, K in shapes:
         weights = _weights(N, K)
         for M in rows_m:
-            yield N, K, M, weights, torch.randn(M, K, device="cuda").to(DTYPE)
+            yield N, K, M, weights, _x(M, K)
         del weights
 
 
-def _per_product_ms(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+def _per_product_ms(fn, x: torch.Tensor, weights: list[torch.Tensor], iters: int = 50) -> float:
     def step():
         for w in weights:
             fn(x, w)
-    return time_ms(step) / len(weights)
+    return time_ms(step, iters=iters) / len(weights)
 
 
 def _bytes(M: int, N: int, K: int) -> int:
@@ -79,43 +96,190 @@ def run(copy_gbps: float) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # tuning aid
 
+SPLITS = (1, 2, 4, 8)
+_SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block: larger pipelines cannot launch
+
+
 def _candidates(M: int) -> list[SkinnyConfig]:
+    """The regular kernel's grid (the GEMV kernel's for M = 1)."""
     if M == 1:  # the tl.dot-free kernel
         return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=2, gemv=True)
                 for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048), (1, 2, 4), (4, 8))]
     widths = (16, 32, 64, 128) if M <= 16 else (32, 64, 128)
-    configs = [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
-               for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4))]
-    random.Random(0).shuffle(configs)  # a time budget then samples the whole space, not one corner
-    return configs
+    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
+            for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), SPLITS, (4, 8), (3, 4))]
+
+
+def _swap_candidates() -> list[SkinnyConfig]:
+    """The swap-AB kernel's grid (M > 1): 64/128-wide weight tiles (wgmma's A operand)."""
+    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns, swap_ab=True)
+            for bn, bk, sk, ns, nw in itertools.product((64, 128), (64, 128, 256), SPLITS, (3, 4, 5), (4, 8))]
+
+
+def _block_m(M: int) -> int:
+    return max(16, 1 << (M - 1).bit_length())
+
+
+def _smem_bytes(cfg: SkinnyConfig, M: int, elem_size: int = DTYPE.itemsize) -> int:
+    """Pipeline buffers of a tl.dot kernel: ``num_stages`` weight and x tiles."""
+    return cfg.num_stages * (cfg.block_n + _block_m(M)) * cfg.block_k * elem_size
+
+
+def _kernel_key(cfg: SkinnyConfig) -> SkinnyConfig:
+    """Configs with the same key share a compiled kernel (the split count is a runtime argument)."""
+    return dataclasses.replace(cfg, split_k=1)
+
+
+def _groups(configs: list[SkinnyConfig], seed: int = 0) -> list[list[SkinnyConfig]]:
+    """``configs`` grouped by compiled kernel (splits ascending), the groups in a seeded random
+    order: a time budget then samples the whole space, not one corner."""
+    by_key: dict[SkinnyConfig, list[SkinnyConfig]] = {}
+    for cfg in configs:
+        by_key.setdefault(_kernel_key(cfg), []).append(cfg)
+    groups = [sorted(g, key=lambda c: c.split_k) for g in by_key.values()]
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+def _schedule(rows_m: tuple[int, ...], variants: tuple[str, ...]) -> list[tuple[str, list[SkinnyConfig]]]:
+    """``(variant, group)`` in sweep order: the variants' groups interleaved, two swap-AB groups per
+    regular (or GEMV) group, the focus of the sweep. Each config appears once; it is timed at every
+    case it applies to (``_applies``)."""
+    queues: dict[str, list[list[SkinnyConfig]]] = {}
+    if 1 in rows_m:
+        queues["gemv"] = _groups(_candidates(1))
+    if any(m > 1 for m in rows_m) and "regular" in variants:
+        grids = [_candidates(m) for m in sorted(rows_m) if m > 1]
+        queues["regular"] = _groups(list(dict.fromkeys(itertools.chain(*grids))))
+    if any(m > 1 for m in rows_m) and "swap_ab" in variants:
+        queues["swap_ab"] = _groups(_swap_candidates())
+    weight = {"swap_ab": 2, "regular": 1, "gemv": 1}
+    order = []
+    while any(queues.values()):
+        for variant, queue in queues.items():
+            for _ in range(weight[variant]):
+                if queue:
+                    order.append((variant, queue.pop(0)))
+    return order
+
+
+def _variant(cfg: SkinnyConfig, M: int) -> str:
+    if M == 1 and cfg.gemv:
+        return "gemv"
+    return "swap_ab" if cfg.swap_ab else "regular"
+
+
+def _applies(cfg: SkinnyConfig, M: int, N: int, K: int, sms: int) -> bool:
+    """Whether a grid config is worth timing at this case: the kernel family that M uses (GEMV for
+    M = 1, the tl.dot kernels for M > 1), a tl.dot pipeline that fits in shared memory, regular
+    tiles at least 32 wide for M > 16 (as ``_candidates``), a split count the launcher keeps as
+    asked (otherwise it duplicates a smaller one), and no split when the column tiles alone give two
+    programs per SM."""
+    if (M == 1) != cfg.gemv:
+        return False
+    if not cfg.gemv and _smem_bytes(cfg, M) > _SMEM_LIMIT:
+        return False
+    if not cfg.gemv and not cfg.swap_ab and M > 16 and cfg.block_n < 32:
+        return False
+    if cfg.split_k > 1 and (split_k_plan(K, cfg.block_k, cfg.split_k)[1] != cfg.split_k
+                            or -(-N // cfg.block_n) >= 2 * sms):
+        return False
+    return True
+
+
+def _describe(r: dict) -> str:
+    """A timing row's config, short: kernel, block_n, block_k, split_k, num_warps, num_stages."""
+    if r["variant"] == "cuBLAS":
+        return ""
+    kind = "gemv" if r["gemv"] else "swap" if r["swap_ab"] else "dot"
+    return f"{kind} bn{r['block_n']} bk{r['block_k']} sk{r['split_k']} w{r['num_warps']} s{r['num_stages']}"
+
+
+def _summary(rows: list[dict], cases: list[tuple[int, int, int]]) -> list[dict]:
+    """Per case: cuBLAS, the default config, the best regular and swap-AB configs, the swap-AB heuristic."""
+    out = []
+    for M, N, K in cases:
+        mine = [r for r in rows if (r["M"], r["N"], r["K"]) == (M, N, K) and "us" in r]
+        s = {"M": M, "N": N, "K": K}
+        for name, pick in [("cuBLAS", lambda r: r["variant"] == "cuBLAS"),
+                           ("default", lambda r: r["role"] == "default"),
+                           ("best_regular", lambda r: r["variant"] in ("regular", "gemv")),
+                           ("best_swap_ab", lambda r: r["variant"] == "swap_ab"),
+                           ("swap_heuristic", lambda r: r["role"] == "swap_heuristic")]:
+            best = min((r for r in mine if pick(r)), key=lambda r: r["us"], default=None)
+            s[f"{name}_us"] = best and best["us"]
+            if name != "cuBLAS":  # the full repr (SkinnyConfig(block_n=..., ...)) and the short form
+                s[f"{name}_config"] = best and best["config"]
+                s[f"{name}_short"] = best and _describe(best)
+        s["timed_regular"] = sum(r["variant"] in ("regular", "gemv") for r in mine)
+        s["timed_swap_ab"] = sum(r["variant"] == "swap_ab" for r in mine)
+        out.append(s)
+    return out
 
 
 def sweep(copy_gbps: float, budget_s: float = 480.0, rows_m: tuple[int, ...] = tuple(ROWS),
-          shapes: tuple[tuple[int, int], ...] = tuple(SHAPES)) -> list[dict]:
-    """Time cuBLAS, the heuristic's config and the candidates at each shape and M, for
-    ``budget_s / (shapes x rows)`` seconds each at most (compiles included); returns all rows."""
+          shapes: tuple[tuple[int, int], ...] = tuple(SHAPES),
+          variants: tuple[str, ...] = ("regular", "swap_ab"), iters: int = 25) -> tuple[list[dict], list[dict]]:
+    """Time cuBLAS, the default config and the swap-AB heuristic at every case, then the grid
+    (``_schedule``) until ``budget_s`` seconds have gone on it (compiles included); returns every
+    timing (with its full config) and the per-case summary."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = {(N, K): _weights(N, K) for N, K in shapes}  # all resident: 512 MB a shape
+    cases = [(M, N, K) for N, K in shapes for M in rows_m]
+    xs = {(M, N, K): _x(M, K) for M, N, K in cases}
     rows = []
-    for N, K, M, weights, x in _cases(rows_m, shapes):
-        ms = _per_product_ms(F.linear, x, weights)
-        r = row("F.linear", f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
-        rows.append({"M": M, "N": N, "K": K, "config": "cuBLAS", "default": True,
-                     "us": r["us"], "GB/s": r["GB/s"], "frac_of_copy": r["frac_of_copy"]})
-        default = skinny_config(M, N, K, DTYPE.itemsize, sms)
-        t0 = time.time()
-        for cfg in [default] + _candidates(M):
-            if time.time() - t0 > budget_s / (len(shapes) * len(rows_m)):
-                break
-            op = lambda x, w, cfg=cfg: skinny_linear_triton(x, w, cfg)  # noqa: E731
-            try:
-                ms = _per_product_ms(op, x, weights)
-            except Exception as exc:  # e.g. out of shared memory for a large tile
-                rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "error": type(exc).__name__})
-                continue
-            r = row("skinny_linear", f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
-            rows.append({"M": M, "N": N, "K": K, "config": str(cfg), "default": cfg is default,
-                         "us": r["us"], "GB/s": r["GB/s"], "frac_of_copy": r["frac_of_copy"]})
-    return rows
+
+    def record(fn, M, N, K, variant, role, cfg=None):
+        r = {"M": M, "N": N, "K": K, "variant": variant, "role": role, "config": str(cfg) if cfg else "cuBLAS"}
+        if cfg is not None:
+            splits = split_k_plan(K, cfg.block_k, cfg.split_k)[1]
+            r.update(dataclasses.asdict(cfg), splits=splits, programs=-(-N // cfg.block_n) * splits)
+        try:
+            ms = _per_product_ms(fn, xs[M, N, K], weights[N, K], iters)
+        except Exception as exc:  # e.g. out of shared memory for a large tile
+            rows.append({**r, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+            return
+        t = row(variant, f"M={M} N={N} K={K}", ms, _bytes(M, N, K), copy_gbps)
+        rows.append({**r, "us": t["us"], "GB/s": t["GB/s"], "frac_of_copy": t["frac_of_copy"]})
+
+    def skinny(cfg):
+        return functools.partial(skinny_linear_triton, config=cfg)
+
+    for M, N, K in cases:
+        record(F.linear, M, N, K, "cuBLAS", "cuBLAS")
+        cfg = skinny_config(M, N, K, DTYPE.itemsize, sms)
+        record(skinny(cfg), M, N, K, _variant(cfg, M), "default", cfg)
+        if M > 1 and "swap_ab" in variants:
+            cfg = swap_ab_config(M, N, K, DTYPE.itemsize, sms)
+            record(skinny(cfg), M, N, K, "swap_ab", "swap_heuristic", cfg)
+    t0 = time.time()
+    for variant, group in _schedule(rows_m, variants):
+        if time.time() - t0 > budget_s:
+            break
+        for (M, N, K), cfg in itertools.product(cases, group):
+            if _applies(cfg, M, N, K, sms):
+                record(skinny(cfg), M, N, K, variant, "candidate", cfg)
+    print(f"sweep: {time.time() - t0:.0f} s on the grid, {len(rows)} timings")
+    return rows, _summary(rows, cases)
+
+
+def print_sweep(rows: list[dict], summary: list[dict]) -> None:
+    """Per case the three fastest configs of each kernel family and the fixed rows (cuBLAS, default,
+    swap-AB heuristic); then the failures; then the summary (short config names)."""
+    from tabulate import tabulate
+
+    keep = ("M", "N", "K", "variant", "role", "us", "frac_of_copy", "programs")
+    for s in summary:
+        ok = sorted((r for r in rows if (r["M"], r["N"], r["K"]) == (s["M"], s["N"], s["K"]) and "us" in r),
+                    key=lambda r: r["us"])
+        top = [r for v in ("regular", "gemv", "swap_ab") for r in [x for x in ok if x["variant"] == v][:3]]
+        fixed = [r for r in ok if r["role"] != "candidate" and r not in top]
+        print(tabulate([{**{k: r.get(k) for k in keep}, "config": _describe(r)}
+                        for r in sorted(top + fixed, key=lambda r: r["us"])], headers="keys"))
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} configs failed, e.g. {errors[0]['config']}: {errors[0]['error']}")
+    print(tabulate([{k: v for k, v in s.items() if not k.endswith("_config")} for s in summary], headers="keys"))
 
 
 if __name__ == "__main__":
@@ -123,22 +287,31 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate launch configs instead")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds the sweep may take")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds the sweep's grid may take (the fixed rows, setup and first compiles come on top)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to sweep, e.g. 1,10")
     parser.add_argument("--target-shapes", action="store_true", help="sweep only the target's six shapes")
+    parser.add_argument("--variants", default="regular,swap_ab",
+                        help="kernel families of the M > 1 grid: regular, swap_ab or both")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not set(variants) <= {"regular", "swap_ab"}:
+        parser.error(f"--variants: unknown {sorted(set(variants) - {'regular', 'swap_ab'})}")
     copy_gbps = copy_bandwidth_gbps()
     rows_m = tuple(int(m) for m in args.rows.split(","))
     shapes = tuple(SHAPES[:6]) if args.target_shapes else tuple(SHAPES)
-    rows = sweep(copy_gbps, args.budget, rows_m, shapes) if args.sweep else run(copy_gbps)
+    summary = None
+    if args.sweep:
+        rows, summary = sweep(copy_gbps, args.budget, rows_m, shapes, variants)
+    else:
+        rows = run(copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy_gbps, "rows": rows}, f, indent=1)
+            json.dump({"copy_gbps": copy_gbps, "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+                       "budget_s": args.budget, "summary": summary, "rows": rows}, f, indent=1)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
     if args.sweep:
-        for (N, K), M in itertools.product(shapes, rows_m):
-            ok = sorted((r for r in rows if (r["M"], r["N"], r["K"]) == (M, N, K) and "us" in r), key=lambda r: r["us"])
-            print(tabulate(ok[:4] + [r for r in ok[4:] if r["default"]], headers="keys"))
+        print_sweep(rows, summary)
     else:
         print(tabulate(rows, headers="keys"))

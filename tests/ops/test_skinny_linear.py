@@ -1,5 +1,6 @@
 """``lfmspark::skinny_linear``: the Triton kernels (interpreter on CPU, native on CUDA) against the
-reference ``F.linear``; forced split-K, launch heuristic, registration checks, torch.compile.
+reference ``F.linear``; forced split-K, the swap-AB variant, launch heuristics, the benchmark's
+sweep grid, registration checks, torch.compile.
 
 The oracle is the product in fp64 of the (upcast) inputs. Tolerances, as relative Frobenius errors
 ``|out - oracle| / |oracle|``: fp32 1e-5 (the kernel lands near 2e-7); bf16 1e-2 (one rounding of
@@ -9,12 +10,16 @@ rounding, still about 3e-3 at these sizes).
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, skinny_config, skinny_linear_reference,
-                                        skinny_linear_triton)
+                                        skinny_linear_triton, split_k_plan, swap_ab_config)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -73,10 +78,141 @@ def test_gemv_flag_is_ignored_for_several_rows(triton_device: str) -> None:
     _check(skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=64, gemv=True)), x, w)
 
 
-def test_split_k_is_deterministic(triton_device: str) -> None:
+@pytest.mark.parametrize("cfg", [SkinnyConfig(block_n=32, block_k=32, split_k=4),
+                                 SkinnyConfig(block_n=64, block_k=32, split_k=4, swap_ab=True)], ids=["dot", "swap_ab"])
+def test_split_k_is_deterministic(triton_device: str, cfg: SkinnyConfig) -> None:
     x, w = _inputs(triton_device, torch.float32, 10, 64, 256)
-    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=4)
     assert torch.equal(skinny_linear_triton(x, w, cfg), skinny_linear_triton(x, w, cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# swap-AB variant: out^T = weight tile @ x tile^T
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [2, 9, 10, 16, 33])
+@pytest.mark.parametrize("N, K, cfg", [
+    (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True)),               # N and K tails, one split
+    (130, 300, SkinnyConfig(block_n=128, block_k=64, split_k=3, swap_ab=True)),   # N tail, K tail in the last split
+], ids=["one_split", "split_k"])
+def test_swap_ab_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int,
+                                          cfg: SkinnyConfig) -> None:
+    x, w = _inputs(triton_device, dtype, M, N, K, seed=M + K)
+    _check(skinny_linear_triton(x, w, cfg), x, w)
+
+
+def test_swap_ab_heuristic_config_and_strided_x(triton_device: str) -> None:
+    """The heuristic's own config (split-K at this size on the interpreter's 8 "SMs"), and ``x``
+    as a column slice of a wider activation."""
+    cfg = swap_ab_config(10, 200, 512, 4, 8)
+    assert cfg.swap_ab and split_k_plan(512, cfg.block_k, cfg.split_k)[1] > 1
+    wide, w = _inputs(triton_device, torch.float32, 10, 200, 3 * 512)
+    x = wide[:, 512:1024]
+    _check(skinny_linear_triton(x, w[:, :512].contiguous(), cfg), x, w[:, :512])
+
+
+@pytest.mark.parametrize("M", [2, 9, 10, 40, 64])
+@pytest.mark.parametrize("N, K", [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048),
+                                  (65536, 2048), (2048, 4096), (4096, 2048), (12288, 2048)])
+def test_swap_ab_heuristic_h200(M: int, N: int, K: int) -> None:
+    """The swap-AB candidate at the served shapes on 132 SMs: wgmma-sized column tiles, the unmasked
+    path, one warpgroup, 3-5 stages within 96 KB, at least 1.5 programs per SM, a split only when N
+    alone cannot supply them, each split at least 2 K steps long and all of them non-empty."""
+    cfg = swap_ab_config(M, N, K, 2, 132)
+    assert cfg.swap_ab and not cfg.gemv and cfg.num_warps == 4 and 3 <= cfg.num_stages <= 5
+    assert cfg.block_n in (64, 128) and 64 <= cfg.block_k <= 256 and K % cfg.block_k == 0
+    block_m = max(16, 1 << (M - 1).bit_length())
+    assert cfg.num_stages * (cfg.block_n + block_m) * cfg.block_k * 2 <= 96 * 1024
+    n_blocks = -(-N // cfg.block_n)
+    k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)
+    assert splits == cfg.split_k and (splits == 1 or n_blocks < 1.5 * 132)
+    assert k_split // cfg.block_k >= 2 and n_blocks * splits >= 1.5 * 132
+
+
+@pytest.mark.parametrize("K, block_k, split_k, want", [
+    (256, 64, 4, (64, 4)), (300, 64, 3, (128, 3)), (192, 64, 5, (64, 3)), (100, 64, 1, (128, 1)), (64, 64, 8, (64, 1)),
+])
+def test_split_k_plan(K: int, block_k: int, split_k: int, want: tuple[int, int]) -> None:
+    assert split_k_plan(K, block_k, split_k) == want
+
+
+def _sweep_module():
+    """benchmarks/kernels/skinny_linear.py, a script (no package): loaded by path, with its folder
+    on sys.path for its ``common`` helpers, as when it runs; importing it needs no GPU."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
+    spec = importlib.util.spec_from_file_location("_skinny_linear_bench", bench / "skinny_linear.py")
+    module = importlib.util.module_from_spec(spec)
+    had_common = "common" in sys.modules
+    sys.path.insert(0, str(bench))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+        if not had_common:
+            sys.modules.pop("common", None)  # a generic name: leave no trace for other tests
+    return module
+
+
+def test_benchmark_sweep_grid() -> None:
+    """The sweep's schedule (pure Python): every grid config exactly once, grouped by compiled
+    kernel, two swap-AB groups per regular one; and the per-case trimming."""
+    bench = _sweep_module()
+    swap, regular = bench._swap_candidates(), bench._candidates(10)
+    assert len(swap) == 2 * 3 * 4 * 3 * 2 and all(c.swap_ab and c.block_n in (64, 128) for c in swap)
+    order = bench._schedule((10,), ("regular", "swap_ab"))
+    timed = [c for _, group in order for c in group]
+    assert sorted(map(repr, timed)) == sorted(map(repr, swap + regular))
+    for variant, group in order:
+        assert len({bench._kernel_key(c) for c in group}) == 1
+        assert all(c.swap_ab == (variant == "swap_ab") for c in group)
+    assert [v for v, _ in order[:6]] == ["regular", "swap_ab", "swap_ab"] * 2
+    assert {v for v, _ in bench._schedule((10,), ("swap_ab",))} == {"swap_ab"}
+    assert {v for v, _ in bench._schedule((1, 10), ("swap_ab",))} == {"gemv", "swap_ab"}
+    # trimming at K = 2048 on 132 SMs
+    applies = bench._applies
+    cfg = SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, swap_ab=True)
+    assert applies(cfg, 10, 2048, 2048, 132) and not applies(cfg, 1, 2048, 2048, 132)
+    assert not applies(cfg, 10, 65536, 2048, 132)             # 1024 column tiles: no split
+    assert not applies(SkinnyConfig(block_n=64, block_k=256, split_k=8, swap_ab=True), 10, 2048, 1024, 132)  # 4 K steps
+    big = SkinnyConfig(block_n=128, block_k=256, num_stages=4, swap_ab=True)
+    assert not applies(big, 10, 2048, 2048, 132)               # 288 KB of pipeline
+    assert applies(SkinnyConfig(block_n=128, block_k=256, num_stages=3, swap_ab=True), 10, 2048, 2048, 132)
+    assert not applies(SkinnyConfig(block_n=16, block_k=64), 40, 2048, 2048, 132)
+
+
+def test_benchmark_sweep_runs_with_a_fake_timer(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The sweep's bookkeeping end to end without a GPU: no kernel runs, a fake timer favours
+    swap-AB with 64-wide tiles and 4 splits; the summary must find that config and name it fully."""
+    bench = _sweep_module()
+
+    class Props:
+        multi_processor_count = 132
+
+    def fake_ms(fn, x, weights, iters=50):
+        cfg = getattr(fn, "keywords", {}).get("config")  # skinny_linear_triton partials; cuBLAS: F.linear
+        if cfg is None:
+            return 0.010
+        if cfg.block_n == 128 and cfg.block_k == 256 and cfg.num_stages == 3:
+            raise RuntimeError("out of resource: shared memory\nmore")
+        best = cfg.swap_ab and (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_stages, cfg.num_warps) == (64, 128, 4, 4, 4)
+        return 0.005 if best else 0.008 + 0.0001 * cfg.num_stages
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: Props())
+    monkeypatch.setattr(bench, "_weights", lambda N, K: [None])
+    monkeypatch.setattr(bench, "_x", lambda M, K: None)
+    monkeypatch.setattr(bench, "_per_product_ms", fake_ms)
+    rows, summary = bench.sweep(4000.0, budget_s=60, rows_m=(10,), shapes=((2048, 2048), (65536, 2048)))
+    assert [(s["M"], s["N"], s["K"]) for s in summary] == [(10, 2048, 2048), (10, 65536, 2048)]
+    first = summary[0]
+    assert first["best_swap_ab_us"] == 5.0 and first["cuBLAS_us"] == 10.0
+    assert first["best_swap_ab_config"] == repr(SkinnyConfig(block_n=64, block_k=128, split_k=4, num_warps=4,
+                                                             num_stages=4, swap_ab=True))
+    assert first["swap_heuristic_config"] == repr(swap_ab_config(10, 2048, 2048, 2, 132))
+    assert first["default_config"] == repr(skinny_config(10, 2048, 2048, 2, 132))
+    assert first["best_regular_us"] is not None and first["timed_swap_ab"] > 50
+    assert summary[1]["best_swap_ab_us"] > 5.0  # no split for 65536 columns: the favoured config is not run there
+    assert any("error" in r and r["error"].startswith("RuntimeError: out of resource") for r in rows)
+    bench.print_sweep(rows, summary)
+    assert "swap bn64 bk128 sk4 w4 s4" in capsys.readouterr().out
 
 
 def test_strided_x(triton_device: str) -> None:
