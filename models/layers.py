@@ -1,4 +1,14 @@
-"""Building blocks shared by the target and draft modules."""
+"""Building blocks shared by the target and draft modules.
+
+Environment switches (read at each call; under compile, at trace time):
+
+- ``LFMSPARK_SKINNY_LINEAR`` (``gemv`` default, ``off``, ``all``, ``verify``): which row counts of a
+  product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`).
+- ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): on the one-row CUDA decode path (one row routed to
+  the GEMV kernels), the residual add, RMSNorm and the following projection run as one
+  ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
+  separate (the add and norm then fuse under compile, the product is its own kernel).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
 from ..ops.skinny_linear import MAX_M
 
 lfm = torch.ops.lfmspark
@@ -43,6 +54,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _routed_to_skinny(x):
         return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def fused_norm_requested() -> bool:
+    """``LFMSPARK_FUSED_NORM`` (default ``1``): whether one-row add + RMSNorm + projection chains
+    may run as ``lfmspark::add_rmsnorm_gemv`` (see the module doc); ``0`` turns the fusion off."""
+    value = os.environ.get("LFMSPARK_FUSED_NORM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_FUSED_NORM={value!r}: use 1 (fused add + RMSNorm + GEMV) or 0 (off)")
+    return value == "1"
+
+
+def _fuses_norm(h: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> bool:
+    """Whether ``(h + delta, norm, product with weight)`` runs as one ``lfmspark::add_rmsnorm_gemv``:
+    exactly one row, which :func:`_routed_to_skinny` sends to the GEMV kernels (CUDA), the switch
+    on, and shapes and dtypes the op takes (a model in one dtype always qualifies)."""
+    return (fused_norm_requested() and h.numel() == h.shape[-1] and _routed_to_skinny(h)
+            and h.shape[-1] <= FUSED_NORM_MAX_K and norm.weight.dtype == h.dtype == weight.dtype)
+
+
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, t.shape[-1]).contiguous()
+
+
+def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
+                     swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
+                                weight, swiglu)
+    # without delta the sum is h itself (the op's s is a copy of it)
+    return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
+
+
+def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
+
+    With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
+    :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
+    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
+    if fuse and _fuses_norm(h, norm, proj.weight):
+        return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
+    s = h if delta is None else h + delta
+    return s, proj(norm(s))
+
+
+def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,
+                      fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, feed_forward(norm(s)))`` with ``s = h + delta``, as :func:`norm_linear`: a dense
+    :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in ``lfmspark::add_rmsnorm_gemv``
+    (then ``w2``); any other feed-forward (the MoE block) runs unfused."""
+    if fuse and isinstance(feed_forward, SwiGLU) and _fuses_norm(h, norm, feed_forward.w13.weight):
+        s, act = _fused_norm_gemv(h, delta, norm, feed_forward.w13.weight, swiglu=True)
+        return s, feed_forward.w2(act)
+    s = h if delta is None else h + delta
+    return s, feed_forward(norm(s))
 
 
 class Linear(nn.Linear):

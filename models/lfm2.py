@@ -22,6 +22,15 @@ epilogue and a region boundary. The last layer's delta is added by the consumer,
 into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Eager results are bit-identical to
 adding at the end of each layer; compiled, the fused norm reads the sum before its bf16 rounding
 (Inductor elides the round trip), as the norm after the mid-layer add always did.
+
+Fused norm (one-row decode on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): at batch 1 a
+DECODE forward runs each add + RMSNorm + projection as one ``lfmspark::add_rmsnorm_gemv`` kernel:
+the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add
+with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
+:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
+kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does (and as
+this module does uncompiled), not the unrounded sum the compiled unfused norm reads. Prefill,
+verify, several rows and CPU always take the unfused path.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU
+from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear
 
 lfm = torch.ops.lfmspark
 
@@ -78,16 +87,23 @@ class Lfm2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: LayerCache, rows: Rows, cos: torch.Tensor, sin: torch.Tensor
                 ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
+        """Attention over the normalised input ``x [B, T, H]``: ``qkv_proj``, then :meth:`attend`."""
+        return self.attend(self.qkv_proj(x), kv, rows, cos, sin)
+
+    def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, cos: torch.Tensor, sin: torch.Tensor
+               ) -> torch.Tensor:
+        """The block after its input projection ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
+        the decoder layer computes (fused with its norm on the one-row decode path)."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
         q = self.q_layernorm(q.view(B, T, self.n_heads, self.head_dim))
         k = self.k_layernorm(k.view(B, T, self.n_kv, self.head_dim))
         v = v.view(B, T, self.n_kv, self.head_dim)
         # RoPE in fp32 with a single rounding (HF rounds cos/sin to the activation dtype first;
         # the difference is within bf16 noise and keeps this path identical to the fused kernels)
-        q = apply_rope(q.float(), cos, sin, is_neox=True).to(x.dtype)
-        k = apply_rope(k.float(), cos, sin, is_neox=True).to(x.dtype)
+        q = apply_rope(q.float(), cos, sin, is_neox=True).to(qkv.dtype)
+        k = apply_rope(k.float(), cos, sin, is_neox=True).to(qkv.dtype)
         k_cache, v_cache = kv
         lfm.kv_write(k, v, k_cache, v_cache, 0, rows.slots, rows.start, rows.lens)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
@@ -105,8 +121,13 @@ class Lfm2ShortConv(nn.Module):
         self.out_proj = Linear(H, H)
 
     def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
-        # the ops take the whole in_proj output [B | C | x] and apply both gates in the conv kernel
-        bcx = self.in_proj(x)
+        """The block over the normalised input ``x [B, T, H]``: ``in_proj``, then :meth:`mix`."""
+        return self.mix(self.in_proj(x), state_tape, rows, mode)
+
+    def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
+        """The block after ``in_proj``, from its output ``bcx = [B | C | x]`` ``[B, T, 3H]``, which the
+        decoder layer computes (fused with its norm on the one-row decode path)."""
+        # the ops take the whole in_proj output and apply both gates in the conv kernel
         conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
             # a block narrower than the allocated tape width records into its first W + K - 1 columns
@@ -142,16 +163,20 @@ class Lfm2DecoderLayer(nn.Module):
 
         ``delta is None`` makes the first layer a graph of its own under compile. Handing it a zero
         delta instead would keep one graph per layer kind but cost a fill kernel (and the add),
-        which is what this interface removes; the extra graph costs compile time only."""
-        if delta is not None:
-            h = h + delta
-        h_in = h
-        x = self.operator_norm(h)
+        which is what this interface removes; the extra graph costs compile time only.
+
+        Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
+        ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
+        CUDA one fused kernel (see the module doc)."""
+        fuse = mode is ForwardMode.DECODE
         if self.is_attention:
-            h = h + self.self_attn(x, layer_cache, rows, cos, sin)
+            h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
+            mixed = self.self_attn.attend(qkv, layer_cache, rows, cos, sin)
         else:
-            h = h + self.conv(x, layer_cache, rows, mode)
-        return h_in, h, self.feed_forward(self.ffn_norm(h))
+            h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
+            mixed = self.conv.mix(bcx, layer_cache, rows, mode)
+        h, ff = norm_feed_forward(h_in, mixed, self.ffn_norm, self.feed_forward, fuse)
+        return h_in, h, ff
 
 
 class Lfm2Backbone(nn.Module):
@@ -191,7 +216,7 @@ class Lfm2ForCausalLM(nn.Module):
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
             h, delta = h[picked], delta[picked]
-        return TargetOutput(logits=self.compute_logits(h, delta), aux=aux)
+        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
@@ -224,9 +249,11 @@ class Lfm2ForCausalLM(nn.Module):
         aux = torch.cat([taps[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return h, delta, aux
 
-    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`)."""
-        return self.lm_head(self.model.embedding_norm(h + delta))
+    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a
+        single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
+        decode step's one-row case); :meth:`forward` passes it for DECODE only."""
+        return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:
