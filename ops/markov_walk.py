@@ -71,9 +71,12 @@ def _markov_walk_step_kernel(
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, FIRST: tl.constexpr, ROUND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (column block j, row block) of step k; partials are [G, B, NB] (value fp32, index int32)
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     j = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < B

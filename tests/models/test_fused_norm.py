@@ -1,5 +1,5 @@
 """The fused add + RMSNorm + GEMV path of the target (models/layers.py ``norm_linear`` /
-``norm_feed_forward``, ``LFMSPARK_FUSED_NORM``), exercised on CPU.
+``norm_feed_forward``, ``LFMSPARK_FUSED_NORM``), on CPU through the interpreter and natively on the GPU.
 
 On CUDA a one-row DECODE forward runs each residual add, RMSNorm and the projection after it as
 one ``lfmspark::add_rmsnorm_gemv``. Here the route is forced on CPU by patching the routing
@@ -40,19 +40,29 @@ class _CountingOps:
         return counted
 
 
+# where the routed tests run: natively on a GPU; on CPU with the CUDA routing forced (below)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _t(data) -> torch.Tensor:
+    return torch.tensor(data, device=DEVICE)
+
+
 @pytest.fixture
 def one_row_route(monkeypatch) -> _CountingOps:
-    """The CUDA routing on CPU: one row goes to the GEMV kernels (skinny_linear, swiglu_gemv and
-    the fused op; their CPU implementations, the fused op's Triton kernel in the interpreter)."""
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
-    monkeypatch.setattr(fused_op_module, "use_triton", lambda t: True)
+    """The CUDA routing: on a GPU as it is; on CPU one row goes to the GEMV kernels as on CUDA
+    (skinny_linear, swiglu_gemv and the fused op; their CPU implementations, the fused op's Triton
+    kernel in the interpreter)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
+        monkeypatch.setattr(fused_op_module, "use_triton", lambda t: True)
     counting = _CountingOps()
     monkeypatch.setattr(layers, "lfm", counting)
     return counting
 
 
-def _model(moe: bool, dtype: torch.dtype):
-    return random_tiny_target(moe, seed=11).to(dtype)
+def _model(moe: bool, dtype: torch.dtype, device: str = DEVICE):
+    return random_tiny_target(moe, seed=11).to(device, dtype)
 
 
 def _clone(c: TargetCache) -> TargetCache:
@@ -70,8 +80,8 @@ def _decode(model, cache, tokens, slot, start, monkeypatch, fused: bool) -> list
     out = []
     with torch.no_grad():
         for i, t in enumerate(tokens):
-            o = model(torch.tensor([[t]]), cache, torch.tensor([slot]), torch.tensor([start + i]),
-                      mode=ForwardMode.DECODE, logits_index=torch.zeros(1, dtype=torch.long))
+            o = model(_t([[t]]), cache, _t([slot]), _t([start + i]),
+                      mode=ForwardMode.DECODE, logits_index=torch.zeros(1, dtype=torch.long, device=DEVICE))
             out.append(o.logits)
     return out
 
@@ -87,10 +97,10 @@ LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 def test_fused_decode_matches_unfused(monkeypatch, one_row_route, moe, dtype):
     model = _model(moe, dtype)
     cfg = model.config
-    cache = TargetCache.allocate(cfg, 2, 32, 4, dtype, "cpu")
+    cache = TargetCache.allocate(cfg, 2, 32, 4, dtype, DEVICE)
     prompt, slot = [3, 14, 15, 9, 26], 1
     with torch.no_grad():                      # a prompt (several rows: unfused) fills the state
-        model(torch.tensor([prompt]), cache, torch.tensor([slot]), torch.tensor([0]), mode=ForwardMode.PREFILL)
+        model(_t([prompt]), cache, _t([slot]), _t([0]), mode=ForwardMode.PREFILL)
     assert one_row_route.calls == []
     ref_cache = _clone(cache)
     steps = [5, 35, 8, 9]
@@ -115,14 +125,14 @@ def test_only_one_row_decode_is_fused(monkeypatch, one_row_route):
     compute_logits of prefill's last token."""
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     model = _model(False, torch.float32)
-    cache = TargetCache.allocate(model.config, 2, 32, 4, torch.float32, "cpu")
+    cache = TargetCache.allocate(model.config, 2, 32, 4, torch.float32, DEVICE)
     with torch.no_grad():
-        model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.PREFILL,
-              logits_index=torch.zeros(1, dtype=torch.long))
-        model(torch.tensor([[3, 4, 5]]), cache, torch.tensor([0]), torch.tensor([1]), mode=ForwardMode.VERIFY)
-        model(torch.tensor([[3], [4]]), cache, torch.tensor([0, 1]), torch.tensor([1, 0]), mode=ForwardMode.DECODE)
+        model(_t([[3]]), cache, _t([0]), _t([0]), mode=ForwardMode.PREFILL,
+              logits_index=torch.zeros(1, dtype=torch.long, device=DEVICE))
+        model(_t([[3, 4, 5]]), cache, _t([0]), _t([1]), mode=ForwardMode.VERIFY)
+        model(_t([[3], [4]]), cache, _t([0, 1]), _t([1, 0]), mode=ForwardMode.DECODE)
         assert one_row_route.calls == []
-        model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([1]), mode=ForwardMode.DECODE)
+        model(_t([[3]]), cache, _t([0]), _t([1]), mode=ForwardMode.DECODE)
         assert len(one_row_route.calls) == 2 * model.config.num_hidden_layers + 1
 
 
@@ -131,7 +141,7 @@ def test_cpu_without_the_route_is_unfused(monkeypatch):
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     counting = _CountingOps()
     monkeypatch.setattr(layers, "lfm", counting)
-    model = _model(False, torch.float32)
+    model = _model(False, torch.float32, "cpu")
     cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")
     with torch.no_grad():
         model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.DECODE)
@@ -175,7 +185,7 @@ def test_fused_layer_compiles(monkeypatch):
 
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
-    model = _model(False, torch.float32)
+    model = _model(False, torch.float32, "cpu")
     cfg = model.config
     cache = TargetCache.allocate(cfg, 1, 32, 4, torch.float32, "cpu")
     slots, start = torch.tensor([0]), torch.tensor([2])

@@ -72,3 +72,24 @@ def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> 
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_every_kernel_takes_the_pdl_constexpr() -> None:
+    """Launchers pass ``PDL=`` to every kernel; the interpreter ignores unknown keywords, so a kernel
+    missing the parameter only fails on a GPU. Checked here for all of ``lfmspark.ops``."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import lfmspark.ops as ops_pkg
+
+    kernels = []
+    for info in pkgutil.iter_modules(ops_pkg.__path__):
+        module = importlib.import_module(f"lfmspark.ops.{info.name}")
+        kernels += [(info.name, name, obj) for name, obj in vars(module).items()
+                    if isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel")
+                    and getattr(obj, "fn", obj).__module__ == module.__name__]
+    assert len(kernels) >= 20
+    missing = [f"{mod}.{name}" for mod, name, fn in kernels if "PDL" not in fn.arg_names]
+    assert not missing, f"kernels without the PDL constexpr: {missing}"
