@@ -20,13 +20,16 @@ for step in $STEPS; do
   case $step in
     tests)   # gpu-marked tests plus the op tests, which run natively on CUDA
       timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rs \
-        tests/ops tests/models tests/test_graphs_gpu.py 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
+        ${TEST_PATHS:-tests/ops tests/models tests/test_graphs_gpu.py} 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1
       tail -40 $RUN/kernels.log ;;
     skinny)
-      timeout ${T_SKINNY:-60} python3 benchmarks/kernels/skinny_linear.py --json $RUN/skinny.json 2>&1 \
-        | tee $RUN/skinny.log | tail -32 ;;
+      timeout ${T_SKINNY:-60} python3 benchmarks/kernels/skinny_linear.py ${SKINNY_ARGS:-} --json $RUN/skinny.json 2>&1 \
+        | tee $RUN/skinny.log | tail -${SKINNY_LINES:-32} ;;
+    fusednorm)
+      timeout ${T_FUSEDNORM:-90} python3 benchmarks/kernels/add_rmsnorm_gemv.py ${FUSEDNORM_ARGS:-} --json $RUN/fused_norm.json \
+        2>&1 | tee $RUN/fused_norm.log | tail -${FUSEDNORM_LINES:-30} ;;
     bench12)
       timeout ${T_BENCH12:-300} lfmspark bench --preset lfm2.5-1.2b --batch-sizes ${BATCH_SIZES:-1} --runs 2 \
         $IMPOSED_ARGS ${BENCH_ARGS:-} --profile-dir $RUN/profile_1p2b --json $RUN/bench_1p2b.json 2>&1 \
