@@ -23,12 +23,16 @@ raised to cover them.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 from ..ops._dispatch import pdl_requested
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -65,12 +69,55 @@ def configure_compile(n_variants: int) -> None:
     # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
     # default; LFMSPARK_COORDINATE_DESCENT=1 turns it on.
     inductor.coordinate_descent_tuning = os.environ.get("LFMSPARK_COORDINATE_DESCENT", "0") == "1"
-    # Inductor's own kernels can follow the PDL contract too (ops/_dispatch.py); it is opt-in
-    # (LFMSPARK_INDUCTOR_PDL=1) because a kernel that stores without loading is emitted without a
-    # gdc_wait, and a dependent of it then waits for that kernel only, not for the ones before it.
-    if hasattr(inductor.triton, "enable_pdl"):
-        inductor.triton.enable_pdl = pdl_requested() and os.environ.get("LFMSPARK_INDUCTOR_PDL", "0") == "1"
+    inductor.triton.enable_pdl = inductor_pdl_enabled()
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)
     if hasattr(dynamo, "accumulated_recompile_limit"):
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * n_variants + 64)
+
+
+def inductor_pdl_enabled() -> bool:
+    """Whether Inductor's kernels follow the PDL contract too (``LFMSPARK_PDL``, and
+    ``LFMSPARK_INDUCTOR_PDL``, default ``1``; on the H200 it took 0.1 ms off the batch-1 round).
+
+    Inductor's PDL codegen (``triton.enable_pdl``) skips ``gdc_wait`` in a kernel that does not
+    touch what the kernel scheduled just before it wrote. That breaks the chain: such a kernel can
+    finish while an earlier one is still running, and its successor, which waits for it alone, may
+    then read the earlier kernel's output too soon. :func:`_make_inductor_kernels_always_wait`
+    makes every generated kernel wait before its first load or store; where this PyTorch lacks the
+    hooks it patches, Inductor's PDL stays off."""
+    value = os.environ.get("LFMSPARK_INDUCTOR_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_INDUCTOR_PDL={value!r}: use 1 (Inductor's kernels use PDL) or 0 (off)")
+    if value == "0" or not pdl_requested():
+        return False
+    if not _make_inductor_kernels_always_wait():
+        log.warning("this PyTorch's Inductor has no PDL hooks lfmspark can make safe: its kernels launch without PDL")
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _make_inductor_kernels_always_wait() -> bool:
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.virtualized import V
+
+    if not hasattr(torch._inductor.config.triton, "enable_pdl") or not hasattr(TritonKernel,
+                                                                                "_handle_pdl_before_access"):
+        return False
+    original = TritonKernel._handle_pdl_before_access
+
+    def always_wait(self, wait_buffer, *dependencies, consider_reads=False):
+        # with no previous node, Inductor's rule is "wait" (it cannot rule out a dependency)
+        scheduler = V.graph.scheduler
+        saved = getattr(scheduler, "previous_node", None)
+        if scheduler is not None:
+            scheduler.previous_node = None
+        try:
+            return original(self, wait_buffer, *dependencies, consider_reads=consider_reads)
+        finally:
+            if scheduler is not None:
+                scheduler.previous_node = saved
+
+    TritonKernel._handle_pdl_before_access = always_wait
+    return True

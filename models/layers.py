@@ -2,8 +2,8 @@
 
 Environment switches (read at each call; under compile, at trace time):
 
-- ``LFMSPARK_SKINNY_LINEAR`` (``gemv`` default, ``off``, ``all``, ``verify``): which row counts of a
-  product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`).
+- ``LFMSPARK_SKINNY_LINEAR`` (``few`` default, ``gemv``, ``off``, ``all``, ``verify``): which row
+  counts of a product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`).
 - ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): on the one-row CUDA decode path (one row routed to
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
@@ -25,16 +25,17 @@ from ..ops.skinny_linear import MAX_M
 lfm = torch.ops.lfmspark
 
 
-_SKINNY_MODES = {"off": (1, 0), "gemv": (1, 1), "all": (1, MAX_M), "verify": (2, MAX_M)}
+_FEW_ROWS = 16   # the swap-AB kernel's BLOCK_M = 16 covers the batch-1 verify (10 rows) and draft (9)
+_SKINNY_MODES = {"off": (1, 0), "gemv": (1, 1), "few": (1, _FEW_ROWS), "all": (1, MAX_M), "verify": (2, MAX_M)}
 
 
 def _skinny_rows() -> tuple[int, int]:
     """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
-    ``gemv`` (default: one-row products, where its GEMV kernel beat cuBLAS at every served shape on
-    the H200), ``off`` (cuBLAS everywhere), ``all`` (1..64 rows) or ``verify`` (2..64). The
-    several-row kernel measured no faster than cuBLAS (docs/benchmarks.md), so it is opt-in.
+    ``few`` (default: 1..16 rows; on the H200 the GEMV kernel beat cuBLAS at every served shape for
+    one row, and the swap-AB kernel for ten, docs/benchmarks.md), ``gemv`` (one row only), ``off``
+    (cuBLAS everywhere), ``all`` (1..64 rows) or ``verify`` (2..64; 17..64 rows are untimed).
     Read at each call (under compile: at trace time), so a process can compare modes."""
-    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "gemv")
+    mode = os.environ.get("LFMSPARK_SKINNY_LINEAR", "few")
     if mode not in _SKINNY_MODES:
         raise ValueError(f"LFMSPARK_SKINNY_LINEAR={mode!r}: use one of {sorted(_SKINNY_MODES)}")
     return _SKINNY_MODES[mode]

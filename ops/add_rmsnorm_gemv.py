@@ -35,8 +35,12 @@ from ._dispatch import use_pdl, use_triton
 from .skinny_linear import _load_w_block
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
-BLOCK_N_PLAIN = 4      # output columns per program (the plain GEMV's best width, ops/skinny_linear.py)
-BLOCK_N_SWIGLU = 2     # gate columns per program, and as many up columns (as ops/swiglu_gemv.py)
+# H200 sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep, docs/benchmarks.md), 1.2B shapes with 8
+# warps: plain 8 columns (qkv 4.13 us vs 4.89 with 4; LM head 64.4 vs 64.7; in_proj 8.42 vs 8.25),
+# SwiGLU 4 gate + 4 up columns (18.78 us vs 19.55 with 2 + 2); 16 warps lost everywhere
+BLOCK_N_PLAIN = 8      # output columns per program
+BLOCK_N_SWIGLU = 4     # gate columns per program, and as many up columns
+NUM_WARPS = 8
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -134,15 +138,13 @@ def launch_params(K: int, swiglu: bool, block_n: int | None = None, num_warps: i
                   ) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of a launch: ``block_n`` output columns per program (gate
     columns, each with its up column, for ``swiglu``; default ``BLOCK_N_PLAIN`` / ``BLOCK_N_SWIGLU``),
-    the whole row as one K block, and by default about 32 weight elements per thread (the plain
-    GEMV's 4 rows x 1024 with 4 warps), 4-16 warps. Not tuned on the GPU yet:
-    ``benchmarks/kernels/add_rmsnorm_gemv.py --sweep`` times the alternatives."""
+    the whole row as one K block, and ``NUM_WARPS`` by default (the swept best;
+    ``benchmarks/kernels/add_rmsnorm_gemv.py --sweep`` times the alternatives)."""
     block_n = block_n or (BLOCK_N_SWIGLU if swiglu else BLOCK_N_PLAIN)
     if block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two, got {block_n}")
     block_k = max(16, triton.next_power_of_2(K))
-    rows = block_n * (2 if swiglu else 1)
-    return block_n, block_k, num_warps or max(4, min(16, rows * block_k // 1024))
+    return block_n, block_k, num_warps or NUM_WARPS
 
 
 def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -4,8 +4,10 @@ Why: a decode step at batch 1 multiplies one row by every weight matrix, and a s
 ``M = 10`` rows (the draft ``M = 9``); such products are bound by reading the weight once. For
 ``M = 1`` a ``tl.dot``-free GEMV kernel streams the served LFM2.5-1.2B shapes 3-31% faster than
 cuBLAS on the H200 (up to 0.998 of copy bandwidth on the LM head; docs/benchmarks.md), so one-row
-products use it by default. For several rows the ``tl.dot`` kernel matched cuBLAS on large matrices
-and lost on small ones, so it runs only when ``LFMSPARK_SKINNY_LINEAR`` asks (models/layers.py).
+products use it by default. For several rows (the batch-1 verify and draft) the swap-AB ``tl.dot``
+kernel below beat cuBLAS at every served shape at ``M = 10`` (2048 x 2048: 4.76 vs 6.06 us; the
+down projection 10.71 vs 13.83 us; docs/benchmarks.md), so products of up to 16 rows use it by
+default (models/layers.py, ``LFMSPARK_SKINNY_LINEAR``).
 
 Design (``M > 1``): each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
@@ -14,13 +16,13 @@ give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is
 program ``(n block, k split)`` writes fp32 partials to a ``[SPLIT_K, M, N]`` workspace, which a
 second kernel sums in a fixed split order. No atomics: results are the same run to run.
 
-Swap-AB variant (``SkinnyConfig(swap_ab=True)``, a candidate pending a GPU sweep; ``swap_ab_config``
-is its heuristic): the same tiling and split-K scheme, but each program computes the transposed tile
+Swap-AB variant (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``; ``swap_ab_config`` is its
+heuristic, fitted to the H200 sweep; the regular kernel remains as the sweep's comparison): the same tiling and split-K scheme, but each program computes the transposed tile
 ``out^T [BLOCK_N, BLOCK_M] = weight tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M]``, so
 the wide weight tile is ``tl.dot``'s A operand and the few rows its N dimension. The regular kernel's
 A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <= 32``, which keeps Hopper on the
-older mma.sync path; with 64- or 128-row weight tiles as A, Triton may issue wgmma with ``BLOCK_M``
-(16 for ``M <= 16``) as the instruction's N (whether it does is for the GPU to show: the TTGIR).
+older mma.sync path; with 64- or 128-row weight tiles as A, Triton can issue wgmma with ``BLOCK_M``
+(16 for ``M <= 16``) as the instruction's N.
 
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
@@ -245,8 +247,22 @@ def _block_m(M: int) -> int:
 
 
 def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
-    """Launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs (a heuristic, timed on the H200
-    but not swept: ``python benchmarks/kernels/skinny_linear.py --sweep`` times the alternatives).
+    """Default launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs: the GEMV kernel for one
+    row, the swap-AB kernel (:func:`swap_ab_config`) for several."""
+    if M == 1:
+        # the tl.dot-free kernel: on the H200 (benchmarks/kernels/skinny_linear.py --sweep) 4 columns
+        # x 1024-wide K steps per program was the best or within 3% of the best at every served shape,
+        # and beat cuBLAS's GEMVs by 3-31% (docs/benchmarks.md); no split: N / 4 programs already
+        # oversubscribe the SMs at N >= 2048
+        return SkinnyConfig(block_n=4, block_k=min(1024, max(16, triton.next_power_of_2(K))), split_k=1,
+                            num_warps=4, num_stages=2, gemv=True)
+    return swap_ab_config(M, N, K, elem_size, sms)
+
+
+def regular_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
+    """Launch parameters of the regular ``tl.dot`` kernel (x as the A operand), the comparison point
+    of the sweep (``python benchmarks/kernels/skinny_linear.py --sweep``); slower than swap-AB at
+    every served shape on the H200.
 
     The kernel is bound by the weight stream, so the aims are (1) enough programs to keep every SM
     loading, at least ``_MIN_PROGRAMS_PER_SM`` per SM, and (2) enough weight bytes in flight per
@@ -259,13 +275,6 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     bf16 tiles, 64 for 128-wide ones; shortened to divide K when K % 64 == 0), with as many
     pipeline stages (2-4) as fit ``_SMEM_BYTES``.
     """
-    if M == 1:
-        # the tl.dot-free kernel: on the H200 (benchmarks/kernels/skinny_linear.py --sweep) 4 columns
-        # x 1024-wide K steps per program was the best or within 3% of the best at every served shape,
-        # and beat cuBLAS's GEMVs by 3-31% (docs/benchmarks.md); no split: N / 4 programs already
-        # oversubscribe the SMs at N >= 2048
-        return SkinnyConfig(block_n=4, block_k=min(1024, max(16, triton.next_power_of_2(K))), split_k=1,
-                            num_warps=4, num_stages=2, gemv=True)
     block_m = _block_m(M)
     widths = [bn for bn in (128, 64, 32, 16) if bn >= (16 if block_m == 16 else 32)]
     block_n = next((bn for bn in widths if triton.cdiv(N, bn) >= _MIN_PROGRAMS_PER_SM * sms), widths[-1])
@@ -287,38 +296,36 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
 
 
-_SWAP_MIN_SPLIT_ITERS = 2     # swap-AB candidate: K blocks per split at least
+_SWAP_SMEM_BYTES = 200 * 1024  # swap-AB pipeline buffers: one program per SM (227 KB on the H200)
 
 
 def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
-    """Candidate launch parameters for the swap-AB kernel (``M > 1``), not yet used by default: the
-    starting point of the GPU sweep (``benchmarks/kernels/skinny_linear.py --sweep``), not tuned.
+    """Launch parameters of the swap-AB kernel (``M > 1``), fitted to the H200 sweep at ``M = 10``
+    (``benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes``, docs/benchmarks.md),
+    whose winners it reproduces at every served LFM2.5-1.2B shape:
 
-    Column tiles of 128 when ``N / 128`` alone gives ``_MIN_PROGRAMS_PER_SM`` programs per SM (the
-    LM head), else 64 (wgmma's A tile height; narrower tiles would waste the instruction). Then as
-    ``skinny_config``: the longest K step (64-256) whose weight and ``x`` tiles fit ``_STAGE_BYTES``
-    (128 for 64-wide bf16 tiles, 64 for 128-wide; dividing K when K % 64 == 0), 3-5 pipeline stages
-    within ``_SMEM_BYTES``, 4 warps (one warpgroup), and a K split to about ``_PROGRAMS_PER_SM``
-    programs per SM when the column tiles give fewer than ``_MIN_PROGRAMS_PER_SM``, keeping at least
-    ``_SWAP_MIN_SPLIT_ITERS`` K steps per split (the small shapes are latency-bound: parallelism over
-    loop length).
+    - 64-row weight tiles (wgmma's A height) with 128-wide K steps; 128-row tiles with 64-wide steps
+      when ``N / 128`` alone gives two programs per SM (the LM head: 512 programs);
+    - K split only up to one wave of programs (``n_blocks * split <= sms``, at least 4 K steps per
+      split): the winners ran 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
+      splitting further lost to the extra partial traffic and reduction;
+    - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup).
     """
     block_m = _block_m(M)
-    block_n = 128 if triton.cdiv(N, 128) >= _MIN_PROGRAMS_PER_SM * sms else 64
-    block_k = 256
-    while block_k > 64 and (block_n + block_m) * block_k * elem_size > _STAGE_BYTES:
-        block_k //= 2
+    block_n = 128 if triton.cdiv(N, 128) >= 2 * sms else 64
+    block_k = 64 if block_n == 128 else 128
     if K % 64 == 0:
         while K % block_k:
             block_k //= 2
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     n_blocks = triton.cdiv(N, block_n)
     split_k = 1
-    if n_blocks < _MIN_PROGRAMS_PER_SM * sms:
-        max_split = max(1, triton.cdiv(K, block_k) // _SWAP_MIN_SPLIT_ITERS)
-        split_k = split_k_plan(K, block_k, min(triton.cdiv(_PROGRAMS_PER_SM * sms, n_blocks), max_split))[1]
-    stage_bytes = (block_n + block_m) * block_k * elem_size
-    num_stages = max(3, min(5, _SMEM_BYTES // stage_bytes))
+    if n_blocks < sms:
+        want = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
+        split_k = split_k_plan(K, block_k, want)[1]
+    num_stages = 5 if split_k > 1 else (4 if block_n == 128 else 3)
+    while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
+        num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages,
                         swap_ab=True)
 

@@ -15,11 +15,9 @@ a model's layers do), so no call finds its weight in L2; graph-replayed; the tim
     python benchmarks/kernels/add_rmsnorm_gemv.py --sweep --block-n 2,4,8,16 --num-warps 4,8,16 --json out.json
 
 What to sweep: ``block_n`` (output columns per program; gate columns, each with its up column,
-for SwiGLU) 2/4/8/16 — 4 (plain) and 2 (SwiGLU) are the defaults, taken from the plain and
-SwiGLU GEMVs; wider tiles re-read the ``[K]`` input vectors (h, delta, norm weight: 3 x 4 KB at
-K = 2048) from L2 less often per weight byte, which may matter most for the LM head (16384
-programs at block_n 4) — and ``num_warps`` 4/8/16 (default about 32 weight elements per thread:
-``ops/add_rmsnorm_gemv.launch_params``).
+for SwiGLU) 2/4/8/16 — wider tiles re-read the ``[K]`` input vectors (h, delta, norm weight: 3 x 4
+KB at K = 2048) from L2 less often per weight byte — and ``num_warps`` 4/8/16. The defaults (8
+plain, 4 SwiGLU, 8 warps: ``ops/add_rmsnorm_gemv.launch_params``) are the H200 sweep's winners.
 """
 
 from __future__ import annotations
@@ -161,7 +159,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time block_n x num_warps launches instead")
     parser.add_argument("--block-n", default="2,4,8,16", help="sweep: output columns per program")
-    parser.add_argument("--num-warps", default="0,4,8,16", help="sweep: warps per program (0 = the default rule)")
+    parser.add_argument("--num-warps", default="0,4,8,16", help="sweep: warps per program (0 = the default, NUM_WARPS)")
     parser.add_argument("--shapes", help="only the shapes whose name contains one of these, e.g. 1.2B,lm_head")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()

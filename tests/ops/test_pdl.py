@@ -93,3 +93,29 @@ def test_every_kernel_takes_the_pdl_constexpr() -> None:
     assert len(kernels) >= 20
     missing = [f"{mod}.{name}" for mod, name, fn in kernels if "PDL" not in fn.arg_names]
     assert not missing, f"kernels without the PDL constexpr: {missing}"
+
+
+@pytest.mark.gpu
+def test_every_inductor_kernel_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Inductor's PDL on (graphs/compile.py), every generated kernel executes gdc_wait, also a
+    kernel that only stores (``torch.ones`` here), which Inductor alone would emit without one."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lfmspark.graphs.compile import configure_compile
+
+    monkeypatch.setenv("LFMSPARK_PDL", "1")
+    monkeypatch.setenv("LFMSPARK_INDUCTOR_PDL", "1")
+    configure_compile(n_variants=1)
+    assert torch._inductor.config.triton.enable_pdl
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin() * 2, torch.ones(1000, device=x.device)
+
+    torch._dynamo.reset()
+    x = torch.randn(4096, device="cuda")
+    (y, ones), sources = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    torch.testing.assert_close(y, x.sin() * 2)
+    assert torch.equal(ones, torch.ones_like(ones))
+    kernels = [chunk for src in sources for chunk in src.split("async_compile.triton(")[1:] if "def triton_" in chunk]
+    assert len(kernels) >= 2 and any("tl.load" not in k.split("''')")[0] for k in kernels)
+    assert all("gdc_wait" in k for k in kernels), "an Inductor kernel launched with PDL does not wait"
