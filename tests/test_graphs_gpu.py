@@ -83,8 +83,12 @@ def test_graph_replay_equals_eager_round(moe, sampling):
                 assert torch.equal(g.tokens[i, :k], e.tokens[i, :k])
         gs, es = snapshot(graph_engine, g_slots), snapshot(eager_engine, e_slots)
         assert torch.equal(gs["seq_len"], es["seq_len"]) and torch.equal(gs["anchor"], es["anchor"])
-        for key in ("conv", "k", "v", "dk", "dv"):
-            torch.testing.assert_close(gs[key], es[key], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gs["conv"], es["conv"], rtol=1e-4, atol=1e-4)
+        # K/V of the committed context only: positions from seq_len on are never attended (and hold
+        # whatever warm-up or an unaccepted block wrote there; the graph engine's warm-up prefills)
+        for key in ("k", "v", "dk", "dv"):
+            for i, committed in enumerate(es["seq_len"].tolist()):
+                torch.testing.assert_close(gs[key][:, i, :committed], es[key][:, i, :committed], rtol=1e-4, atol=1e-4)
         if before_spare is not None:                            # padding rows wrote nothing
             after = snapshot(graph_engine, spare)
             for key, value in before_spare.items():

@@ -22,23 +22,27 @@ def test_cpu_products_are_f_linear_in_every_mode(monkeypatch, mode):
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-def test_one_row_products_take_the_gemv_kernel_by_default(monkeypatch):
+def test_up_to_16_rows_take_the_skinny_kernels_by_default(monkeypatch):
     from lfmspark.models.layers import _skinny_rows
 
     monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+    assert _skinny_rows() == (1, 16)
+    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "gemv")
     assert _skinny_rows() == (1, 1)
 
 
 @pytest.mark.gpu
 def test_gpu_default_routing(monkeypatch):
-    """On CUDA, one row goes through lfmspark::skinny_linear (bit-identical to calling it), more rows
-    through cuBLAS (bit-identical to F.linear)."""
+    """On CUDA, up to 16 rows go through lfmspark::skinny_linear (bit-identical to calling it), more
+    rows through cuBLAS (bit-identical to F.linear)."""
     monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
     w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    one, ten = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16), torch.randn(1, 10, 2048, device="cuda",
-                                                                                      dtype=torch.bfloat16)
-    assert torch.equal(linear(one, w), torch.ops.lfmspark.skinny_linear(one.view(1, 2048), w).view(1, 1, 2048))
-    assert torch.equal(linear(ten, w), F.linear(ten, w))
+    for rows in (1, 10, 16):
+        x = torch.randn(1, rows, 2048, device="cuda", dtype=torch.bfloat16)
+        want = torch.ops.lfmspark.skinny_linear(x.view(rows, 2048), w).view(1, rows, 2048)
+        assert torch.equal(linear(x, w), want)
+    x = torch.randn(1, 17, 2048, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w), F.linear(x, w))
 
 
 def test_cpu_swiglu_is_the_unfused_composition():
