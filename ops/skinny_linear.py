@@ -16,13 +16,13 @@ give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is
 program ``(n block, k split)`` writes fp32 partials to a ``[SPLIT_K, M, N]`` workspace, which a
 second kernel sums in a fixed split order. No atomics: results are the same run to run.
 
-Swap-AB variant (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``; ``swap_ab_config`` is its
-heuristic, fitted to the H200 sweep; the regular kernel remains as the sweep's comparison): the same tiling and split-K scheme, but each program computes the transposed tile
-``out^T [BLOCK_N, BLOCK_M] = weight tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M]``, so
-the wide weight tile is ``tl.dot``'s A operand and the few rows its N dimension. The regular kernel's
-A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <= 32``, which keeps Hopper on the
-older mma.sync path; with 64- or 128-row weight tiles as A, Triton can issue wgmma with ``BLOCK_M``
-(16 for ``M <= 16``) as the instruction's N.
+Swap-AB (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``, with ``swap_ab_config`` fitted
+to the H200 sweep): each program computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight
+tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M]``, so the wide weight tile is ``tl.dot``'s A
+operand and the few rows its N dimension. With x as A (``swap_ab=False``, kept as the sweep's
+comparison) the A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <= 32``, which keeps
+Hopper on the older mma.sync path; with 64- or 128-row weight tiles as A, Triton can issue wgmma
+with ``BLOCK_M`` (16 for ``M <= 16``) as the instruction's N.
 
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
@@ -53,10 +53,12 @@ def _skinny_linear_kernel(
     M, N, K, k_split,
     stride_xm, stride_wn, stride_ds, stride_dm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
-    # [k0, k0 + k_split); dst is the output (one split, stride_ds = 0) or the fp32 workspace
+    # [k0, k0 + k_split); dst is the output (one split, stride_ds = 0) or the fp32 workspace.
+    # SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M] = w @ x^T, stored
+    # transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -77,15 +79,24 @@ def _skinny_linear_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
-    acc = _dot_block(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_PRECISION, UPCAST)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-        acc = _dot_block(a, w, acc, DOT_PRECISION, UPCAST)
-    dst = dst_ptr + split * stride_ds + rows[:, None] * stride_dm + cols[None, :]
-    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+        acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
+    dst = dst_ptr + split * stride_ds
+    if SWAP_AB:
+        tl.store(dst + rows[None, :] * stride_dm + cols[:, None], acc.to(dst_ptr.dtype.element_ty),
+                 mask=(cols < N)[:, None] & row_ok[None, :])
+    else:
+        tl.store(dst + rows[:, None] * stride_dm + cols[None, :], acc.to(dst_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -105,56 +116,12 @@ def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _dot_block(a, w, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dot_block(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
         a, w = a.to(tl.float32), w.to(tl.float32)
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _skinny_linear_swap_ab_kernel(
-    x_ptr, w_ptr, dst_ptr,
-    M, N, K, k_split,
-    stride_xm, stride_wn, stride_ds, stride_dm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-):
-    # _skinny_linear_kernel with the operands swapped: program (n block, k split) accumulates
-    # out^T [BLOCK_N, BLOCK_M] = w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M] over [k0, k0 + k_split)
-    # (the weight tile as the MMA's A operand, the rows as its N) and stores it transposed
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    k0 = split * k_split
-    k_end = tl.minimum(k0 + k_split, K)
-    ks = k0 + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]  # unmasked rows, as above
-    # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
-    acc = _dot_block_swap_ab(w, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_PRECISION, UPCAST)
-    for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
-        a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-        acc = _dot_block_swap_ab(w, a, acc, DOT_PRECISION, UPCAST)
-    dst = dst_ptr + split * stride_ds + rows[None, :] * stride_dm + cols[:, None]
-    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=(cols < N)[:, None] & row_ok[None, :])
-
-
-@triton.jit
-def _dot_block_swap_ab(w, a, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
-        w, a = w.to(tl.float32), a.to(tl.float32)
-    return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -224,7 +191,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
-    swap_ab: bool = False  # the tl.dot kernel with the weight tile as A (_skinny_linear_swap_ab_kernel);
+    swap_ab: bool = False  # the tl.dot kernel with the weight tile as its A operand (SWAP_AB);
     #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
 
 
@@ -373,13 +340,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
     else:
-        kernel = _skinny_linear_swap_ab_kernel if cfg.swap_ab else _skinny_linear_kernel
-        kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, weight, dst,
             M, N, K, k_split,
             x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            SWAP_AB=cfg.swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PDL=pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
         )
