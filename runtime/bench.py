@@ -16,6 +16,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import platform
 import sys
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..models.loading import load_draft, load_target
+from ..ops._dispatch import use_pdl
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from .engine import Engine
 from .sampling import SamplingParams
@@ -328,6 +330,10 @@ def environment(device: torch.device) -> dict:
         env["triton"] = None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    # the runtime switches in force (unset ones take their documented defaults) and whether the
+    # kernels launch with programmatic dependent launch here: they change the timings
+    env["switches"] = {name: os.environ[name] for name in sorted(os.environ) if name.startswith("LFMSPARK_")}
+    env["pdl"] = use_pdl(torch.empty(0, device=device))
     return env
 
 

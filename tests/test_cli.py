@@ -17,7 +17,8 @@ def lfmspark(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
+def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     out = tmp_path / "bench.json"
     code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "11",
                  "--runs", "1", "--imposed-acceptance", "0.5", "--imposed-acceptance", "1", "--device", "cpu",
@@ -26,6 +27,8 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["schema"] == 2
     assert {"date", "command", "torch", "transformers", "lfmspark", "device"} <= set(report["environment"])
+    assert report["environment"]["switches"]["LFMSPARK_FUSED_NORM"] == "1"
+    assert report["environment"]["pdl"] is False  # CPU
     assert report["models"] == "preset tiny + tiny-dspark"
     assert report["imposed_acceptance"] == [[0.5] * 4, [1.0] * 4]
     res = report["results"]
