@@ -13,9 +13,11 @@ it does the work that depends on nothing earlier (address math, the first tile o
 then executes ``gdc_wait`` — which returns once the predecessor has completed and its writes are
 visible — before it reads anything an earlier kernel wrote. Every kernel here follows that
 contract (``PDL`` constexpr: wait before the first dependent load, ``gdc_launch_dependents`` as
-early as possible). Correctness never depends on the successor: a kernel launched without PDL, or a
-CUDA-graph node of another library, simply starts after its predecessor as usual, and ``gdc_wait``
-is a no-op there. ``LFMSPARK_PDL=0`` turns it off (graphs/compile.py does the same for Inductor's
+early as possible). A kernel launched without PDL, or a CUDA-graph node of another library, simply
+starts after its predecessor as usual (``gdc_wait`` is a no-op there). The chain holds only if
+every PDL-launched kernel waits before it finishes: a kernel that skipped the wait could complete
+before an earlier kernel, and its successor waits for it alone (graphs/compile.py makes Inductor's
+kernels wait for that reason). ``LFMSPARK_PDL=0`` turns it off (graphs/compile.py does the same for Inductor's
 kernels).
 """
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_pdl, use_triton
+from ._dispatch import pdl_kwargs, use_triton
 from .skinny_linear import _load_w_block
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
@@ -162,12 +162,11 @@ def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_we
     if N == 0:                                     # no weight rows: only the sum
         s.copy_(h if delta is None else h + delta)
         return s, out
-    pdl = use_pdl(h)
     _add_rmsnorm_gemv_kernel[(triton.cdiv(N, block_n),)](
         h, h if delta is None else delta, norm_weight, weight, s, out,
         N, K, weight.stride(0), float(eps),
         HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K == block_k,
-        PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        num_warps=num_warps, **pdl_kwargs(h),
     )
     return s, out
 

@@ -170,7 +170,8 @@ def argmax_rows_triton(x: torch.Tensor, block_v: int | None = None) -> torch.Ten
     nb = triton.cdiv(V, bv)
     pv = torch.empty((R, nb), dtype=torch.float32, device=x.device)
     pi = torch.empty((R, nb), dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(nb, R)](x, pv, pi, V, nb, x.stride(0), BLOCK_V=bv, num_warps=4 if bv >= 1024 else 2, **pdl_kwargs(x))
+    _argmax_partial_kernel[(nb, R)](x, pv, pi, V, nb, x.stride(0), BLOCK_V=bv, num_warps=4 if bv >= 1024 else 2,
+                                    **pdl_kwargs(x))
     _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
     return out
 

@@ -42,7 +42,8 @@ def _cache_attention_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_cs, stride_cp, stride_ch,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()

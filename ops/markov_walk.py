@@ -181,7 +181,8 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
             num_warps=cfg.num_warps, **pdl_kwargs(base),
         )
     last = tokens[:, G - 1]
-    _argmax_final_kernel[(B,)](pv[G - 1], pi[G - 1], last, nb, last.stride(0), BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
+    _argmax_final_kernel[(B,)](pv[G - 1], pi[G - 1], last, nb, last.stride(0), BLOCK_P=block_p(nb), num_warps=4,
+                               **pdl_kwargs(pv))
     return tokens
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import use_pdl, use_triton
+from ._dispatch import pdl_kwargs, use_triton
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 
@@ -332,12 +332,11 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
         dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
         dst = out
-    pdl = use_pdl(x)
     if M == 1 and cfg.gemv:
         _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
             x, weight, dst, N, K, k_split, weight.stride(0), dst.stride(0) if split_k > 1 else 0,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
     else:
         _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
@@ -346,13 +345,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
             x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SWAP_AB=cfg.swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
     if split_k > 1:
         block = 1024
         _skinny_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=block,
-                                                           PDL=pdl, launch_pdl=pdl)
+                                                           **pdl_kwargs(x))
     return out
 
 

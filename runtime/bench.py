@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from ..models.loading import load_draft, load_target
-from ..ops._dispatch import use_pdl
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
+from ..ops._dispatch import use_pdl
 from .engine import Engine
 from .sampling import SamplingParams
 

@@ -245,10 +245,11 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """Prefill dummy prompts on free slots for one row and for several, at a length divisible
-        by 16 and one that is not. Triton compiles (or loads from its cache) one kernel variant per
-        such class of its integer arguments on first use; on the H200 a process's first request of
-        a new batch shape paid 0.1-1.7 s of TTFT for it (docs/benchmarks.md). Admission prefills a
-        slot from position 0, which resets every state this leaves behind."""
+        by 16 and one that is not, so the prefill path's Triton variants for those classes of its
+        integer arguments are built before traffic. It does not cover every variant: on the H200 a
+        128-token first request still paid 0.76 s of TTFT with it (docs/benchmarks.md, "TTFT").
+        Admission prefills a slot from position 0, which resets the conv state and overwrites the
+        K/V this leaves behind (positions past a row's length are never attended)."""
         for rows in sorted({1, min(2, self.max_batch)}):
             for length in self._WARM_PREFILL_LENGTHS:
                 if length > self.max_seq_len:

@@ -44,13 +44,6 @@ class _CountingOps:
         return counted
 
 
-DEVICE = "cpu"
-
-
-def _t(data) -> torch.Tensor:
-    return torch.tensor(data, device=DEVICE)
-
-
 @pytest.fixture
 def one_row_route(monkeypatch) -> _CountingOps:
     """The CUDA routing on CPU: one row goes to the GEMV kernels (skinny_linear, swiglu_gemv and
@@ -64,8 +57,8 @@ def one_row_route(monkeypatch) -> _CountingOps:
     return counting
 
 
-def _model(moe: bool, dtype: torch.dtype, device: str = DEVICE):
-    return random_tiny_target(moe, seed=11).to(device, dtype)
+def _model(moe: bool, dtype: torch.dtype):
+    return random_tiny_target(moe, seed=11).to(dtype)
 
 
 def _clone(c: TargetCache) -> TargetCache:
@@ -83,8 +76,8 @@ def _decode(model, cache, tokens, slot, start, monkeypatch, fused: bool) -> list
     out = []
     with torch.no_grad():
         for i, t in enumerate(tokens):
-            o = model(_t([[t]]), cache, _t([slot]), _t([start + i]),
-                      mode=ForwardMode.DECODE, logits_index=torch.zeros(1, dtype=torch.long, device=DEVICE))
+            o = model(torch.tensor([[t]]), cache, torch.tensor([slot]), torch.tensor([start + i]),
+                      mode=ForwardMode.DECODE, logits_index=torch.zeros(1, dtype=torch.long))
             out.append(o.logits)
     return out
 
@@ -100,10 +93,10 @@ LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 def test_fused_decode_matches_unfused(monkeypatch, one_row_route, moe, dtype):
     model = _model(moe, dtype)
     cfg = model.config
-    cache = TargetCache.allocate(cfg, 2, 32, 4, dtype, DEVICE)
+    cache = TargetCache.allocate(cfg, 2, 32, 4, dtype, "cpu")
     prompt, slot = [3, 14, 15, 9, 26], 1
     with torch.no_grad():                      # a prompt (several rows: unfused) fills the state
-        model(_t([prompt]), cache, _t([slot]), _t([0]), mode=ForwardMode.PREFILL)
+        model(torch.tensor([prompt]), cache, torch.tensor([slot]), torch.tensor([0]), mode=ForwardMode.PREFILL)
     assert one_row_route.calls == []
     ref_cache = _clone(cache)
     steps = [5, 35, 8, 9]
@@ -128,14 +121,14 @@ def test_only_one_row_decode_is_fused(monkeypatch, one_row_route):
     compute_logits of prefill's last token."""
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     model = _model(False, torch.float32)
-    cache = TargetCache.allocate(model.config, 2, 32, 4, torch.float32, DEVICE)
+    cache = TargetCache.allocate(model.config, 2, 32, 4, torch.float32, "cpu")
     with torch.no_grad():
-        model(_t([[3]]), cache, _t([0]), _t([0]), mode=ForwardMode.PREFILL,
-              logits_index=torch.zeros(1, dtype=torch.long, device=DEVICE))
-        model(_t([[3, 4, 5]]), cache, _t([0]), _t([1]), mode=ForwardMode.VERIFY)
-        model(_t([[3], [4]]), cache, _t([0, 1]), _t([1, 0]), mode=ForwardMode.DECODE)
+        model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.PREFILL,
+              logits_index=torch.zeros(1, dtype=torch.long))
+        model(torch.tensor([[3, 4, 5]]), cache, torch.tensor([0]), torch.tensor([1]), mode=ForwardMode.VERIFY)
+        model(torch.tensor([[3], [4]]), cache, torch.tensor([0, 1]), torch.tensor([1, 0]), mode=ForwardMode.DECODE)
         assert one_row_route.calls == []
-        model(_t([[3]]), cache, _t([0]), _t([1]), mode=ForwardMode.DECODE)
+        model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([1]), mode=ForwardMode.DECODE)
         assert len(one_row_route.calls) == 2 * model.config.num_hidden_layers + 1
 
 
@@ -144,7 +137,7 @@ def test_cpu_without_the_route_is_unfused(monkeypatch):
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     counting = _CountingOps()
     monkeypatch.setattr(layers, "lfm", counting)
-    model = _model(False, torch.float32, "cpu")
+    model = _model(False, torch.float32)
     cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")
     with torch.no_grad():
         model(torch.tensor([[3]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.DECODE)
@@ -188,7 +181,7 @@ def test_fused_layer_compiles(monkeypatch):
 
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
-    model = _model(False, torch.float32, "cpu")
+    model = _model(False, torch.float32)
     cfg = model.config
     cache = TargetCache.allocate(cfg, 1, 32, 4, torch.float32, "cpu")
     slots, start = torch.tensor([0]), torch.tensor([2])
