@@ -19,8 +19,11 @@ for step in $STEPS; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)   # gpu-marked tests plus the op tests, which run natively on CUDA
-      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rs \
+      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rfs --tb=short -p no:logging \
         ${TEST_PATHS:-tests/ops tests/models tests/test_graphs_gpu.py} 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
+    ttft)    # first- vs second-request prefill per shape, with the Triton kernels each compiled
+      timeout ${T_TTFT:-200} python3 scripts/ttft_probe.py --preset ${TTFT_PRESET:-lfm2.5-1.2b} ${TTFT_ARGS:-} \
+        --json $RUN/ttft.json 2>&1 | tee $RUN/ttft.log | grep -v "^      " | tail -40 ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1
       tail -40 $RUN/kernels.log ;;
