@@ -119,9 +119,12 @@ def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.co
 def _dot_block(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
         a, w = a.to(tl.float32), w.to(tl.float32)
+    # one return: after a return inside a constexpr branch the compiler still visits what follows
     if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
