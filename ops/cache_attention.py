@@ -13,6 +13,7 @@ ignore.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,7 +36,11 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return c
 
 
-@triton.jit
+# The ints that change with the prompt length and the batch are not specialized (Triton would
+# otherwise compile a variant per "== 1" / "% 16 == 0" class of each): every prefill shape of one
+# launch class (``AttentionLaunch.variant``) then shares one binary, which the engine's prefill
+# warm-up compiles before traffic (runtime/engine.py). The cache length S is fixed per engine.
+@triton.jit(do_not_specialize=["T", "n_rows", "n_out_rows", "num_splits"])
 def _cache_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, slots_ptr, start_ptr,
     T, S, H, n_kv, n_rows, n_out_rows, num_splits, qk_scale,
@@ -124,7 +129,7 @@ def _cache_attention_kernel(
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_out_rows", "num_splits"])
 def _combine_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     n_out_rows, num_splits,
@@ -184,16 +189,52 @@ def _key_config(n_rows: int, hd: int, elem_size: int, split: bool) -> tuple[int,
     return _SPLIT_BLOCK_N, 4, 3
 
 
-def _pick_splits(n_programs: int, S: int, block_n: int, device: torch.device) -> int:
-    """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles). Static information
-    only (the actual lengths live on the device, so the cache length ``S`` bounds the useful number
-    of slices): none once the programs fill at least half a wave of SMs, else about
-    ``_PROGRAMS_PER_SM`` programs per SM. Measured on the H200 at 1.2B shapes: splitting a
-    half-full wave further only adds partial traffic and the combine launch."""
-    sms = _sm_count(device)
+def _pick_splits(n_programs: int, S: int, block_n: int, sms: int) -> int:
+    """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles) on ``sms`` SMs.
+    Static information only (the actual lengths live on the device, so the cache length ``S``
+    bounds the useful number of slices): none once the programs fill at least half a wave of SMs,
+    else about ``_PROGRAMS_PER_SM`` programs per SM. Measured on the H200 at 1.2B shapes: splitting
+    a half-full wave further only adds partial traffic and the combine launch."""
     if 2 * n_programs > sms:
         return 1
     return max(1, min(_PROGRAMS_PER_SM * sms // n_programs, triton.cdiv(S, block_n), _MAX_SPLITS))
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How :func:`cache_attention_triton` launches one call."""
+    block_m: int
+    n_tiles: int
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    @property
+    def variant(self) -> tuple[int, bool, int, int, int]:
+        """The launch's compile-time choices: with the model's (causal, group, head_dim, dtype), the
+        compiled kernels a call needs. The integer arguments are not specialized, and the combine
+        kernel pads to ``_MAX_SPLITS`` whatever the split count, so calls with equal variants share
+        binaries (what the prefill warm-up relies on)."""
+        return self.block_m, self.split, self.block_n, self.num_warps, self.num_stages
+
+
+def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int,
+                num_splits: int | None = None) -> AttentionLaunch:
+    """The launch of a ``[B, T, H, hd]`` query window over a cache of length ``S`` on ``sms`` SMs;
+    ``num_splits`` overrides the occupancy heuristic."""
+    n_rows = T * (H // n_kv)
+    block_m = _block_m(n_rows, hd)
+    n_tiles = triton.cdiv(n_rows, block_m)
+    if num_splits is None:
+        num_splits = _pick_splits(B * n_kv * n_tiles, S, _SPLIT_BLOCK_N, sms)
+    num_splits = min(max(1, int(num_splits)), _MAX_SPLITS)   # the combine kernel's padding
+    block_n, num_warps, num_stages = _key_config(n_rows, hd, elem_size, num_splits > 1)
+    return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages)
 
 
 def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
@@ -216,14 +257,8 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out.numel() == 0:
         return out
     group = H // n_kv
-    n_rows = T * group
-    block_m = _block_m(n_rows, hd)
-    n_tiles = triton.cdiv(n_rows, block_m)
-    if num_splits is None:
-        num_splits = _pick_splits(B * n_kv * n_tiles, S, _SPLIT_BLOCK_N, q.device)
-    num_splits = max(1, int(num_splits))
-    split = num_splits > 1
-    block_n, num_warps, num_stages = _key_config(n_rows, hd, q.element_size(), split)
+    launch = plan_launch(B, T, H, n_kv, hd, S, q.element_size(), _sm_count(q.device), num_splits)
+    num_splits, split = launch.num_splits, launch.split
 
     if split:  # fp32 partial max / sum / accumulator per split and output row
         part_m = torch.empty((num_splits, B * T * H), dtype=torch.float32, device=q.device)
@@ -232,22 +267,22 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:  # unused by the single-pass kernel
         part_m = part_l = part_acc = out
     kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
-    _cache_attention_kernel[(n_tiles, B * n_kv, num_splits)](
+    _cache_attention_kernel[(launch.n_tiles, B * n_kv, num_splits)](
         q, kc, vc, out, part_m, part_l, part_acc, slots, start,
-        T, S, H, n_kv, n_rows, B * T * H, num_splits, scale * _LOG2E,
+        T, S, H, n_kv, T * group, B * T * H, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
         CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(q),
     )
     if split:
         _combine_splits_kernel[(B * T * H,)](
             part_m, part_l, part_acc, out,
             B * T * H, num_splits,
-            HD=hd, SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl_kwargs(part_m),
+            HD=hd, SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
         )
     return out
 

@@ -18,10 +18,11 @@ hand tokens to the caller. A request finishing in round ``r`` therefore rides al
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
 from ..models.config import DraftConfig
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
+from ..ops.cache_attention import plan_launch
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
 from .sampling import SamplingError, SamplingParams
@@ -95,6 +97,34 @@ def _common_prefix(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+def prefill_warm_shapes(max_batch: int, longest: int,
+                        attention_variant: Callable[[int, int], Hashable] | None) -> list[tuple[int, int]]:
+    """The ``(rows, length)`` prefills that compile every Triton variant a prefill can need, for
+    prompts of up to ``longest`` tokens per chunk.
+
+    On the H200 each variant a first request compiled cost it 0.3-0.6 s of TTFT
+    (docs/benchmarks.md, "TTFT"). Which variant a kernel needs is decided by compile-time choices
+    and by Triton's specialization of integer arguments ("== 1", "% 16 == 0"):
+
+    - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
+    - the length: one token, a multiple of 16 (above) and not (17);
+    - the attention's launch plan (``attention_variant(rows, length)``, the target's
+      ``ops.cache_attention.plan_launch(...).variant``) depends on both: row tiles by length, key
+      splits by the number of programs. One shape per variant, the one with the fewest tokens.
+      Its integer arguments are not specialized, so one shape covers the variant.
+    """
+    shapes = [(rows, 16) for rows in range(1, max_batch + 1)] + [(1, 1), (1, 17)]
+    if attention_variant is not None:
+        cheapest: dict[Hashable, tuple[int, int]] = {}
+        for rows in range(1, max_batch + 1):
+            for length in range(1, longest + 1):
+                v = attention_variant(rows, length)
+                if v not in cheapest or rows * length < math.prod(cheapest[v]):
+                    cheapest[v] = (rows, length)
+        shapes += sorted(cheapest.values())
+    return list(dict.fromkeys((r, n) for r, n in shapes if n <= longest))
 
 
 class Engine:
@@ -226,8 +256,8 @@ class Engine:
     def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
         """Compile and capture everything the engine will replay: its step (decode or speculative
         round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
-        service), sampling; then run the (eager) prefill path once per shape class (see
-        :meth:`_warm_prefill`). Call once before taking traffic; progress goes to the ``lfmspark``
+        service), sampling; then run the (eager) prefill path at the shapes that compile every
+        prefill kernel variant (:meth:`prefill_warm_shapes`). Call once before taking traffic; progress goes to the ``lfmspark``
         logger."""
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
@@ -235,28 +265,38 @@ class Engine:
         modes = (False, True) if sampling else (False,)
         report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
         t0 = time.perf_counter()
-        self._warm_prefill()
+        self._warm_prefill(sampling)
         report.prefill_s = time.perf_counter() - t0
         if progress:
             log.info("prefill warm-up %.2fs", report.prefill_s)
         return report
 
-    _WARM_PREFILL_LENGTHS = (16, 17)
+    def prefill_warm_shapes(self) -> list[tuple[int, int]]:
+        """The ``(rows, length)`` prefills :meth:`warmup` runs (:func:`prefill_warm_shapes`). Off CUDA
+        nothing is compiled, so one short prefill exercises the path."""
+        if self.device.type != "cuda":
+            return [(1, min(16, self.max_seq_len))]
+        cfg = self.config
+        has_attention = bool(cfg.attention_layers)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def _warm_prefill(self) -> None:
-        """Prefill dummy prompts on free slots for one row and for several, at a length divisible
-        by 16 and one that is not, so the prefill path's Triton variants for those classes of its
-        integer arguments are built before traffic. It does not cover every variant: on the H200 a
-        128-token first request still paid 0.76 s of TTFT with it (docs/benchmarks.md, "TTFT").
-        Admission prefills a slot from position 0, which resets the conv state and overwrites the
-        K/V this leaves behind (positions past a row's length are never attended)."""
-        for rows in sorted({1, min(2, self.max_batch)}):
-            for length in self._WARM_PREFILL_LENGTHS:
-                if length > self.max_seq_len:
-                    continue
-                ids = torch.zeros(rows, length, dtype=torch.int64, device=self.device)
-                slots = torch.arange(rows, device=self.device)
-                self.steps.prefill(ids, slots, torch.zeros_like(slots), torch.full_like(slots, length), False)
+        def attention_variant(rows: int, length: int) -> Hashable:
+            return plan_launch(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               self.tcache.max_seq_len, self.dtype.itemsize, sms).variant
+
+        return prefill_warm_shapes(self.max_batch, min(self.prefill_chunk, self.max_seq_len),
+                                   attention_variant if has_attention else None)
+
+    def _warm_prefill(self, sampling: bool) -> None:
+        """Run :meth:`prefill_warm_shapes` on free slots (greedy, and the first shape sampling too
+        when the engine serves sampling). Admission prefills a slot from position 0, which resets
+        the conv state and overwrites the K/V this leaves behind (positions past a row's length
+        are never attended)."""
+        for i, (rows, length) in enumerate(self.prefill_warm_shapes()):
+            ids = torch.zeros(rows, length, dtype=torch.int64, device=self.device)
+            slots = torch.arange(rows, device=self.device)
+            for mode in ((False, True) if sampling and i == 0 else (False,)):
+                self.steps.prefill(ids, slots, torch.zeros_like(slots), torch.full_like(slots, length), mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -20,7 +20,7 @@ except ImportError:  # run as a script: python benchmarks/kernels/cache_attentio
     from common import copy_bandwidth_gbps, row, time_ms
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.cache_attention import _SPLIT_BLOCK_N, _block_m, _pick_splits
+from lfmspark.ops.cache_attention import _sm_count, plan_launch
 
 N_HEADS, N_KV, HEAD_DIM = 32, 8, 64
 CACHE_LEN = 8192 + 64
@@ -32,9 +32,7 @@ WINDOWS = ((1, True), (10, True), (9, False))  # (T, causal): decode, verify, dr
 
 def _splits(B: int, T: int) -> int:
     """The split count the launcher's heuristic picks for this shape (reported, not forced)."""
-    n_rows = T * (N_HEADS // N_KV)
-    n_tiles = -(-n_rows // _block_m(n_rows, HEAD_DIM))
-    return _pick_splits(B * N_KV * n_tiles, CACHE_LEN, _SPLIT_BLOCK_N, torch.device("cuda"))
+    return plan_launch(B, T, N_HEADS, N_KV, HEAD_DIM, CACHE_LEN, DTYPE.itemsize, _sm_count(torch.device("cuda"))).num_splits
 
 
 def _amortized_ms(fn, reps: int = 20) -> float:
