@@ -74,12 +74,20 @@ def _markov_walk_step_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (column block j, row block) of step k; partials are [G, B, NB] (value fp32, index int32)
-    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+    if PDL:  # ops/_dispatch.py
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     j = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < B
+    cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    # columns past V read row `c % V` instead of being masked (unmasked weight loads); never kept
+    w_ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2
+    # w2 depends on no earlier kernel: the first rank chunk of this program's slice (all of it when
+    # BLOCK_R == RANK) is requested before waiting for the previous step, whose tail it overlaps
+    w_first = _load_rank_chunk(w_ptrs, 0, RANK, BLOCK_R)
+    if PDL:  # everything else (the previous step's partials, base, the anchor) comes from earlier kernels
+        tl.extra.cuda.gdc_wait()
     if FIRST:
         prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0)
     else:
@@ -88,20 +96,17 @@ def _markov_walk_step_kernel(
         if j == 0:
             tl.store(tok_ptr + rows * stride_tb + (k - 1), prev.to(tl.int64), mask=row_ok)
     e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1
-    cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < V
-    # columns past V read row `c % V` instead of being masked (unmasked weight loads); never kept
-    w_ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2
     acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
     for c in tl.static_range(0, RANK, BLOCK_R):
         rk = c + tl.arange(0, BLOCK_R)
+        if c == 0:
+            w = w_first
+        else:
+            w = _load_rank_chunk(w_ptrs, c, RANK, BLOCK_R)
         if RANK % BLOCK_R == 0:
             e = tl.load(e_ptrs + rk[None, :], mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs + rk[None, :])
         else:
-            rk_ok = rk < RANK
-            e = tl.load(e_ptrs + rk[None, :], mask=row_ok[:, None] & rk_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + rk[None, :], mask=rk_ok[None, :], other=0.0)
+            e = tl.load(e_ptrs + rk[None, :], mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
         if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
             e, w = e.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(e, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -113,6 +118,17 @@ def _markov_walk_step_kernel(
     part = (k * B + rows) * NB + j
     tl.store(pv_ptr + part, best_v, mask=row_ok)
     tl.store(pi_ptr + part, best_i, mask=row_ok)
+
+
+@triton.jit
+def _load_rank_chunk(w_ptrs, c: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rank columns ``c .. c + BLOCK_R`` of the program's ``w2`` rows (zeros past ``RANK``)."""
+    rk = c + tl.arange(0, BLOCK_R)
+    if RANK % BLOCK_R == 0:
+        w = tl.load(w_ptrs + rk[None, :])
+    else:
+        w = tl.load(w_ptrs + rk[None, :], mask=(rk < RANK)[None, :], other=0.0)
+    return w
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Bytes: argmax reads the logits once; the walk reads ``base`` once and ``w2`` onc
 each, from L2 after the first on the H200; GB/s above the HBM copy rate means L2 hits).
 
     python benchmarks/kernels/argmax_walk.py
+    python benchmarks/kernels/argmax_walk.py --sweep     # the walk's launch configs (WalkConfig)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.markov_walk import markov_greedy_walk_reference
+from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -49,7 +50,46 @@ def run(copy_gbps: float) -> list[dict]:
     return rows
 
 
+def sweep(batches: list[int]) -> list[dict]:
+    """Every ``WalkConfig`` of a small grid at the draft's shape, timed in a CUDA graph (one walk of
+    G steps per replay, as in the round), each checked against the default config's tokens."""
+    dev, rows = "cuda", []
+    w1 = (torch.randn(V, RANK, device=dev) * 0.05).bfloat16()
+    w2 = (torch.randn(V, RANK, device=dev) * 0.05).bfloat16()
+    for B in batches:
+        base = torch.randn(B, G, V, device=dev).bfloat16()          # the LM head's own output dtype
+        anchor = torch.randint(0, V, (B,), device=dev)
+        default = walk_config(B, V, RANK)
+        want = markov_greedy_walk_triton(base, anchor, w1, w2, default)
+        for block_v in (64, 128, 256, 512):
+            for block_r in (32, 64, 128, 256):
+                for num_warps in (4, 8):
+                    cfg = WalkConfig(block_v=block_v, block_r=block_r, num_warps=num_warps)
+                    try:
+                        same = torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, cfg), want)
+                        us = time_ms(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, cfg)) * 1e3
+                    except Exception as exc:  # e.g. out of registers / shared memory: report, go on
+                        rows.append({"B": B, "config": str(cfg), "error": type(exc).__name__})
+                        continue
+                    rows.append({"B": B, "block_v": block_v, "block_r": block_r, "warps": num_warps,
+                                 "us_per_walk": round(us, 2), "us_per_step": round(us / G, 2),
+                                 "default": cfg == default, "same_tokens": same})
+    return sorted(rows, key=lambda r: (r["B"], r.get("us_per_walk", 1e9)))
+
+
 if __name__ == "__main__":
+    import argparse
+    import json
+
     from tabulate import tabulate
 
-    print(tabulate(run(copy_bandwidth_gbps()), headers="keys"))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="sweep the walk's launch configs instead")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = sweep([int(b) for b in args.batches.split(",")]) if args.sweep else run(copy_bandwidth_gbps())
+    print(tabulate(result, headers="keys"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
