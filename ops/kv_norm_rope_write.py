@@ -1,6 +1,7 @@
-"""Fused draft-context KV materialisation: K RMSNorm -> RoPE -> write K and V for several layers.
+"""Fused per-head RMSNorm -> RoPE -> KV-cache write: the DSpark draft context (K and V of several
+layers), and the target attention's q, k and v (one layer).
 
-Input ``kv [B, T, n * 2 * KV]`` holds, per token and for each of ``n`` consecutive layers starting at
+Draft context: input ``kv [B, T, n * 2 * KV]`` holds, per token and for each of ``n`` consecutive layers starting at
 ``first_layer``, ``[K_l (KV) | V_l (KV)]`` with ``KV = n_kv * head_dim`` (one GEMM of the projected
 target context against all layers' stacked ``k_proj``/``v_proj`` weights produces it). For each
 token and layer: per-head RMSNorm of K over ``head_dim`` with fp32 statistics, multiplied by the
@@ -9,6 +10,11 @@ path materialises it, reference/sglang.md §6.2), then RoPE at position ``start[
 cos/sin and one final rounding, then K and V (unchanged) are stored at
 ``cache[layer, slots[b], start[b] + t]``. Only the first ``lens[b]`` columns of each row are written
 (the commit mask), rows with slot ``-1`` are skipped, and positions past the cache are never written.
+
+``lfmspark::qkv_norm_rope_write`` is the target attention's variant: one layer, K and V taken from
+the fused ``qkv`` projection, and the queries normalised and rotated by the same program (with
+their own norm weight) and returned, so the step between the qkv projection and the attention is
+one launch instead of three (Inductor's q and k norm + RoPE kernels and the K/V write).
 
 ``is_neox`` picks the pairing (``(i, i + D/2)`` vs ``(2i, 2i + 1)``); one cos/sin table
 (:func:`lfmspark.ops.rope.rope_cos_sin_table`) serves both.
@@ -82,37 +88,17 @@ def _norm_weight(x, r, w, ACT: tl.constexpr):
 
 
 @triton.jit
-def _kv_norm_rope_write_kernel(
-    kv_ptr, w_ptr, cs_ptr, kc_ptr, vc_ptr, slots_ptr, start_ptr, lens_ptr,
-    T, S, P, first_layer, eps,
-    stride_xb, stride_xt, stride_wl, stride_cs,
-    stride_kl, stride_ks, stride_kp, stride_kh,
-    stride_vl, stride_vs, stride_vp, stride_vh,
-    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    # One program per (token, layer): all kv heads of the token at once, as [BLOCK_H, HD/2] tiles, so
-    # the whole token is loaded before anything is stored (a loop over heads serialises a load ->
-    # store latency chain per head: 2.1x slower at prefill on the H200).
-    tok = tl.program_id(0)
-    i = tl.program_id(1)
-    b = tok // T
-    t = tok % T
-    slot = tl.load(slots_ptr + b)
-    pos = tl.load(start_ptr + b) + t
-    ok = (slot >= 0) & (t < tl.load(lens_ptr + b)) & (pos < S)
+def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
+                     BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
+    """Per-head RMSNorm (weight row ``w_row``) and RoPE (``cos``/``sin [1, HD/2]``) of the first
+    ``n_heads`` heads at ``src`` (contiguous, ``HD`` apart), stored at ``dst`` (heads ``stride_dh``
+    apart) in ``dst``'s dtype; ``n_heads == 0`` loads and stores nothing."""
     HALF: tl.constexpr = HD // 2
-    ACT: tl.constexpr = kv_ptr.dtype.element_ty
-
-    # a skipped token loads and stores nothing: the scalar condition folds into the head bound
-    # (`vector & scalar` masks break the interpreter; vector & vector is fine)
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     d = tl.arange(0, HD)[None, :]
-    mh = h < tl.where(ok, N_KV, 0)
-    mj = j < tl.where(ok, HALF, 0)
+    mh = h < n_heads
+    mj = j < tl.where(n_heads > 0, HALF, 0)
     m = mh & (j < HALF)
     md = mh & (d < HD)
     # the weight elements of pair j: (j, j + HD/2) for neox, (2j, 2j + 1) interleaved
@@ -122,41 +108,85 @@ def _kv_norm_rope_write_kernel(
     else:
         e1 = 2 * j
         e2 = 2 * j + 1
-
-    layer = (first_layer + i).to(tl.int64)
-    w_row = w_ptr + layer * stride_wl
     w1 = _round(tl.load(w_row + e1, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
     w2 = _round(tl.load(w_row + e2, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
-    cs_row = cs_ptr + tl.minimum(tl.maximum(pos, 0), P - 1).to(tl.int64) * stride_cs  # clamped as the reference
-    cos = tl.load(cs_row + j, mask=mj, other=0.0)
-    sin = tl.load(cs_row + HALF + j, mask=mj, other=0.0)
-
-    k_src = kv_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt + i.to(tl.int64) * (2 * N_KV * HD)
-    v_src = k_src + N_KV * HD
     # every load and store below is contiguous per head: the pairs are separated in registers
     if IS_NEOX:
-        x1 = tl.load(k_src + h * HD + j, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(k_src + h * HD + HALF + j, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(src + h * HD + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + h * HD + HALF + j, mask=m, other=0.0).to(tl.float32)
         y = x1 * x1 + x2 * x2
     else:
-        x = tl.load(k_src + h * HD + d, mask=md, other=0.0).to(tl.float32)
+        x = tl.load(src + h * HD + d, mask=md, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, HALF, 2]))    # even, odd elements
         y = tl.sum(tl.reshape(x * x, [BLOCK_H, 2, HALF]), axis=1)  # = x[:, :HALF]^2 + x[:, HALF:]^2
     r = tl.math.rsqrt(_halving_sum(y, BLOCK_H, HALF) * (1.0 / HD) + eps)[:, None]
-    v = tl.load(v_src + h * HD + d, mask=md)
     k1 = _norm_weight(x1, r, w1, ACT)
     k2 = _norm_weight(x2, r, w2, ACT)
     o1 = k1 * cos - k2 * sin
     o2 = k2 * cos + k1 * sin
-
-    k_dst = kc_ptr + layer * stride_kl + slot.to(tl.int64) * stride_ks + pos.to(tl.int64) * stride_kp + h * stride_kh
-    v_dst = vc_ptr + layer * stride_vl + slot.to(tl.int64) * stride_vs + pos.to(tl.int64) * stride_vp + h * stride_vh
+    dst = dst + h * stride_dh
     if IS_NEOX:
-        tl.store(k_dst + j, _round(o1, kc_ptr.dtype.element_ty), mask=m)
-        tl.store(k_dst + HALF + j, _round(o2, kc_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + j, _round(o1, dst.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + j, _round(o2, dst.dtype.element_ty), mask=m)
     else:
         o = tl.reshape(tl.join(o1, o2), [BLOCK_H, HD])          # re-interleave
-        tl.store(k_dst + d, _round(o, kc_ptr.dtype.element_ty), mask=md)
+        tl.store(dst + d, _round(o, dst.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _kv_norm_rope_write_kernel(
+    kv_ptr, w_ptr, cs_ptr, kc_ptr, vc_ptr, slots_ptr, start_ptr, lens_ptr, q_ptr, qw_ptr, q_out_ptr,
+    T, S, P, first_layer, eps,
+    stride_xb, stride_xt, stride_wl, stride_cs, stride_qb, stride_qt,
+    stride_kl, stride_ks, stride_kp, stride_kh,
+    stride_vl, stride_vs, stride_vp, stride_vh,
+    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
+    N_Q: tl.constexpr, BLOCK_Q: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    # One program per (token, layer): all kv heads of the token at once, as [BLOCK_H, HD/2] tiles, so
+    # the whole token is loaded before anything is stored (a loop over heads serialises a load ->
+    # store latency chain per head: 2.1x slower at prefill on the H200). With N_Q > 0 (one layer)
+    # the program also normalises and rotates the token's N_Q query heads into q_out [B, T, N_Q, HD]:
+    # every token, written or not (the attention reads every query row).
+    tok = tl.program_id(0)
+    i = tl.program_id(1)
+    b = tok // T
+    t = tok % T
+    slot = tl.load(slots_ptr + b)
+    pos = tl.load(start_ptr + b) + t
+    ok = (slot >= 0) & (t < tl.load(lens_ptr + b)) & (pos < S)
+    HALF: tl.constexpr = HD // 2
+    ACT: tl.constexpr = kv_ptr.dtype.element_ty
+    j = tl.arange(0, HALF)[None, :]
+    d = tl.arange(0, HD)[None, :]
+
+    cs_row = cs_ptr + tl.minimum(tl.maximum(pos, 0), P - 1).to(tl.int64) * stride_cs  # clamped as the reference
+    if N_Q > 0:
+        cos = tl.load(cs_row + j)
+        sin = tl.load(cs_row + HALF + j)
+        q_src = q_ptr + b.to(tl.int64) * stride_qb + t.to(tl.int64) * stride_qt
+        q_dst = q_out_ptr + tok.to(tl.int64) * (N_Q * HD)
+        _norm_rope_store(q_src, qw_ptr, cos, sin, q_dst, HD, eps, N_Q, BLOCK_Q, HD, IS_NEOX, ACT)
+    else:
+        # a skipped token loads and stores nothing: the scalar condition folds into the bounds
+        # (`vector & scalar` masks break the interpreter; vector & vector is fine)
+        mj = j < tl.where(ok, HALF, 0)
+        cos = tl.load(cs_row + j, mask=mj, other=0.0)
+        sin = tl.load(cs_row + HALF + j, mask=mj, other=0.0)
+
+    layer = (first_layer + i).to(tl.int64)
+    n_heads = tl.where(ok, N_KV, 0)
+    k_src = kv_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt + i.to(tl.int64) * (2 * N_KV * HD)
+    k_dst = kc_ptr + layer * stride_kl + slot.to(tl.int64) * stride_ks + pos.to(tl.int64) * stride_kp
+    _norm_rope_store(k_src, w_ptr + layer * stride_wl, cos, sin, k_dst, stride_kh, eps, n_heads,
+                     BLOCK_H, HD, IS_NEOX, ACT)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    md = (h < n_heads) & (d < HD)
+    v = tl.load(k_src + N_KV * HD + h * HD + d, mask=md)
+    v_dst = vc_ptr + layer * stride_vl + slot.to(tl.int64) * stride_vs + pos.to(tl.int64) * stride_vp + h * stride_vh
     tl.store(v_dst + d, v.to(vc_ptr.dtype.element_ty), mask=md)
 
 
@@ -164,10 +194,43 @@ def _kv_norm_rope_write_kernel(
 # launcher
 
 _NUM_WARPS = 1  # a token's 8 x 64 K/V values per program: 1 and 2 warps tie on the H200, 4 and 8 are slower
+_QKV_NUM_WARPS = 4  # with the token's query heads too (32 x 64 on LFM2): 4x the values per program
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_heads(n_kv: int, hd: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if hd < 2 or hd & (hd - 1):
+        raise ValueError(f"head_dim must be a power of two >= 2, got {hd}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in head_dim")  # written in place: no copy
+
+
+def _launch(kv: torch.Tensor, k_norm_weight: torch.Tensor, stride_wl: int, cos_sin: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int, n: int, slots: torch.Tensor,
+            start: torch.Tensor, lens: torch.Tensor, eps: float, is_neox: bool,
+            q: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
+            q_out: torch.Tensor | None = None) -> None:
+    B, T = kv.shape[:2]
+    n_kv, hd = k_cache.shape[-2:]
+    cos_sin = _inner_contiguous(cos_sin)
+    n_q = q_out.shape[2] if q_out is not None else 0
+    if q is None:  # unused pointers (N_Q = 0)
+        q, q_norm_weight, q_out = kv, k_norm_weight, kv
+    # (B*T, n): index tensors are read on the device only, so the launch is graph-capturable
+    _kv_norm_rope_write_kernel[(B * T, n)](
+        kv, k_norm_weight, cos_sin, k_cache, v_cache, slots, start, lens, q, q_norm_weight, q_out,
+        T, k_cache.shape[2], cos_sin.shape[0], first_layer, eps,
+        kv.stride(0), kv.stride(1), stride_wl, cos_sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HD=hd, IS_NEOX=is_neox,
+        N_Q=n_q, BLOCK_Q=triton.next_power_of_2(max(n_q, 1)),
+        num_warps=_NUM_WARPS if n_q == 0 else _QKV_NUM_WARPS, **pdl_kwargs(kv),
+        enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
+    )
 
 
 def kv_norm_rope_write_triton(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos_sin: torch.Tensor,
@@ -177,28 +240,43 @@ def kv_norm_rope_write_triton(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos
     B, T, width = kv.shape
     n_kv, hd = k_cache.shape[-2:]
     n = width // (2 * n_kv * hd)
-    if hd < 2 or hd & (hd - 1):
-        raise ValueError(f"head_dim must be a power of two >= 2, got {hd}")
+    _check_heads(n_kv, hd, k_cache, v_cache)
     if width != n * 2 * n_kv * hd:
         raise ValueError(f"kv width {width} is not a multiple of 2 * n_kv * head_dim = {2 * n_kv * hd}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must be contiguous in head_dim")  # written in place: no copy
     if B * T * n == 0:
         return
-    kv = _inner_contiguous(kv)
     weight = _inner_contiguous(k_norm_weight)
-    cos_sin = _inner_contiguous(cos_sin)
-    # (B*T, n): index tensors are read on the device only, so the launch is graph-capturable
-    _kv_norm_rope_write_kernel[(B * T, n)](
-        kv, weight, cos_sin, k_cache, v_cache, slots, start, lens,
-        T, k_cache.shape[2], cos_sin.shape[0], first_layer, eps,
-        kv.stride(0), kv.stride(1), weight.stride(0), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HD=hd, IS_NEOX=is_neox,
-        num_warps=_NUM_WARPS, **pdl_kwargs(kv),
-        enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
-    )
+    _launch(_inner_contiguous(kv), weight, weight.stride(0), cos_sin, k_cache, v_cache, first_layer, n, slots,
+            start, lens, eps, is_neox)
+
+
+def _split_qkv(qkv: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
+    """``(n_q, n_kv, head_dim)`` of a ``[B, T, (n_q + 2 n_kv) * head_dim]`` projection."""
+    if qkv.dim() != 3:
+        raise ValueError(f"expected qkv [B, T, (n_q + 2 n_kv) * head_dim], got {tuple(qkv.shape)}")
+    n_kv, hd = k_cache.shape[-2:]
+    width = qkv.shape[-1] - 2 * n_kv * hd
+    n_q = width // hd
+    if width % hd or n_q < 1:
+        raise ValueError(f"qkv width {qkv.shape[-1]} is not (n_q + 2 * {n_kv}) * {hd} for any n_q >= 1")
+    return n_q, n_kv, hd
+
+
+def qkv_norm_rope_write_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                               cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                               slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                               eps: float, is_neox: bool) -> torch.Tensor:
+    B, T, _ = qkv.shape
+    n_q, n_kv, hd = _split_qkv(qkv, k_cache)
+    _check_heads(n_kv, hd, k_cache, v_cache)
+    q_out = torch.empty((B, T, n_q, hd), dtype=qkv.dtype, device=qkv.device)
+    if B * T == 0:
+        return q_out
+    qkv = _inner_contiguous(qkv)
+    # the layer's one weight row serves every program (row stride 0)
+    _launch(qkv[..., n_q * hd:], _inner_contiguous(k_norm_weight), 0, cos_sin, k_cache, v_cache, layer, 1, slots,
+            start, lens, eps, is_neox, q=qkv, q_norm_weight=_inner_contiguous(q_norm_weight), q_out=q_out)
+    return q_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +305,24 @@ def kv_norm_rope_write_reference(kv: torch.Tensor, k_norm_weight: torch.Tensor, 
         layer = first_layer + i
         k_cache[layer, slots[b], pos] = k_r[b, t, i].to(k_cache.dtype)
         v_cache[layer, slots[b], pos] = v[b, t, i].to(v_cache.dtype)
+
+
+def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                                  slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                                  eps: float, is_neox: bool) -> torch.Tensor:
+    """The target attention's unfused path: ``RMSNorm`` of q and k per head (models/layers.py),
+    RoPE in fp32 with one rounding, K and V written as :func:`kv_norm_rope_write_reference` does."""
+    B, T, _ = qkv.shape
+    n_q, n_kv, hd = _split_qkv(qkv, k_cache)
+    q32 = qkv[..., :n_q * hd].reshape(B, T, n_q, hd).float()
+    q_hat = (q32 * torch.rsqrt(q32.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
+    q_n = q_hat * q_norm_weight.to(qkv.dtype)
+    cos, sin = gather_cos_sin(cos_sin, window_positions(start, T))    # [B, T, hd/2]
+    q_out = apply_rope(q_n.float(), cos[:, :, None], sin[:, :, None], is_neox).to(qkv.dtype)
+    kv_norm_rope_write_reference(qkv[..., n_q * hd:], k_norm_weight.expand(layer + 1, hd), cos_sin, k_cache,
+                                 v_cache, layer, slots, start, lens, eps, is_neox)
+    return q_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,3 +354,33 @@ def _kv_norm_rope_write_cuda(kv, k_norm_weight, cos_sin, k_cache, v_cache, first
 def _kv_norm_rope_write_fake(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start, lens,
                              eps, is_neox) -> None:
     return None
+
+
+@torch.library.custom_op("lfmspark::qkv_norm_rope_write", mutates_args=("k_cache", "v_cache"))
+def qkv_norm_rope_write(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                        slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                        eps: float, is_neox: bool) -> torch.Tensor:
+    """The target attention's step after its qkv projection, in one launch: ``qkv [B, T, (n_q + 2 n_kv)
+    * hd]`` -> per-head RMSNorm (``q_norm_weight``/``k_norm_weight [hd]``) and RoPE of q and k, K and V
+    of the first ``lens[b]`` tokens written to layer ``layer`` of ``k_cache``/``v_cache`` (as
+    :func:`kv_norm_rope_write`), and the rotated queries returned ``[B, T, n_q, hd]``."""
+    if use_triton(qkv):
+        return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer,
+                                          slots, start, lens, eps, is_neox)
+    return qkv_norm_rope_write_reference(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                         start, lens, eps, is_neox)
+
+
+@qkv_norm_rope_write.register_kernel("cuda")
+def _qkv_norm_rope_write_cuda(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
+                              lens, eps, is_neox) -> torch.Tensor:
+    return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                      start, lens, eps, is_neox)
+
+
+@qkv_norm_rope_write.register_fake
+def _qkv_norm_rope_write_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
+                              lens, eps, is_neox) -> torch.Tensor:
+    n_q, _, hd = _split_qkv(qkv, k_cache)
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1], n_q, hd))
