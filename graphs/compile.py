@@ -1,17 +1,32 @@
 """Regional compilation of the step functions, and the torch.compile settings they share.
 
 A step (decode, speculative round) is not compiled as one graph. Its repeated pieces are compiled
-once each and reused: one graph per *kind* of decoder layer (ShortConv, attention; dense or MoE
-feed-forward; the draft layer), one more for the first target layer and the first draft layer,
-which start without a pending residual add (models/lfm2.py: each layer's last add is fused into
-the next layer's first norm, the last layer's into the tail's final norm), plus the step's tail
-functions (LM head + pick for decode; LM head + Markov walk for the draft; acceptance + commit for
-the round). A 16-layer target then costs three layer compiles instead of sixteen inlined layers,
-which is what made whole-step compiles take about a minute per batch size on the H200
-(docs/benchmarks.md). The step as a whole is still captured into one CUDA graph per batch size
-(graphs/capture.py), so the uncompiled glue between regions (a few index ops) costs kernel nodes,
-not Python. Each layer receives its one-layer cache slices as inputs (models/cache.py), so nothing
-in a compiled layer depends on which layer it is.
+once each and reused: one graph per *kind* of decoder layer after the first (ShortConv, attention;
+dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
+
+- heads (``Steps.decode_head``, ``draft_head``, ``verify_head``, runtime/steps.py): the glue before
+  a model's layers (reading the rows' anchor and committed length from the slot state, the
+  embedding lookup, the verify's ``[x0, d]`` concat, the draft block's ``[x0, MASK, ...]``, the
+  window's lens and RoPE cos/sin) together with the model's first layer. The first layer needs a
+  graph of its own anyway, since it starts without a pending residual add (models/lfm2.py: each
+  layer's last add is fused into the next layer's first norm, the last layer's into the tail's
+  final norm), so folding the glue into it costs no extra graph;
+- tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
+  (``finish_draft``); acceptance + commit for the round (``round_accept_commit``, which also joins
+  the verify's aux taps for the draft's context injection).
+
+A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which is what
+made whole-step compiles take about a minute per batch size on the H200 (docs/benchmarks.md). Per
+batch size: decode compiles its head, one graph per later layer kind and its tail (4 for a dense
+LFM2 whose later layers have both kinds); a greedy round the draft head, the later draft layer,
+the draft tail, the verify head, the later target layer kinds and the commit (7). The step as a
+whole is still captured into one CUDA graph per batch size (graphs/capture.py). Between regions
+the step runs no tensor computation, only the per-layer cache slicing (views, no kernels;
+tests/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
+code (Inductor's kernels, the lfmspark ops, extern GEMMs), so the chain of PDL kernels
+(ops/_dispatch.py) is not cut by loose ATen kernels, each of which would be a CUDA-graph node of
+its own launched without PDL and cost its full launch latency. Each layer receives its one-layer
+cache slices as inputs (models/cache.py), so nothing in a compiled layer depends on which layer it is.
 
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
 ``LFMSPARK_CACHE_DIR`` (default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
@@ -45,15 +60,22 @@ COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
 def compile_regions(steps, n_batch_sizes: int) -> None:
     """Swap a :class:`~lfmspark.runtime.steps.Steps`' regions for compiled versions (see the module
     doc). Only that object changes: the models stay plain, and prefill runs their layers directly."""
-    # each region is compiled per batch size and sampling mode; a target layer per batch size, kind
-    # and mode (decode, verify): up to 5 kinds (ShortConv / attention x dense / MoE, the first layer)
+    # each region is compiled per batch size and, for the tails, sampling mode; a later target layer
+    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE)
     configure_compile(n_variants=10 * n_batch_sizes)
-    steps.target_layers = [torch.compile(layer, **COMPILE_OPTIONS) for layer in steps.target.model.layers]
-    steps.finish_decode = torch.compile(steps.finish_decode, **COMPILE_OPTIONS)
+
+    def compiled(fn):
+        return torch.compile(fn, **COMPILE_OPTIONS)
+
+    steps.decode_head = compiled(steps.decode_head)
+    steps.later_target_layers = [compiled(layer) for layer in steps.later_target_layers]
+    steps.finish_decode = compiled(steps.finish_decode)
     if steps.draft is not None:
-        steps.draft_layers = [torch.compile(layer, **COMPILE_OPTIONS) for layer in steps.draft.layers]
-        steps.finish_draft = torch.compile(steps.finish_draft, **COMPILE_OPTIONS)
-        steps.round_accept_commit = torch.compile(steps.round_accept_commit, **COMPILE_OPTIONS)
+        steps.draft_head = compiled(steps.draft_head)
+        steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
+        steps.finish_draft = compiled(steps.finish_draft)
+        steps.verify_head = compiled(steps.verify_head)
+        steps.round_accept_commit = compiled(steps.round_accept_commit)
 
 
 # Set when lfmspark is imported: Inductor fixes its cache directory the first time it needs one

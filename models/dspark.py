@@ -211,21 +211,42 @@ class DSparkDraft(nn.Module):
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 
     # -- block ------------------------------------------------------------------------------
-    def block_hidden(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
-                     layers: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_hidden(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last-layer output ``[B, gamma, H]`` (before the final norm) of the block
         ``[anchor, MASK, ...]`` at positions ``start .. start + gamma - 1``, as the pair ``(x, delta)``
         whose sum it is: :meth:`head_and_walk` adds them, fused with the final norm under compile.
-        ``layers`` replaces ``self.layers`` one for one (compiled wrappers, graphs/compile.py)."""
+        :meth:`block_begin`, then :meth:`run_layers` over every layer (the runtime calls them
+        separately, with the first layer compiled together with the glue: runtime/steps.py)."""
+        x, cos, sin = self.block_begin(anchor, cache.rope, start)
+        return self.run_layers(x, None, self.layer_caches(cache), cache.rope, slots, start, cos, sin, self.layers)
+
+    def block_begin(self, anchor: torch.Tensor, rope: torch.Tensor, start: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's input up to its first layer: the embeddings ``[B, gamma, H]`` of
+        ``[anchor, MASK, ...]`` and the RoPE cos/sin ``[B, gamma, 1, head_dim / 2]`` of its positions."""
         cfg = self.config
         B, G = anchor.shape[0], cfg.block_size
         masks = torch.full((B, G - 1), cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
-        x, delta = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1)), None
-        cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        for i, layer in enumerate(self.layers if layers is None else layers):
-            x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1],
-                             cache.rope, slots, start, cos, sin)
+        x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
+        cos, sin = gather_cos_sin(rope, window_positions(start, G))
+        return x, cos[:, :, None, :], sin[:, :, None, :]
+
+    @staticmethod
+    def layer_caches(cache: DraftCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's one-layer K/V slices ``[1, ...]`` (as :meth:`TargetCache.layer_caches`)."""
+        return [(cache.k[i:i + 1], cache.v[i:i + 1]) for i in range(cache.k.shape[0])]
+
+    def run_layers(self, x: torch.Tensor, delta: torch.Tensor | None,
+                   layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: torch.Tensor,
+                   slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   layers: Sequence[nn.Module], first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``first, first + 1, ..`` over the block ``x`` plus the pending ``delta`` (None before
+        the first layer), each with its K/V slices (:meth:`layer_caches`). ``layers`` are those of
+        ``self.layers``, or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, layer_caches, strict=True), start=first):
+            x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, rope, slots, start,
+                             cos, sin)
         return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,

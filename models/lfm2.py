@@ -14,6 +14,13 @@ The module is compile-friendly: no Python branching on tensor values and no host
 Any mode can return the aux hidden states of ``aux_layer_ids`` (HF "output of decoder layer k",
 ``-1`` = the embeddings) concatenated as ``[B, T, n_taps * H]``, which feed the DSpark draft.
 
+A forward is three pieces that the runtime can also call one by one (runtime/steps.py):
+:meth:`Lfm2ForCausalLM.begin` (the glue before the first layer: embedding lookup, the window's
+``lens``, RoPE cos/sin gathered for its positions), :meth:`Lfm2ForCausalLM.advance` (the next
+decoder layers, collecting aux taps) and :meth:`Lfm2ForCausalLM.aux_taps`. The decode step and the
+verify compile ``begin`` together with the first layer as one region, so that glue runs inside a
+compiled graph instead of as loose kernels between graphs (graphs/compile.py).
+
 Residual carry: a decoder layer does not finish with its residual add. It returns its
 feed-forward output as a pending ``delta`` and the next layer starts with ``h = h + delta``, the
 same bf16 add as HF's, so each layer's compiled graph (graphs/compile.py) fuses that add into its
@@ -65,6 +72,21 @@ class Rows:
     slots: torch.Tensor    # state slot per row, -1 = padding row
     start: torch.Tensor    # absolute position of column 0 (= committed tokens before this window)
     lens: torch.Tensor     # real tokens per row in this window
+
+
+@dataclass
+class PartialForward:
+    """A forward between two decoder layers: what :meth:`Lfm2ForCausalLM.begin` sets up and each
+    :meth:`Lfm2ForCausalLM.advance` carries on (updated in place)."""
+
+    h: torch.Tensor                       # [B, T, H] residual stream (the embeddings before layer 0)
+    delta: torch.Tensor | None            # the last layer's pending feed-forward output (None before layer 0)
+    rows: Rows
+    cos: torch.Tensor                     # [B, T, 1, head_dim / 2] RoPE of the window's positions (fp32)
+    sin: torch.Tensor
+    aux_layer_ids: tuple[int, ...]
+    taps: dict[int, torch.Tensor | None]  # aux layer id -> that layer's output, once a later layer has run
+    done: int = 0                         # decoder layers run so far
 
 
 @dataclass
@@ -161,9 +183,10 @@ class Lfm2DecoderLayer(nn.Module):
         layer's one-layer slices of the cache, ``(k, v)`` for attention, ``(conv_state, conv_tape)``
         for ShortConv (see :meth:`TargetCache.layer_caches`).
 
-        ``delta is None`` makes the first layer a graph of its own under compile. Handing it a zero
-        delta instead would keep one graph per layer kind but cost a fill kernel (and the add),
-        which is what this interface removes; the extra graph costs compile time only.
+        ``delta is None`` makes the first layer trace differently from the others: under compile
+        the runtime runs it inside the step's head region, with the embedding lookup and the rest
+        of the glue before it (runtime/steps.py), not as a graph of its own. Handing it a zero
+        delta instead would cost a fill kernel (and the add), which is what this interface removes.
 
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
         ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
@@ -220,34 +243,47 @@ class Lfm2ForCausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
-                      aux_layer_ids: tuple[int, ...] = (), layers: Sequence[nn.Module] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(h, delta, aux)``: the last layer's output ``[B, T, H]`` (before the final norm) as its
         residual stream ``h`` and pending feed-forward output ``delta``, left unadded so that the
         caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), and the
-        aux taps.
+        aux taps concatenated. :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
+        fwd = self.begin(input_ids, cache.rope, slots, start, lens, aux_layer_ids)
+        fwd = self.advance(fwd, cache.layer_caches(self.config), mode, self.model.layers)
+        taps = self.aux_taps(fwd)
+        return fwd.h, fwd.delta, torch.cat(taps, dim=-1) if taps else None
 
-        ``layers`` replaces ``self.model.layers`` one for one: the runtime passes compiled wrappers
-        of them (graphs/compile.py)."""
+    def begin(self, input_ids: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+              lens: torch.Tensor | None = None, aux_layer_ids: tuple[int, ...] = ()) -> PartialForward:
+        """The forward of ``input_ids [B, T]`` at positions ``start[b] + t`` up to its first layer: the
+        embeddings, the rows (``lens`` defaults to all ``T`` columns) and the RoPE cos/sin of the
+        window, gathered from the cache's table ``rope``."""
         B, T = input_ids.shape
         if lens is None:
             lens = torch.full_like(slots, T)
-        rows = Rows(slots, start, lens)
-        cos, sin = gather_cos_sin(cache.rope, window_positions(start, T))
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]        # broadcast over heads
+        cos, sin = gather_cos_sin(rope, window_positions(start, T))
+        return PartialForward(h=self.model.embed_tokens(input_ids), delta=None, rows=Rows(slots, start, lens),
+                              cos=cos[:, :, None, :], sin=sin[:, :, None, :],      # broadcast over heads
+                              aux_layer_ids=tuple(aux_layer_ids), taps=dict.fromkeys(aux_layer_ids))
 
-        h, delta = self.model.embed_tokens(input_ids), None
-        taps = {i: None for i in aux_layer_ids}
-        layers = self.model.layers if layers is None else layers
-        for i, (layer, layer_cache) in enumerate(zip(layers, cache.layer_caches(self.config), strict=True)):
-            h_in, h, delta = layer(h, delta, layer_cache, rows, mode, cos, sin)
-            if i - 1 in taps:      # layer i's input is layer i - 1's output (the embeddings for i = 0)
-                taps[i - 1] = h_in
-        last = len(layers) - 1
-        if last in taps:           # its own add: no later layer completes it (drafts never tap it)
-            taps[last] = h + delta
-        aux = torch.cat([taps[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return h, delta, aux
+    def advance(self, fwd: PartialForward, layer_caches: Sequence[LayerCache], mode: ForwardMode,
+                layers: Sequence[nn.Module]) -> PartialForward:
+        """Run the next ``len(layers)`` decoder layers of ``fwd`` (layers ``fwd.done ..``), each with its
+        cache slices (:meth:`TargetCache.layer_caches`). ``layers`` are those of ``self.model.layers``,
+        or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
+        for layer, layer_cache in zip(layers, layer_caches, strict=True):
+            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.cos, fwd.sin)
+            if fwd.done - 1 in fwd.taps:    # layer i's input is layer i - 1's output (the embeddings for i = 0)
+                fwd.taps[fwd.done - 1] = h_in
+            fwd.done += 1
+        return fwd
+
+    def aux_taps(self, fwd: PartialForward) -> tuple[torch.Tensor, ...]:
+        """The aux taps ``[B, T, H]`` of a finished forward, in ``aux_layer_ids`` order. The last layer's
+        output is completed here (``h + delta``): no later layer adds it. Drafts never tap it
+        (models/dspark.py refuses such drafts), so the runtime's verify never runs this add."""
+        last = len(self.model.layers) - 1
+        return tuple(fwd.h + fwd.delta if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
 
     def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True) -> torch.Tensor:
         """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a

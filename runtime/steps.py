@@ -2,11 +2,21 @@
 
 All of them are plain tensor code over the slot-indexed state, with no host syncs: accepted
 lengths, positions, slots and anchors stay on the device, so ``decode`` and ``spec_round`` are
-captured whole in a CUDA graph per batch size (DESIGN §5). Their regions (each layer, and the
-tails ``finish_decode``, ``finish_draft``, ``round_accept_commit``) are what gets compiled, with
-``fullgraph=True`` (graphs/compile.py).
+captured whole in a CUDA graph per batch size (DESIGN §5). Their regions are what gets compiled,
+with ``fullgraph=True`` (graphs/compile.py): the heads ``decode_head``, ``draft_head`` and
+``verify_head`` (the glue before a model's layers, together with its first layer), the later
+layers, and the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit``.
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
+
+No tensor computation runs between two regions (tests/test_step_glue.py counts it): uncompiled,
+each op there would be a CUDA-graph node of its own that cannot join the programmatic-dependent-
+launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
+it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that
+Inductor fuses into the region's kernels, and a head computes everything its layers share (the
+window's positions, lens, RoPE cos/sin) as its outputs; between regions the step only slices the
+caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
+which concatenates them for the draft's context injection.
 
 One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
 draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
@@ -20,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.cache import DraftCache, TargetCache
+from ..models.cache import DraftCache, LayerCache, TargetCache
 from ..models.dspark import DSparkDraft, greedy_pick
-from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM
+from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward
 from ..ops.argmax_rows import argmax_last
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
 from .state import SlotState
@@ -30,11 +40,21 @@ from .state import SlotState
 
 @dataclass
 class RoundInputs:
+    """What the round's phases share. Each phase's regions read the rows' state (committed length
+    ``s``, anchor ``x0``, sampling parameters) from the slots themselves (see the module doc)."""
+
     slots: torch.Tensor
+    sampling: bool                # False: a greedy round
+
+
+@dataclass
+class RowState:
+    """Per-row state of a batch, read from the slots (:meth:`Steps.read_rows`; in a region)."""
+
+    index: torch.Tensor           # [B] gather index (padding rows read slot 0)
     s: torch.Tensor               # [B] committed length (position of the anchor)
     x0: torch.Tensor              # [B] anchor token
-    rows: RowSampling | None      # per-row sampling parameters; None for a greedy round
-    seed: torch.Tensor            # [B] request seeds
+    rows: RowSampling | None      # per-row sampling parameters; None for a greedy step
 
 
 @dataclass
@@ -47,7 +67,7 @@ class Drafted:
 class Verified:
     hidden: torch.Tensor          # [B, W, H] the target's last-layer output is hidden + delta, left unadded:
     delta: torch.Tensor           # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py)
-    aux: torch.Tensor             # [B, W, n_taps * H] target features for the draft context
+    aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
 
 
 @dataclass
@@ -67,10 +87,17 @@ class Steps:
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
         self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
-        # what decode and the round run per layer: the layers, or compiled wrappers of them
-        # (graphs.compile.compile_regions); prefill always runs the plain layers (any length)
-        self.target_layers = list(target.model.layers)
-        self.draft_layers = list(draft.layers) if draft is not None else []
+        # what decode and the round run for the layers after the first (the first runs inside the
+        # head regions): the layers, or compiled wrappers of them (graphs.compile.compile_regions);
+        # prefill always runs the plain layers (any length)
+        self.later_target_layers = list(target.model.layers[1:])
+        self.later_draft_layers = list(draft.layers[1:]) if draft is not None else []
+
+    def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
+        """The rows' per-slot state; called inside each region that needs it."""
+        st = self.state
+        r = st.gather_index(slots)
+        return RowState(r, st.seq_len[r], st.anchor[r], st.sampling.rows(r) if sampling else None)
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -98,24 +125,29 @@ class Steps:
     # -- target-only decode -----------------------------------------------------------------
     @torch.no_grad()
     def decode(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
-        st = self.state
-        r = st.gather_index(slots)
-        s, x0 = st.seq_len[r], st.anchor[r]
-        h, delta, _ = self.target.hidden_states(x0[:, None], self.tcache, slots, s, torch.ones_like(s),
-                                                ForwardMode.DECODE, layers=self.target_layers)
-        return self.finish_decode(h, delta, slots, r, s, sampling)
+        caches = self.tcache.layer_caches(self.target.config)
+        fwd = self.decode_head(slots, caches[0])
+        fwd = self.target.advance(fwd, caches[1:], ForwardMode.DECODE, self.later_target_layers)
+        return self.finish_decode(fwd.h, fwd.delta, slots, sampling)
 
-    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, r: torch.Tensor,
-                      s: torch.Tensor, sampling: bool) -> StepOutput:
-        """Final norm of ``h + delta`` (the last layer's output, see ``hidden_states``), LM head, pick
-        the next token, advance the rows' state."""
-        st = self.state
+    def decode_head(self, slots: torch.Tensor, first_cache: LayerCache) -> PartialForward:
+        """The step up to its second layer: the rows' anchors and lengths, the embedding, the
+        window (lens, RoPE cos/sin) and the first layer (with its cache slices ``first_cache``)."""
+        row = self.read_rows(slots)
+        fwd = self.target.begin(row.x0[:, None], self.tcache.rope, slots, row.s, torch.ones_like(row.s))
+        return self.target.advance(fwd, [first_cache], ForwardMode.DECODE, self.target.model.layers[:1])
+
+    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, sampling: bool
+                      ) -> StepOutput:
+        """Final norm of ``h + delta`` (the last layer's output, see ``Lfm2ForCausalLM.hidden_states``),
+        LM head, pick the next token, advance the rows' state."""
+        st, row = self.state, self.read_rows(slots, sampling)
         logits = self.target.compute_logits(h[:, 0], delta[:, 0])
-        nxt = st.sampling.rows(r).pick(logits.float(), s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
+        nxt = row.rows.pick(logits.float(), row.s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
         w = st.scatter_index(slots)
-        st.seq_len[w] = s + 1
+        st.seq_len[w] = row.s + 1
         st.anchor[w] = nxt
-        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(s))
+        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s))
 
     # -- speculative round ------------------------------------------------------------------
     @torch.no_grad()
@@ -127,20 +159,32 @@ class Steps:
 
     # The round's phases are separate methods so the benchmark can time them one by one.
     def round_inputs(self, slots: torch.Tensor, sampling: bool) -> RoundInputs:
-        st = self.state
-        r = st.gather_index(slots)
-        return RoundInputs(slots, st.seq_len[r], st.anchor[r], st.sampling.rows(r) if sampling else None,
-                           st.sampling.seed[r])
+        return RoundInputs(slots, sampling)
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
         """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
         distribution q, the exact one its token was drawn from."""
-        x, delta = self.draft.block_hidden(inp.x0, self.dcache, inp.slots, inp.s, self.draft_layers)
+        draft, cache = self.draft, self.dcache
+        caches = draft.layer_caches(cache)
+        x, delta, s, cos, sin = self.draft_head(inp.slots, caches[0])
+        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, cos, sin, self.later_draft_layers,
+                                    first=1)
         return self.finish_draft(inp, x, delta)
+
+    def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft up to its second layer: the block's embeddings and RoPE cos/sin, and its first
+        layer. Returns ``(x, delta, s, cos, sin)``, what the later layers take."""
+        row, cache = self.read_rows(slots), self.dcache
+        x, cos, sin = self.draft.block_begin(row.x0, cache.rope, row.s)
+        x, delta = self.draft.run_layers(x, None, [first_cache], cache.rope, slots, row.s, cos, sin,
+                                         self.draft.layers[:1])
+        return x, delta, row.s, cos, sin
 
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
-        rows, s = inp.rows, inp.s
+        row = self.read_rows(inp.slots, inp.sampling)
+        rows, s = row.rows, row.s
         draft_probs: list[torch.Tensor] = []
 
         def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
@@ -148,20 +192,31 @@ class Steps:
             draft_probs.append(probs)
             return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
 
-        proposal = self.draft.head_and_walk(x, delta, inp.x0, greedy_pick if rows is None else pick)
+        proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick)
         return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
         """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
         column i predicts position s + i + 1."""
-        h, delta, aux = self.target.hidden_states(torch.cat([inp.x0[:, None], d], dim=1), self.tcache, inp.slots,
-                                                  inp.s, None, ForwardMode.VERIFY, self.taps, self.target_layers)
-        return Verified(h, delta, aux)
+        caches = self.tcache.layer_caches(self.target.config)
+        fwd = self.verify_head(inp.slots, d, caches[0])
+        fwd = self.target.advance(fwd, caches[1:], ForwardMode.VERIFY, self.later_target_layers)
+        return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd))
+
+    def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
+        """The verify up to its second layer: the window ``[x0, d]``'s embeddings, lens and RoPE
+        cos/sin, and the first layer."""
+        row = self.read_rows(slots)
+        fwd = self.target.begin(torch.cat([row.x0[:, None], d], dim=1), self.tcache.rope, slots, row.s, None,
+                                self.taps)
+        return self.target.advance(fwd, [first_cache], ForwardMode.VERIFY, self.target.model.layers[:1])
 
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
         x0, d_1..d_a (conv state from the tape, draft context from the aux states)."""
-        st, gamma, rows, s = self.state, self.gamma, inp.rows, inp.s
+        st, gamma = self.state, self.gamma
+        row = self.read_rows(inp.slots, inp.sampling)
+        rows, s = row.rows, row.s
         d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta)
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:
@@ -175,7 +230,8 @@ class Steps:
             u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
             accepted = u * q_d < p_d                                           # u < min(1, p/q)
         if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
-            accepted = uniform(draw_key(inp.seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :]
+            seed = st.sampling.seed[row.index]
+            accepted = uniform(draw_key(seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :]
         a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..gamma
         if rows is None:
             final = target_pick.gather(1, a[:, None])[:, 0]
@@ -189,7 +245,7 @@ class Steps:
 
         commit = a + 1
         self.target.commit(self.tcache, inp.slots, commit)
-        self.draft.inject_context(verified.aux, self.dcache, inp.slots, s, commit)
+        self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, inp.slots, s, commit)
         w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final

@@ -35,10 +35,11 @@ def test_compiled_decode_step_matches_eager_on_cpu():
 
 def test_compiled_round_reuses_one_graph_per_layer_kind_and_matches_eager():
     """Regional compilation: a greedy speculative round at one batch size compiles seven graphs,
-    whatever the depth (one ShortConv layer, one attention layer, one draft layer, the draft's
-    head + Markov walk, acceptance + commit, and the first target and draft layers, which have no
-    pending residual add to start with: models/lfm2.py), then runs without recompiling and emits
-    exactly the eager engine's tokens."""
+    whatever the depth (one ShortConv layer, one attention layer, one draft layer, the draft's LM
+    head + Markov walk, acceptance + commit, and the verify's and the draft's step heads: the glue
+    before the first layer with that layer, which has no pending residual add to start with,
+    models/lfm2.py; graphs/compile.py), then runs without recompiling and emits exactly the eager
+    engine's tokens."""
     from torch._dynamo.utils import counters
 
     def engine(compile: bool) -> Engine:
