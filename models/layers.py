@@ -3,7 +3,10 @@
 Environment switches (read at each call; under compile, at trace time):
 
 - ``LFMSPARK_SKINNY_LINEAR`` (``few`` default, ``gemv``, ``off``, ``all``, ``verify``): which row
-  counts of a product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`).
+  counts of a product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`). A dense
+  :class:`SwiGLU`'s gate/up product of a routed row count runs with its activation fused: one row
+  on ``lfmspark::swiglu_gemv``, 2-16 rows on ``lfmspark::skinny_swiglu``; routed counts above 16
+  (``all``, ``verify``) on ``skinny_linear`` followed by the separate activation.
 - ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): on the one-row CUDA decode path (one row routed to
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
@@ -20,7 +23,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
-from ..ops.skinny_linear import MAX_M
+from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M
 
 lfm = torch.ops.lfmspark
 
@@ -145,9 +148,13 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _routed_to_skinny(x) and x.numel() == x.shape[-1]:
-            # one row (batch-1 decode): the activation rides in the gate/up GEMV's epilogue
-            h = lfm.swiglu_gemv(x.reshape(1, -1), self.w13.weight).view(*x.shape[:-1], -1)
+        rows = x.numel() // x.shape[-1]
+        if _routed_to_skinny(x) and rows <= SWIGLU_MAX_M:
+            # rows on the skinny kernels (batch-1 decode, verify, draft): the activation rides in the
+            # gate/up product's epilogue, so the [rows, 2F] product is never written and costs no
+            # separate activation kernel; one row on the GEMV, 2-16 on the swap-AB kernel
+            fused = lfm.swiglu_gemv if rows == 1 else lfm.skinny_swiglu
+            h = fused(x.reshape(rows, x.shape[-1]), self.w13.weight).view(*x.shape[:-1], -1)
             return self.w2(h)
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)

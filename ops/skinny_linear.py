@@ -1,4 +1,5 @@
-"""Skinny linear: ``x [M, K] @ weight[N, K]^T`` for a handful of rows (``M <= 64``), fp32 accumulation.
+"""Skinny linear: ``x [M, K] @ weight[N, K]^T`` for a handful of rows (``M <= 64``), fp32 accumulation;
+and skinny SwiGLU: ``silu(x @ w1^T) * (x @ w3^T)`` from the fused ``w13 = [w1; w3]`` for ``M <= 16``.
 
 Why: a decode step at batch 1 multiplies one row by every weight matrix, and a speculative verify
 ``M = 10`` rows (the draft ``M = 9``); such products are bound by reading the weight once. For
@@ -12,9 +13,44 @@ default (models/layers.py, ``LFMSPARK_SKINNY_LINEAR``).
 Design (``M > 1``): each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
 exactly once; ``x`` is tiny and is re-read from L2 by every program. When ``N`` is too small to
-give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is split as well: the
-program ``(n block, k split)`` writes fp32 partials to a ``[SPLIT_K, M, N]`` workspace, which a
-second kernel sums in a fixed split order. No atomics: results are the same run to run.
+give every SM a couple of programs (e.g. ``N = 2048, K = 8192``), the K range is split as well.
+
+Split-K without a second kernel ("serial split-K fix-up"): program ``(n block, k split)`` writes its
+fp32 partial tile to a ``[splits, M, N]`` workspace, then increments the tile's arrival counter
+(one int32 per column tile, ``tl.atomic_add`` with acq_rel semantics at GPU scope). The program that
+finds ``splits - 1`` there arrived last: every other split's partial is already visible to it, so it
+sums all of them, its own included, applies the epilogue (the rounding to ``x``'s dtype, or the
+SwiGLU activation), writes the output and puts the counter back to 0. A split-K product is thus one
+launch (the separate reduce kernel cost a kernel boundary, ~1.5-3 us with PDL, 59 times per
+speculative round on the H200).
+
+Determinism: which program arrives last varies from run to run, but not what it computes: the
+partials are the same (each split's sum over its K range, in a fixed order), and the last program
+sums them in split order ``0, 1, ..., splits - 1`` from the workspace, whatever its own index. The
+result is therefore the same run to run, and bit-identical to the former two-kernel version, whose
+reduce kernel summed the same workspace in the same order.
+
+Synchronization: each program's threads store their part of the partial tile; a CTA barrier
+(``tl.debug_barrier``) orders all those stores before the increment, which one thread issues (Triton
+runs scalar atomics on one thread) with release semantics at GPU scope, cumulative over the stores
+the barrier ordered before it. The last program's increment acquires every earlier increment
+(release sequence of the counter's atomic read-modify-writes); Triton broadcasts the atomic's result
+to the CTA through shared memory behind a barrier, so all of the last program's workspace loads come
+after the acquire (they also bypass L1, ``.cg``). This is the protocol of CUTLASS's split-K
+semaphore (barrier, one-thread release; one-thread acquire, barrier).
+
+The counters (:func:`_split_counters`) are one persistent, zero-initialised int32 buffer per device,
+shared by every split-K launch of both kernels and left all-zero by each launch, which is why the
+ops need no extra argument and declare no mutation: between launches the buffer is always zero,
+so the op is a pure function of its inputs for ``torch.library``, functionalization and
+``torch.compile``, and a CUDA graph replays it as often as wanted. The price is an ordering
+constraint: two launches that may run at the same time must not share counters, so split-K
+launches on one device must be ordered (one stream, as lfmspark runs its steps, or streams joined
+by events). With PDL a launch may start before its predecessor ends, but its counter and workspace
+accesses come after ``gdc_wait``, which returns once the predecessor grid has completed (and with
+it, by the PDL chain condition of ops/_dispatch.py, every earlier grid), so consecutive kernels
+never use the counters at the same time. The buffer is created on first use, which therefore must
+not be inside a CUDA-graph capture (it raises there; the warm-up runs before capture anyway).
 
 Swap-AB (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``, with ``swap_ab_config`` fitted
 to the H200 sweep): each program computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight
@@ -24,15 +60,24 @@ comparison) the A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <=
 Hopper on the older mma.sync path; with 64- or 128-row weight tiles as A, Triton can issue wgmma
 with ``BLOCK_M`` (16 for ``M <= 16``) as the instruction's N.
 
+SwiGLU (``lfmspark::skinny_swiglu``, the batch-1 verify and draft feed-forwards): the same kernel
+with ``SWIGLU``: each program owns ``BLOCK_N`` gate columns ``j`` and the same up columns (rows
+``j`` and ``F + j`` of ``w13``), streams both weight tiles per K step into two accumulators and
+applies ``silu(gate) * up`` in the epilogue (with split-K, in the last program's fix-up, on the
+summed fp32 partials), so the ``[M, 2F]`` gate/up product is never written and the activation is
+no separate kernel. Numerics: those of the unfused module in ``x``'s dtype, as
+``lfmspark::swiglu_gemv``: gate and up are each an fp32 sum rounded once to the dtype (as
+``F.linear`` rounds its output), ``silu(gate)`` is rounded, and so is the product.
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
-no host sync: the launcher is CUDA-graph safe.
+no host sync: the launchers are CUDA-graph safe.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +87,7 @@ import triton.language as tl
 from ._dispatch import pdl_kwargs, use_triton
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
+SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -49,16 +95,19 @@ MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bo
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, dst_ptr,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, k_split,
-    stride_xm, stride_wn, stride_ds, stride_dm,
+    stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
-    # [k0, k0 + k_split); dst is the output (one split, stride_ds = 0) or the fp32 workspace.
-    # SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M] = w @ x^T, stored
-    # transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T
+    # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
+    # = w @ x^T, stored transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T. SWIGLU: N = F,
+    # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
+    # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
+    # partials from column F on), the tile's last program sums them (see the module doc)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -76,27 +125,42 @@ def _skinny_linear_kernel(
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if SWIGLU:  # the up rows F + j
+        u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
+    acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
+    if SWIGLU:
+        acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        if SWIGLU:
+            u_ptrs += BLOCK_K
+            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
-    dst = dst_ptr + split * stride_ds
-    if SWAP_AB:
-        tl.store(dst + rows[None, :] * stride_dm + cols[:, None], acc.to(dst_ptr.dtype.element_ty),
-                 mask=(cols < N)[:, None] & row_ok[None, :])
+        if SWIGLU:
+            acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
+    out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
+    if SPLIT:
+        ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
+        tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
+        if SWIGLU:
+            tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
+        if _arrives_last(cnt_ptr + pid_n):
+            total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws)
+            if SWIGLU:
+                total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws)
+            else:
+                total_u = total  # not read by the plain epilogue
+            _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
+            tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
     else:
-        tl.store(dst + rows[:, None] * stride_dm + cols[None, :], acc.to(dst_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < N)[None, :])
+        _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
 
 
 @triton.jit
@@ -128,15 +192,82 @@ def _dot_block(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UP
 
 
 @triton.jit
+def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    # the fp32 accumulator: out^T [BLOCK_N, BLOCK_M] (swap-AB) or out [BLOCK_M, BLOCK_N]
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _tile_offsets(rows, cols, row_ok, N, stride_m, SWAP_AB: tl.constexpr):
+    # element offsets and mask of the accumulator tile in a row-major [M, *] matrix of row stride
+    # stride_m (the output or the workspace), in the accumulator's layout
+    if SWAP_AB:
+        offs = rows[None, :] * stride_m + cols[:, None]
+        mask = (cols < N)[:, None] & row_ok[None, :]
+    else:
+        offs = rows[:, None] * stride_m + cols[None, :]
+        mask = row_ok[:, None] & (cols < N)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def _arrives_last(counter_ptr):
+    # Split-K arrival, after the program stored its partial: true in the tile's last program. The
+    # barrier orders all threads' partial stores before the increment, which one thread issues:
+    # its release (gpu scope) publishes them, its acquire makes every earlier program's partial
+    # visible here; Triton broadcasts the scalar result behind a barrier, so the caller's loads of
+    # the partials come after the acquire in every thread (module doc, "Synchronization")
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    return arrived == tl.num_programs(1) - 1
+
+
+@triton.jit
+def _sum_partials(ptrs, mask, stride_ws):
+    # the sum of a tile's partials over all splits (ptrs + s * stride_ws, s < splits) in split order
+    # 0, 1, ..., whichever program runs it: deterministic. Four slices per step are loaded at once
+    # (indices past the last split reload the last one and are not added); .cg: from L2, never a
+    # stale L1 line
+    splits = tl.num_programs(1)
+    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s0 in range(1, splits, 4):
+        for i in tl.static_range(4):
+            part = tl.load(ptrs + tl.minimum(s0 + i, splits - 1) * stride_ws, mask=mask, other=0.0,
+                           cache_modifier=".cg")
+            total = tl.where(s0 + i < splits, total + part, total)
+    return total
+
+
+@triton.jit
+def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
+    # the epilogue on fp32 sums: plain, one rounding to the output dtype; SWIGLU, the unfused
+    # module's roundings (gate and up each rounded once, silu(gate) rounded, the product rounded)
+    dtype = ptrs.dtype.element_ty
+    if SWIGLU:
+        g = gate.to(dtype).to(tl.float32)
+        u = up.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        val = act * u
+    else:
+        val = gate
+    tl.store(ptrs, val.to(dtype), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, dst_ptr,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
     N, K, k_split,
-    stride_wn, stride_ds,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    stride_wn, stride_ws,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
-    # it once at the end, so each K step is one wide weight load and a multiply-add
+    # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
+    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -156,7 +287,15 @@ def _gemv_kernel(
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
     out = tl.sum(acc, axis=1)
-    tl.store(dst_ptr + split * stride_ds + cols, out.to(dst_ptr.dtype.element_ty), mask=cols < N)
+    col_ok = cols < N
+    if SPLIT:
+        tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
+        if _arrives_last(cnt_ptr + pid_n):
+            total = _sum_partials(ws_ptr + cols, col_ok, stride_ws)
+            _store_out(out_ptr + cols, col_ok, total, total, False)
+            tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
+    else:
+        _store_out(out_ptr + cols, col_ok, out, out, False)
 
 
 @triton.jit
@@ -165,21 +304,6 @@ def _load_x_vector(x_ptr, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
     if EVEN_K:
         return tl.load(x_ptr + ks).to(tl.float32)
     return tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _skinny_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # out (contiguous [M, N]) = sum of the SPLIT_K workspace slices, in split order (deterministic);
-    # the unrolled loop issues all the slices' loads at once
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +364,7 @@ def regular_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCo
     (from L2) less often, ``M / BLOCK_N`` times the weight bytes, which is why tiles stay >= 32
     for ``M > 16``. If even the narrowest tile leaves SMs idle, K is split too, to about
     ``_PROGRAMS_PER_SM`` programs per SM, keeping ``_MIN_SPLIT_ITERS`` K steps per split (the fp32
-    partials cost ``2 * SPLIT_K * M * N * 4`` bytes, mostly in L2, and a second launch). The K
+    partials cost ``2 * SPLIT_K * M * N * 4`` bytes, mostly in L2, and the last program's sum). The K
     step (64-256) is the longest whose weight and ``x`` tiles fit ``_STAGE_BYTES`` (256 for narrow
     bf16 tiles, 64 for 128-wide ones; shortened to divide K when K % 64 == 0), with as many
     pipeline stages (2-4) as fit ``_SMEM_BYTES``.
@@ -278,7 +402,8 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCo
       when ``N / 128`` alone gives two programs per SM (the LM head: 512 programs);
     - K split only up to one wave of programs (``n_blocks * split <= sms``, at least 4 K steps per
       split): the winners ran 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
-      splitting further lost to the extra partial traffic and reduction;
+      splitting further lost to the extra partial traffic and reduction (measured with the former
+      separate reduce kernel);
     - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup).
     """
     block_m = _block_m(M)
@@ -300,11 +425,89 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCo
                         swap_ab=True)
 
 
+def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
+    """Launch parameters of ``skinny_swiglu`` (``F`` gate columns): :func:`swap_ab_config` for ``N = F``
+    columns, with as many pipeline stages as fit two weight tiles per K step.
+
+    Why: the fused kernel is the plain product over the ``2F`` rows of ``w13`` with the gate and up
+    tiles of a column block paired in one program, so it launches ``cdiv(F, BLOCK_N)`` programs; the
+    swap-AB heuristic sizes its column tiles and its K split by the programs launched (at most one
+    wave, which the H200 sweep favoured), so it is applied to ``F``. Each program then streams twice
+    the weight bytes per K step, more bytes in flight per program for the same pipeline depth, which
+    a bandwidth-bound kernel wants; halving the tiles instead (32 gate + 32 up rows) would drop below
+    wgmma's 64-row A operand. The cost is shared memory: a stage holds ``(2 * BLOCK_N + BLOCK_M) *
+    BLOCK_K`` elements, so stages are dropped (down to 2) to stay within the swap-AB budget. At the
+    served shapes (bf16, M = 9/10): LFM2.5-1.2B ``w13 [16384, 2048]``: 128 programs of 64 + 64 rows,
+    K steps of 128, no split, 3 stages (108 KB); LFM2-8B-A1B dense ``[14336, 2048]``: 112 programs,
+    otherwise the same. Untuned: ``benchmarks/kernels/skinny_linear.py --swiglu --sweep`` times the
+    alternatives on the GPU.
+    """
+    cfg = swap_ab_config(M, F, K, elem_size, sms)
+    stages = cfg.num_stages
+    while stages > 2 and stages * (2 * cfg.block_n + _block_m(M)) * cfg.block_k * elem_size > _SWAP_SMEM_BYTES:
+        stages -= 1
+    return replace(cfg, num_stages=stages)
+
+
 def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
     """``(k_split, splits)``: the K range each split covers (whole K blocks) and the number of
     non-empty splits the launcher runs for a requested ``split_k``."""
     k_split = triton.cdiv(triton.cdiv(K, max(1, split_k)), block_k) * block_k
     return k_split, triton.cdiv(K, k_split)
+
+
+MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival counter each (256 KB)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once, shared by
+    every split-K launch there and left all-zero by each (module doc: the last program of a tile
+    resets its counter). Launches using them must be ordered on the device (one stream), which the
+    PDL contract keeps for consecutive kernels (their counter accesses follow ``gdc_wait``)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("lfmspark split-K: the per-device arrival counters are created (zeroed) on first use, "
+                           "which cannot be captured in a CUDA graph; run a split-K product on this device once "
+                           "before capturing (a warm-up run does)")
+    counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # zero before any stream uses them
+    return counters
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> None:
+    """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
+    kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
+    with split-K, the fp32 workspace and the device's arrival counters."""
+    (M, K), N = x.shape, out.shape[1]
+    k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    if splits > 1:
+        if n_tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"split-K over {n_tiles} column tiles: at most {MAX_SPLIT_TILES} (one arrival counter "
+                             f"each); use wider tiles (block_n) or no split")
+        ws = torch.empty((splits, M, weight.shape[0]), dtype=torch.float32, device=x.device)
+        counters, stride_ws, stride_wsm = _split_counters(x.device), ws.stride(0), ws.stride(1)
+    else:  # not read: the kernels' split-K code is compiled out
+        ws, counters, stride_ws, stride_wsm = out, out, 0, 0
+    grid = (n_tiles, splits)
+    if M == 1 and cfg.gemv and not swiglu:
+        _gemv_kernel[grid](
+            x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+        )
+    else:
+        _skinny_linear_kernel[grid](
+            x, weight, out, ws, counters,
+            M, N, K, k_split,
+            x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
+            BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+        )
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -328,45 +531,60 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device))
-    block_m = _block_m(M)
-    k_split, split_k = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
-    if split_k > 1:
-        dst = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    else:
-        dst = out
-    if M == 1 and cfg.gemv:
-        _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-            x, weight, dst, N, K, k_split, weight.stride(0), dst.stride(0) if split_k > 1 else 0,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
-        )
-    else:
-        _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-            x, weight, dst,
-            M, N, K, k_split,
-            x.stride(0), weight.stride(0), dst.stride(0) if split_k > 1 else 0, dst.stride(-2),
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            SWAP_AB=cfg.swap_ab, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
-        )
-    if split_k > 1:
-        block = 1024
-        _skinny_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=block,
-                                                           **pdl_kwargs(x))
+    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False)
+    return out
+
+
+def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 2 or x.shape[1] != w13.shape[1]:
+        raise ValueError(f"expected x [M, H] and w13 [2F, H], got {tuple(x.shape)} and {tuple(w13.shape)}")
+    if w13.shape[0] % 2:
+        raise ValueError(f"w13 must stack gate and up rows ([2F, H]), got {w13.shape[0]} rows")
+    if x.shape[0] > SWIGLU_MAX_M:
+        raise ValueError(f"skinny_swiglu supports at most {SWIGLU_MAX_M} rows, got M = {x.shape[0]}")
+    if x.dtype != w13.dtype:
+        raise ValueError(f"x and w13 must share a dtype, got {x.dtype} and {w13.dtype}")
+    if w13.stride(1) != 1:
+        raise ValueError("w13 must be row-major (stride(1) == 1)")
+
+
+def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``skinny_swiglu`` on the ``tl.dot`` kernel (``config``: launch override; ``gemv`` is ignored)."""
+    _check_swiglu(x, w13)
+    (M, K), F_ = x.shape, w13.shape[0] // 2
+    out = torch.empty((M, F_), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:  # gate = up = 0: silu(0) * 0
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# reference
+# references
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """The unfused module: ``F.linear`` (gate and up each rounded once to ``x``'s dtype), then
+    ``F.silu`` (rounded) times up (rounded)."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # ---------------------------------------------------------------------------------------------
-# op
+# ops
+#
+# No mutated arguments, although split-K launches update the device's arrival counters
+# (_split_counters): every launch leaves them all-zero, as it found them, so both ops are pure
+# functions of their inputs. Declaring the counters as a mutated argument would make the callers
+# pass them around and functionalization copy them back after every call for nothing; keeping
+# them internal keeps the ops' signatures (and the compiled graphs that call them) unchanged, and a
+# CUDA graph replays a launch any number of times.
 
 @torch.library.custom_op("lfmspark::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -386,3 +604,24 @@ def _skinny_linear_cuda(x, weight):
 def _skinny_linear_fake(x, weight):
     _check(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("lfmspark::skinny_swiglu", mutates_args=())
+def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``[gate | up] = x [M, H] @ w13[2F, H]^T`` -> ``[M, F]``, for ``M <= 16``
+    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s)."""
+    if use_triton(x):
+        return skinny_swiglu_triton(x, w13)
+    _check_swiglu(x, w13)
+    return skinny_swiglu_reference(x, w13)
+
+
+@skinny_swiglu.register_kernel("cuda")
+def _skinny_swiglu_cuda(x, w13):
+    return skinny_swiglu_triton(x, w13)
+
+
+@skinny_swiglu.register_fake
+def _skinny_swiglu_fake(x, w13):
+    _check_swiglu(x, w13)
+    return x.new_empty((x.shape[0], w13.shape[0] // 2))

@@ -17,6 +17,16 @@ the sampled configs are measured everywhere. ``--json`` records every timing wit
 and a per-case summary (cuBLAS, default, best regular, best swap-AB, swap-AB heuristic).
 
     python benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes --budget 75 --json sweep.json
+
+``--swiglu`` times ``lfmspark::skinny_swiglu`` (gate/up product with the activation in its epilogue)
+against the unfused pair it replaces, ``skinny_linear(x, w13)`` then ``silu(gate) * up`` (one
+Inductor kernel, compiled as the served model compiles it), and cuBLAS + the same activation, at the
+served ``w13`` shapes (LFM2.5-1.2B and its draft ``[16384, 2048]``, LFM2-8B-A1B dense layers
+``[14336, 2048]``) for M = 9 (draft) and 10 (verify); with ``--sweep`` it also times the swap-AB
+grid on the fused op (configs whose two weight tiles fit in shared memory) within ``--budget``:
+
+    python benchmarks/kernels/skinny_linear.py --swiglu --json swiglu.json
+    python benchmarks/kernels/skinny_linear.py --swiglu --sweep --budget 120 --json swiglu_sweep.json
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (SkinnyConfig, skinny_config, skinny_linear_triton, split_k_plan,
-                                        swap_ab_config)
+from lfmspark.ops.skinny_linear import (SkinnyConfig, skinny_config, skinny_linear_triton, skinny_swiglu_triton,
+                                        split_k_plan, swap_ab_config, swiglu_config)
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -126,7 +136,8 @@ def _smem_bytes(cfg: SkinnyConfig, M: int, elem_size: int = DTYPE.itemsize) -> i
 
 
 def _kernel_key(cfg: SkinnyConfig) -> SkinnyConfig:
-    """Configs with the same key share a compiled kernel (the split count is a runtime argument)."""
+    """Configs with the same key differ only in the split count, a runtime argument except for
+    whether K is split at all (the kernels' ``SPLIT`` constexpr): a group compiles two kernels."""
     return dataclasses.replace(cfg, split_k=1)
 
 
@@ -282,6 +293,113 @@ def print_sweep(rows: list[dict], summary: list[dict]) -> None:
     print(tabulate([{k: v for k, v in s.items() if not k.endswith("_config")} for s in summary], headers="keys"))
 
 
+# ---------------------------------------------------------------------------------------------
+# SwiGLU: the fused gate/up product + activation against the unfused pair
+
+# w13 [2F, H]: LFM2.5-1.2B (the target; its draft has the same shape), LFM2-8B-A1B's dense layers
+SWIGLU_SHAPES = [(16384, 2048), (14336, 2048)]
+SWIGLU_ROWS = [9, 10]
+
+
+def _silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """The unfused activation after the gate/up product (models/layers.py ``SwiGLU``)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_applies(cfg: SkinnyConfig, M: int, F_: int, K: int, sms: int) -> bool:
+    """Whether a swap-AB grid config is worth timing on the fused op: both weight tiles' pipeline
+    fits in shared memory, and a split count the launcher keeps, only when the ``F / BLOCK_N``
+    programs alone give less than two per SM (as ``_applies``)."""
+    if not cfg.swap_ab or cfg.num_stages * (2 * cfg.block_n + _block_m(M)) * cfg.block_k * DTYPE.itemsize > _SMEM_LIMIT:
+        return False
+    if cfg.split_k > 1 and (split_k_plan(K, cfg.block_k, cfg.split_k)[1] != cfg.split_k
+                            or -(-F_ // cfg.block_n) >= 2 * sms):
+        return False
+    return True
+
+
+def swiglu_bench(copy_gbps: float, act, budget_s: float = 0.0, rows_m: tuple[int, ...] = tuple(SWIGLU_ROWS),
+                 shapes: tuple[tuple[int, int], ...] = tuple(SWIGLU_SHAPES), iters: int = 25
+                 ) -> tuple[list[dict], list[dict]]:
+    """Per ``(w13 [2F, K], M)``: the fused op with its default config (``swiglu_config``), then
+    ``skinny_linear`` + ``act`` and cuBLAS + ``act`` (``act``: the activation, compiled by the
+    caller); with ``budget_s > 0`` the swap-AB grid on the fused op until the budget runs out.
+    Bytes (for GB/s) are the fused op's: ``w13`` and ``x`` read once, ``[M, F]`` written. Returns
+    every timing (with its config) and the per-case summary."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = {(N2, K): _weights(N2, K) for N2, K in shapes}
+    cases = [(M, N2 // 2, K) for N2, K in shapes for M in rows_m]
+    xs = {(M, F_, K): _x(M, K) for M, F_, K in cases}
+    rows = []
+
+    def record(fn, M, F_, K, variant, role, cfg=None):
+        r = {"M": M, "F": F_, "K": K, "variant": variant, "role": role, "config": str(cfg) if cfg else variant}
+        if cfg is not None:
+            splits = split_k_plan(K, cfg.block_k, cfg.split_k)[1]
+            r.update(dataclasses.asdict(cfg), splits=splits, programs=-(-F_ // cfg.block_n) * splits)
+        try:
+            ms = _per_product_ms(fn, xs[M, F_, K], weights[2 * F_, K], iters)
+        except Exception as exc:  # e.g. out of shared memory
+            rows.append({**r, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+            return
+        n_bytes = (2 * F_ * K + M * K + M * F_) * DTYPE.itemsize
+        t = row(variant, f"M={M} w13=[{2 * F_}, {K}]", ms, n_bytes, copy_gbps)
+        rows.append({**r, "us": t["us"], "GB/s": t["GB/s"], "frac_of_copy": t["frac_of_copy"]})
+
+    def fused(cfg):
+        return functools.partial(skinny_swiglu_triton, config=cfg)
+
+    def unfused(product):
+        return lambda x, w: act(product(x, w))
+
+    for M, F_, K in cases:
+        cfg = swiglu_config(M, F_, K, DTYPE.itemsize, sms)
+        record(fused(cfg), M, F_, K, "fused", "default", cfg)
+        record(unfused(torch.ops.lfmspark.skinny_linear), M, F_, K, "skinny_linear+act", "unfused")
+        record(unfused(F.linear), M, F_, K, "cuBLAS+act", "unfused")
+    t0 = time.time()
+    for group in (_groups(_swap_candidates()) if budget_s > 0 else []):
+        if time.time() - t0 > budget_s:
+            break
+        for (M, F_, K), cfg in itertools.product(cases, group):
+            if _swiglu_applies(cfg, M, F_, K, sms):
+                record(fused(cfg), M, F_, K, "fused", "candidate", cfg)
+    summary = []
+    for M, F_, K in cases:
+        mine = [r for r in rows if (r["M"], r["F"], r["K"]) == (M, F_, K) and "us" in r]
+        s = {"M": M, "w13": f"[{2 * F_}, {K}]"}
+        for name, pick in [("fused_default", lambda r: r["role"] == "default"),
+                           ("best_fused", lambda r: r["variant"] == "fused"),
+                           ("skinny_linear+act", lambda r: r["variant"] == "skinny_linear+act"),
+                           ("cuBLAS+act", lambda r: r["variant"] == "cuBLAS+act")]:
+            best = min((r for r in mine if pick(r)), key=lambda r: r["us"], default=None)
+            s[f"{name}_us"] = best and best["us"]
+            if name in ("fused_default", "best_fused"):
+                s[f"{name}_config"] = best and best["config"]
+                s[f"{name}_short"] = best and _describe(best)
+        s["timed_fused"] = sum(r["variant"] == "fused" for r in mine)
+        summary.append(s)
+    return rows, summary
+
+
+def print_swiglu(rows: list[dict], summary: list[dict]) -> None:
+    """Per case the fixed rows and the three fastest grid configs; the failures; the summary."""
+    from tabulate import tabulate
+
+    keep = ("M", "F", "K", "variant", "role", "us", "frac_of_copy", "programs")
+    for s in summary:
+        ok = sorted((r for r in rows if (r["M"], f"[{2 * r['F']}, {r['K']}]") == (s["M"], s["w13"]) and "us" in r),
+                    key=lambda r: r["us"])
+        shown = [r for r in ok if r["role"] != "candidate"] + [r for r in ok if r["role"] == "candidate"][:3]
+        print(tabulate([{**{k: r.get(k) for k in keep}, "config": _describe(r) if "block_n" in r else ""}
+                        for r in sorted(shown, key=lambda r: r["us"])], headers="keys"))
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} configs failed, e.g. {errors[0]['config']}: {errors[0]['error']}")
+    print(tabulate([{k: v for k, v in s.items() if not k.endswith("_config")} for s in summary], headers="keys"))
+
+
 if __name__ == "__main__":
     from tabulate import tabulate
 
@@ -289,7 +407,11 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true", help="time candidate launch configs instead")
     parser.add_argument("--budget", type=float, default=480.0,
                         help="seconds the sweep's grid may take (the fixed rows, setup and first compiles come on top)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to sweep, e.g. 1,10")
+    parser.add_argument("--rows", help=f"row counts M, e.g. 1,10 (default {','.join(map(str, ROWS))}; "
+                                       f"with --swiglu {','.join(map(str, SWIGLU_ROWS))})")
+    parser.add_argument("--swiglu", action="store_true",
+                        help="the fused skinny_swiglu against skinny_linear + activation at the served w13 shapes "
+                             "(with --sweep: also its config grid)")
     parser.add_argument("--target-shapes", action="store_true", help="sweep only the target's six shapes")
     parser.add_argument("--variants", default="regular,swap_ab",
                         help="kernel families of the M > 1 grid: regular, swap_ab or both")
@@ -299,10 +421,16 @@ if __name__ == "__main__":
     if not set(variants) <= {"regular", "swap_ab"}:
         parser.error(f"--variants: unknown {sorted(set(variants) - {'regular', 'swap_ab'})}")
     copy_gbps = copy_bandwidth_gbps()
-    rows_m = tuple(int(m) for m in args.rows.split(","))
+    rows_m = tuple(int(m) for m in args.rows.split(",")) if args.rows else tuple(SWIGLU_ROWS if args.swiglu else ROWS)
     shapes = tuple(SHAPES[:6]) if args.target_shapes else tuple(SHAPES)
     summary = None
-    if args.sweep:
+    if args.swiglu:
+        from lfmspark.graphs.compile import configure_compile
+
+        configure_compile(n_variants=len(rows_m) * len(SWIGLU_SHAPES))  # Inductor (and its PDL) as served
+        act = torch.compile(_silu_mul, fullgraph=True, dynamic=False)
+        rows, summary = swiglu_bench(copy_gbps, act, args.budget if args.sweep else 0.0, rows_m)
+    elif args.sweep:
         rows, summary = sweep(copy_gbps, args.budget, rows_m, shapes, variants)
     else:
         rows = run(copy_gbps)
@@ -311,7 +439,9 @@ if __name__ == "__main__":
             json.dump({"copy_gbps": copy_gbps, "sms": torch.cuda.get_device_properties(0).multi_processor_count,
                        "budget_s": args.budget, "summary": summary, "rows": rows}, f, indent=1)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
-    if args.sweep:
+    if args.swiglu:
+        print_swiglu(rows, summary)
+    elif args.sweep:
         print_sweep(rows, summary)
     else:
         print(tabulate(rows, headers="keys"))

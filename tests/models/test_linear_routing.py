@@ -1,4 +1,5 @@
-"""``models.layers.linear``: the LFMSPARK_SKINNY_LINEAR switch is validated; CPU always uses F.linear."""
+"""``models.layers.linear``: the LFMSPARK_SKINNY_LINEAR switch is validated; CPU always uses F.linear.
+``models.layers.SwiGLU``: which fused or unfused kernels the gate/up product takes per mode and row count."""
 
 from __future__ import annotations
 
@@ -68,6 +69,56 @@ def test_gpu_one_row_swiglu_uses_the_fused_gemv(monkeypatch):
     fused = torch.ops.lfmspark.swiglu_gemv(x.view(1, 2048), mlp.w13.weight)
     out = mlp(x)
     assert torch.equal(out, torch.ops.lfmspark.skinny_linear(fused, mlp.w2.weight).view(1, 1, 2048))
+    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
+    plain = mlp(x)
+    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("mode, rows, want", [
+    ("few", 1, "swiglu_gemv"), ("few", 2, "skinny_swiglu"), ("few", 10, "skinny_swiglu"), ("few", 16, "skinny_swiglu"),
+    ("few", 17, "unfused"), ("gemv", 10, "unfused"), ("off", 1, "unfused"), ("verify", 1, "unfused"),
+    ("verify", 9, "skinny_swiglu"), ("all", 17, "skinny_linear"), ("all", 64, "skinny_linear"),
+], ids=lambda v: str(v))
+def test_swiglu_routing(monkeypatch, mode, rows, want):
+    """Which kernels a dense SwiGLU's gate/up product takes per LFMSPARK_SKINNY_LINEAR mode and row
+    count, with the CUDA-only condition of the routing lifted (CPU): the fused one-row GEMV, the
+    fused 2-16-row op, the unfused skinny product (routed counts above 16) or cuBLAS (not routed);
+    the result is the unfused composition within rounding whichever it is."""
+    import lfmspark.models.layers as layers
+
+    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
+    lo, hi = layers._skinny_rows()
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: lo <= t.numel() // t.shape[-1] <= hi)
+    calls = []
+
+    class Spy:  # torch.ops.lfmspark, recording which ops the module calls
+        def __getattr__(self, name):
+            op = getattr(torch.ops.lfmspark, name)
+            return lambda *args: calls.append(name) or op(*args)
+
+    monkeypatch.setattr(layers, "lfm", Spy())
+    mlp = layers.SwiGLU(16, 24)
+    x = torch.randn(1, rows, 16)
+    out = mlp(x)
+    gate, up = F.linear(x, mlp.w13.weight).chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.linear(F.silu(gate) * up, mlp.w2.weight), rtol=1e-5, atol=1e-6)
+    # the gate/up product, then w2 (on the same route: same rows)
+    assert calls == {"unfused": [], "skinny_linear": ["skinny_linear", "skinny_linear"]}.get(want, [want, "skinny_linear"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [9, 10, 16])
+def test_gpu_few_row_swiglu_uses_the_fused_op(monkeypatch, rows):
+    from lfmspark.models.layers import SwiGLU
+
+    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+    mlp = SwiGLU(2048, 8192).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(mlp.w13.weight, std=2048 ** -0.5)
+    torch.nn.init.normal_(mlp.w2.weight, std=8192 ** -0.5)
+    x = torch.randn(1, rows, 2048, device="cuda", dtype=torch.bfloat16)
+    fused = torch.ops.lfmspark.skinny_swiglu(x.view(rows, 2048), mlp.w13.weight)
+    out = mlp(x)
+    assert torch.equal(out, torch.ops.lfmspark.skinny_linear(fused, mlp.w2.weight).view(1, rows, 2048))
     monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
     plain = mlp(x)
     assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2

@@ -1,6 +1,7 @@
 """``lfmspark::skinny_linear``: the Triton kernels (interpreter on CPU, native on CUDA) against the
-reference ``F.linear``; forced split-K, the swap-AB variant, launch heuristics, the benchmark's
-sweep grid, registration checks, torch.compile.
+reference ``F.linear``; forced split-K and its in-kernel fix-up (the last program of a tile sums the
+partials in split order), the swap-AB variant, launch heuristics, the benchmark's sweep grid,
+registration checks, torch.compile.
 
 The oracle is the product in fp64 of the (upcast) inputs. Tolerances, as relative Frobenius errors
 ``|out - oracle| / |oracle|``: fp32 1e-5 (the kernel lands near 2e-7); bf16 1e-2 (one rounding of
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, skinny_config, skinny_linear_reference,
+from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, skinny_config, skinny_linear_reference,
                                         skinny_linear_triton, split_k_plan, swap_ab_config, regular_config)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -78,11 +79,126 @@ def test_gemv_flag_is_ignored_for_several_rows(triton_device: str) -> None:
     _check(skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=64, gemv=True)), x, w)
 
 
-@pytest.mark.parametrize("cfg", [SkinnyConfig(block_n=32, block_k=32, split_k=4),
-                                 SkinnyConfig(block_n=64, block_k=32, split_k=4, swap_ab=True)], ids=["dot", "swap_ab"])
-def test_split_k_is_deterministic(triton_device: str, cfg: SkinnyConfig) -> None:
-    x, w = _inputs(triton_device, torch.float32, 10, 64, 256)
-    assert torch.equal(skinny_linear_triton(x, w, cfg), skinny_linear_triton(x, w, cfg))
+# ---------------------------------------------------------------------------------------------
+# split-K fix-up: each split stores its fp32 partial, the tile's last program sums them in split order
+
+def _round_like_kernel(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> ``dtype`` as the kernels' final conversion does: round to nearest on CUDA; the Triton
+    3.9 interpreter truncates fp32 -> bf16 (normal numbers: the low 16 bits dropped)."""
+    if dtype == torch.bfloat16 and t.device.type == "cpu":
+        return (t.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)
+
+
+def _split_order_sum(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig) -> torch.Tensor:
+    """What the former two-kernel version produced, from the workspace math alone: each split's
+    partial is the product over its K range (as its own one-split fp32 launch of the same kernel:
+    the same K blocks in the same order, so the same fp32 partial), and the reduce kernel summed the
+    partials in split order 0, 1, ..., then rounded once."""
+    K = x.shape[1]
+    k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)
+    one = SkinnyConfig(block_n=cfg.block_n, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, gemv=cfg.gemv, swap_ab=cfg.swap_ab)
+    total = None
+    for s in range(splits):
+        ks = slice(s * k_split, min((s + 1) * k_split, K))
+        part = skinny_linear_triton(x[:, ks].float(), w[:, ks].float(), one)
+        total = part if total is None else total + part
+    return _round_like_kernel(total, x.dtype)
+
+
+# (M, N, K, cfg): even splits, K tail in the last split, fewer non-empty splits than asked, one K
+# block per split, more than four splits (two passes of the fix-up's four-slice loads), the GEMV
+SPLIT_CASES = [
+    (10, 100, 256, SkinnyConfig(block_n=32, block_k=64, split_k=4, swap_ab=True)),
+    (9, 48, 200, SkinnyConfig(block_n=64, block_k=32, split_k=3, swap_ab=True)),
+    (3, 64, 192, SkinnyConfig(block_n=16, block_k=64, split_k=5)),
+    (16, 80, 96, SkinnyConfig(block_n=64, block_k=16, split_k=6, swap_ab=True)),
+    (2, 40, 352, SkinnyConfig(block_n=16, block_k=32, split_k=11)),
+    (1, 100, 300, SkinnyConfig(block_n=8, block_k=64, split_k=3, gemv=True)),
+    (1, 33, 1024, SkinnyConfig(block_n=4, block_k=128, split_k=8, gemv=True)),
+]
+SPLIT_IDS = ["even", "k_tail", "fewer_splits", "one_step_splits", "eleven_splits", "gemv_tails", "gemv_even"]
+
+
+def test_split_cases_split() -> None:
+    """The cases really run split, with the split counts their ids say."""
+    splits = [split_k_plan(K, cfg.block_k, cfg.split_k)[1] for _, _, K, cfg in SPLIT_CASES]
+    assert splits == [4, 3, 3, 6, 11, 3, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N, K, cfg", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_k_fixup_sums_in_split_order(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int,
+                                           cfg: SkinnyConfig) -> None:
+    """The fix-up's output: near the reference, and bit-identical to the partials summed in split
+    order (the former reduce kernel's result). On CUDA the bit-identity is checked in fp32 only: a
+    bf16 split's partial comes from bf16 MMAs, which its fp32 re-computation here does not repeat."""
+    x, w = _inputs(triton_device, dtype, M, N, K, seed=M * N + K)
+    out = skinny_linear_triton(x, w, cfg)
+    _check(out, x, w)
+    if triton_device == "cpu" or dtype == torch.float32:
+        assert torch.equal(out, _split_order_sum(x, w, cfg))
+
+
+@pytest.mark.parametrize("M, N, K, cfg", [SPLIT_CASES[1], SPLIT_CASES[4], SPLIT_CASES[5]],
+                         ids=["swap_ab", "dot", "gemv"])
+def test_split_k_is_deterministic_and_resets_its_counters(triton_device: str, M: int, N: int, K: int,
+                                                          cfg: SkinnyConfig) -> None:
+    """Two calls are bit-identical; the arrival counters are all zero after each (the next launch,
+    or the next replay of a graph, finds them as the first did)."""
+    x, w = _inputs(triton_device, torch.float32, M, N, K)
+    first = skinny_linear_triton(x, w, cfg)
+    counters = _split_counters(x.device)
+    assert not counters.any()
+    assert torch.equal(skinny_linear_triton(x, w, cfg), first)
+    assert not counters.any()
+
+
+def test_split_k_counters_are_reused_across_launches(triton_device: str) -> None:
+    """Back-to-back split-K launches of different tilings (and both kernels) share the counters:
+    each is still correct after the others."""
+    for M, N, K, cfg in SPLIT_CASES * 2:
+        x, w = _inputs(triton_device, torch.float32, M, N, K, seed=N)
+        _check(skinny_linear_triton(x, w, cfg), x, w)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the interpreter's program order")
+@pytest.mark.parametrize("M, N, K, cfg", [SPLIT_CASES[0], SPLIT_CASES[4], SPLIT_CASES[6]], ids=["swap_ab", "dot", "gemv"])
+def test_split_k_result_does_not_depend_on_arrival_order(monkeypatch: pytest.MonkeyPatch, M: int, N: int, K: int,
+                                                         cfg: SkinnyConfig) -> None:
+    """The interpreter runs a tile's splits in order 0, 1, ..., so the last split arrives last. Run
+    them backwards instead (split 0 arrives last and does the fix-up): the result is bit-identical,
+    because the fix-up sums in split order whoever runs it (fp32: a bf16 rounding could hide an
+    order-dependent sum)."""
+    from triton.runtime import interpreter
+
+    x, w = _inputs("cpu", torch.float32, M, N, K, seed=K)
+    forward = skinny_linear_triton(x, w, cfg)
+    assert torch.equal(forward, _split_order_sum(x, w, cfg))
+    builder = interpreter.interpreter_builder
+    set_grid_idx = builder.set_grid_idx
+    order = []
+
+    def backwards(x_: int, y: int, z: int) -> None:
+        order.append(builder.grid_dim[1] - 1 - y)
+        set_grid_idx(x_, builder.grid_dim[1] - 1 - y, z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", backwards)
+    assert torch.equal(skinny_linear_triton(x, w, cfg), forward)
+    assert order[-1] == 0 and order[0] == builder.grid_dim[1] - 1  # really ran backwards
+    assert not _split_counters(torch.device("cpu")).any()
+
+
+def test_split_k_tile_limit(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split-K launch with more column tiles than counters is refused before it runs."""
+    import lfmspark.ops.skinny_linear as sl
+
+    monkeypatch.setattr(sl, "MAX_SPLIT_TILES", 3)
+    x, w = _inputs(triton_device, torch.float32, 4, 64, 128)
+    with pytest.raises(ValueError, match="4 column tiles: at most 3"):
+        skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32, split_k=2))
+    _check(skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32)), x, w)  # no split: no counters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +343,45 @@ def test_benchmark_sweep_runs_with_a_fake_timer(monkeypatch: pytest.MonkeyPatch,
     assert "swap bn64 bk128 sk4 w4 s4" in capsys.readouterr().out
 
 
+def test_benchmark_swiglu_runs_with_a_fake_timer(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``--swiglu`` bookkeeping without a GPU: the served w13 shapes at 9 and 10 rows, the fused
+    default and the two unfused pairs timed at every case, the grid limited to configs whose two
+    weight tiles fit in shared memory, and the favoured config found and named."""
+    from lfmspark.ops.skinny_linear import swiglu_config
+
+    bench = _sweep_module()
+
+    class Props:
+        multi_processor_count = 132
+
+    favoured = SkinnyConfig(block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=3, swap_ab=True)
+
+    def fake_ms(fn, x, weights, iters=50):
+        cfg = getattr(fn, "keywords", {}).get("config")  # the fused op's partials; the unfused pairs: lambdas
+        if cfg is None:
+            return 0.030
+        return 0.020 if cfg == favoured else 0.025
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: Props())
+    monkeypatch.setattr(bench, "_weights", lambda N, K: [None])
+    monkeypatch.setattr(bench, "_x", lambda M, K: None)
+    monkeypatch.setattr(bench, "_per_product_ms", fake_ms)
+    rows, summary = bench.swiglu_bench(4000.0, act=lambda h: h, budget_s=60)
+    assert [(s["M"], s["w13"]) for s in summary] == [(9, "[16384, 2048]"), (10, "[16384, 2048]"),
+                                                    (9, "[14336, 2048]"), (10, "[14336, 2048]")]
+    first = summary[0]
+    assert (first["fused_default_us"], first["skinny_linear+act_us"], first["cuBLAS+act_us"]) == (25.0, 30.0, 30.0)
+    assert first["fused_default_config"] == repr(swiglu_config(9, 8192, 2048, 2, 132))
+    assert first["best_fused_us"] == 20.0 and first["best_fused_config"] == repr(favoured)
+    grid = [r for r in rows if r["role"] == "candidate"]
+    assert len(grid) > 50 and all(r["num_stages"] * (2 * r["block_n"] + 16) * r["block_k"] * 2 <= 227 * 1024
+                                  for r in grid)
+    bench.print_swiglu(rows, summary)
+    assert "swap bn128 bk64 sk1 w4 s3" in capsys.readouterr().out
+    _, no_grid = bench.swiglu_bench(4000.0, act=lambda h: h)     # without --sweep: the fixed rows only
+    assert all(s["timed_fused"] == 1 for s in no_grid)
+
+
 def test_strided_x(triton_device: str) -> None:
     """``x`` as a column slice of a wider activation (row stride > K), and as a transposed view
     (column stride != 1: made contiguous)."""
@@ -330,3 +485,76 @@ def test_gpu_cuda_graph_replay_follows_input() -> None:
     first = out.clone()
     graph.replay()
     assert torch.equal(out, first)  # deterministic run to run
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_fixup_is_bit_exact_under_load() -> None:
+    """Many split-K launches back to back in one CUDA graph (PDL on where supported): the programs
+    of a tile arrive in varying orders, the result stays the split-order sum, and the counters end
+    all zero."""
+    x, w = _inputs("cuda", torch.float32, 10, 2048, 8192)
+    cfg = SkinnyConfig(block_n=64, block_k=128, split_k=8, num_stages=3, swap_ab=True)
+    want = _split_order_sum(x, w, cfg)
+    torch.testing.assert_close(want, skinny_linear_reference(x, w), rtol=1e-4, atol=1e-4)
+    skinny_linear_triton(x, w, cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [skinny_linear_triton(x, w, cfg) for _ in range(16)]
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs)
+    assert not _split_counters(x.device).any()
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_chain_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dependent split-K launches back to back, each reading its predecessor's output and all
+    sharing the arrival counters (10-row products, the SwiGLU op, a split GEMV), replayed from a
+    CUDA graph with PDL: bit-identical to the same chain run without PDL."""
+    from lfmspark.ops.skinny_linear import skinny_swiglu_triton, swiglu_config
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    K = 2048
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) / shape[-1] ** 0.5
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert swap_ab_config(10, K, K, 2, sms).split_k > 1 and swiglu_config(10, K, K, 2, sms).split_k > 1
+    x, squares, w13, w_row = rand(10, K) * K ** 0.5, [rand(K, K) for _ in range(8)], rand(2 * K, K), rand(K, K)
+    gemv_split = SkinnyConfig(block_n=4, block_k=256, split_k=4, gemv=True)
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor]:
+        h = x
+        for w in squares:
+            h = skinny_linear_triton(h, w)
+        h = skinny_swiglu_triton(h, w13)                     # [10, K]
+        return h, skinny_linear_triton(h[:1], w_row, gemv_split)
+
+    monkeypatch.setenv("LFMSPARK_PDL", "0")
+    want = chain()
+    monkeypatch.setenv("LFMSPARK_PDL", "1")
+    chain()                                                   # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    assert want[1].abs().max() > 0.01                          # no decay to zeros (which would hide a race)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not _split_counters(x.device).any()
+
+
+@pytest.mark.gpu
+def test_gpu_counters_are_not_created_during_capture() -> None:
+    """Creating the counters (a zero fill) cannot be captured: it raises, naming the fix."""
+    x, w = _inputs("cuda", torch.float32, 4, 64, 64)
+    skinny_linear_triton(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before capturing"):
+        with torch.cuda.graph(graph):
+            _split_counters.__wrapped__(x.device)  # the uncached body: what a first use would run
