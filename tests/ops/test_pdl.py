@@ -36,7 +36,8 @@ def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_
            w10: torch.Tensor) -> torch.Tensor:
     """Back-to-back lfmspark kernels with no other kernel between them (views are free), each
     consuming its predecessor's output: square GEMVs, the SwiGLU GEMV, a GEMV whose output is
-    viewed as 10 rows, a 10-row product with split-K and its reduction, the two-stage argmax."""
+    viewed as 10 rows, a 10-row product (not split on 132 SMs; split-K chains in a graph:
+    tests/ops/test_skinny_linear.py), the two-stage argmax."""
     h = x
     for w in squares:
         h = lfm.skinny_linear(h, w)
@@ -90,7 +91,7 @@ def test_every_kernel_takes_the_pdl_constexpr() -> None:
         kernels += [(info.name, name, obj) for name, obj in vars(module).items()
                     if isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel")
                     and getattr(obj, "fn", obj).__module__ == module.__name__]
-    assert len(kernels) >= 20
+    assert len(kernels) >= 19  # a discovery sanity bound: the ops' kernels as of the split-K fix-up
     missing = [f"{mod}.{name}" for mod, name, fn in kernels if "PDL" not in fn.arg_names]
     assert not missing, f"kernels without the PDL constexpr: {missing}"
 
