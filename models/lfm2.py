@@ -16,7 +16,7 @@ Any mode can return the aux hidden states of ``aux_layer_ids`` (HF "output of de
 
 A forward is three pieces that the runtime can also call one by one (runtime/steps.py):
 :meth:`Lfm2ForCausalLM.begin` (the glue before the first layer: embedding lookup, the window's
-``lens``, RoPE cos/sin gathered for its positions), :meth:`Lfm2ForCausalLM.advance` (the next
+``lens``), :meth:`Lfm2ForCausalLM.advance` (the next
 decoder layers, collecting aux taps) and :meth:`Lfm2ForCausalLM.aux_taps`. The decode step and the
 verify compile ``begin`` together with the first layer as one region, so that glue runs inside a
 compiled graph instead of as loose kernels between graphs (graphs/compile.py).
@@ -50,8 +50,6 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
-from ..ops.kv_write import window_positions
-from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
 from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear
@@ -82,8 +80,7 @@ class PartialForward:
     h: torch.Tensor                       # [B, T, H] residual stream (the embeddings before layer 0)
     delta: torch.Tensor | None            # the last layer's pending feed-forward output (None before layer 0)
     rows: Rows
-    cos: torch.Tensor                     # [B, T, 1, head_dim / 2] RoPE of the window's positions (fp32)
-    sin: torch.Tensor
+    rope: torch.Tensor                    # [P, head_dim] the cache's cos/sin table (fp32), read at rows.start + t
     aux_layer_ids: tuple[int, ...]
     taps: dict[int, torch.Tensor | None]  # aux layer id -> that layer's output, once a later layer has run
     done: int = 0                         # decoder layers run so far
@@ -107,27 +104,23 @@ class Lfm2Attention(nn.Module):
         self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, kv: LayerCache, rows: Rows, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
         """Attention over the normalised input ``x [B, T, H]``: ``qkv_proj``, then :meth:`attend`."""
-        return self.attend(self.qkv_proj(x), kv, rows, cos, sin)
+        return self.attend(self.qkv_proj(x), kv, rows, rope)
 
-    def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, cos: torch.Tensor, sin: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
         """The block after its input projection ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
-        the decoder layer computes (fused with its norm on the one-row decode path)."""
+        the decoder layer computes (fused with its norm on the one-row decode path).
+
+        One ``lfmspark::qkv_norm_rope_write`` launch takes q and k through their per-head RMSNorm
+        (these modules' weights) and neox RoPE at ``rows.start + t`` (the cache's fp32 table, one
+        rounding; HF rounds cos/sin to the activation dtype first, a difference within bf16 noise),
+        writes K and V of the first ``rows.lens`` tokens to the cache and returns the queries: three
+        launches before (Inductor's q and k kernels and the K/V write)."""
         B, T, _ = qkv.shape
-        q, k, v = qkv.split(
-            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
-        q = self.q_layernorm(q.view(B, T, self.n_heads, self.head_dim))
-        k = self.k_layernorm(k.view(B, T, self.n_kv, self.head_dim))
-        v = v.view(B, T, self.n_kv, self.head_dim)
-        # RoPE in fp32 with a single rounding (HF rounds cos/sin to the activation dtype first;
-        # the difference is within bf16 noise and keeps this path identical to the fused kernels)
-        q = apply_rope(q.float(), cos, sin, is_neox=True).to(qkv.dtype)
-        k = apply_rope(k.float(), cos, sin, is_neox=True).to(qkv.dtype)
         k_cache, v_cache = kv
-        lfm.kv_write(k, v, k_cache, v_cache, 0, rows.slots, rows.start, rows.lens)
+        q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
+                                    rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
         return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
@@ -172,8 +165,7 @@ class Lfm2DecoderLayer(nn.Module):
         self.feed_forward = feed_forward
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, layer_cache: LayerCache, rows: Rows,
-                mode: ForwardMode, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mode: ForwardMode, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer over the residual stream ``h`` plus the previous layer's pending feed-forward
         output ``delta`` (None for the first layer, whose ``h`` is the embeddings; see the module doc).
 
@@ -194,7 +186,7 @@ class Lfm2DecoderLayer(nn.Module):
         fuse = mode is ForwardMode.DECODE
         if self.is_attention:
             h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
-            mixed = self.self_attn.attend(qkv, layer_cache, rows, cos, sin)
+            mixed = self.self_attn.attend(qkv, layer_cache, rows, rope)
         else:
             h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
             mixed = self.conv.mix(bcx, layer_cache, rows, mode)
@@ -256,15 +248,13 @@ class Lfm2ForCausalLM(nn.Module):
     def begin(self, input_ids: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
               lens: torch.Tensor | None = None, aux_layer_ids: tuple[int, ...] = ()) -> PartialForward:
         """The forward of ``input_ids [B, T]`` at positions ``start[b] + t`` up to its first layer: the
-        embeddings, the rows (``lens`` defaults to all ``T`` columns) and the RoPE cos/sin of the
-        window, gathered from the cache's table ``rope``."""
+        embeddings and the rows (``lens`` defaults to all ``T`` columns); the attention layers read
+        the RoPE table ``rope`` themselves."""
         B, T = input_ids.shape
         if lens is None:
             lens = torch.full_like(slots, T)
-        cos, sin = gather_cos_sin(rope, window_positions(start, T))
         return PartialForward(h=self.model.embed_tokens(input_ids), delta=None, rows=Rows(slots, start, lens),
-                              cos=cos[:, :, None, :], sin=sin[:, :, None, :],      # broadcast over heads
-                              aux_layer_ids=tuple(aux_layer_ids), taps=dict.fromkeys(aux_layer_ids))
+                              rope=rope, aux_layer_ids=tuple(aux_layer_ids), taps=dict.fromkeys(aux_layer_ids))
 
     def advance(self, fwd: PartialForward, layer_caches: Sequence[LayerCache], mode: ForwardMode,
                 layers: Sequence[nn.Module]) -> PartialForward:
@@ -272,7 +262,7 @@ class Lfm2ForCausalLM(nn.Module):
         cache slices (:meth:`TargetCache.layer_caches`). ``layers`` are those of ``self.model.layers``,
         or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
         for layer, layer_cache in zip(layers, layer_caches, strict=True):
-            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.cos, fwd.sin)
+            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.rope)
             if fwd.done - 1 in fwd.taps:    # layer i's input is layer i - 1's output (the embeddings for i = 0)
                 fwd.taps[fwd.done - 1] = h_in
             fwd.done += 1

@@ -52,5 +52,5 @@ def test_recorder_counts_glue_of_an_uncompiled_step():
     plain = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
     ops = eager_ops(plain.steps.decode, torch.tensor([-1]), False)
     assert not ops.inside
-    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", "lfmspark.kv_write.default"):
+    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", "lfmspark.qkv_norm_rope_write.default"):
         assert ops.compute[op] > 0, ops.table()

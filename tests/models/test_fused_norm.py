@@ -176,8 +176,6 @@ def test_fused_layer_compiles(monkeypatch):
     from torch._inductor.compile_fx import compile_fx
 
     from lfmspark.models.lfm2 import Rows
-    from lfmspark.ops.kv_write import window_positions
-    from lfmspark.ops.rope import gather_cos_sin
 
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
@@ -186,8 +184,6 @@ def test_fused_layer_compiles(monkeypatch):
     cache = TargetCache.allocate(cfg, 1, 32, 4, torch.float32, "cpu")
     slots, start = torch.tensor([0]), torch.tensor([2])
     rows = Rows(slots, start, torch.ones(1, dtype=torch.long))
-    cos, sin = gather_cos_sin(cache.rope, window_positions(start, 1))
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     g = torch.Generator().manual_seed(0)
     h, delta = torch.randn(1, 1, cfg.hidden_size, generator=g), torch.randn(1, 1, cfg.hidden_size, generator=g)
     graphs = []
@@ -200,11 +196,11 @@ def test_fused_layer_compiles(monkeypatch):
         layer = model.model.layers[i]
         ref_cache = _clone(cache)
         with torch.no_grad():
-            want = layer(h, delta, cache.layer_caches(cfg)[i], rows, ForwardMode.DECODE, cos, sin)
+            want = layer(h, delta, cache.layer_caches(cfg)[i], rows, ForwardMode.DECODE, cache.rope)
             torch._dynamo.reset()
             graphs.clear()
             got = torch.compile(layer, fullgraph=True, dynamic=False, backend=backend)(
-                h, delta, ref_cache.layer_caches(cfg)[i], rows, ForwardMode.DECODE, cos, sin)
+                h, delta, ref_cache.layer_caches(cfg)[i], rows, ForwardMode.DECODE, ref_cache.rope)
         fused_calls = [n for gm in graphs for n in gm.graph.nodes if "add_rmsnorm_gemv" in str(n.target)]
         assert len(fused_calls) == 2                   # operator_norm + in_proj/qkv, ffn_norm + SwiGLU
         for a, b in zip(got, want, strict=True):

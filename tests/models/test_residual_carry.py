@@ -24,11 +24,11 @@ DTYPE = torch.bfloat16
 TAPS = (-1, 0, 2, 4)          # 4 = the last layer of the 5-layer tiny target
 
 
-def _completed_layer(layer, h, layer_cache, rows, mode, cos, sin):
+def _completed_layer(layer, h, layer_cache, rows, mode, rope):
     """``Lfm2DecoderLayer`` as it was before the residual carry."""
     x = layer.operator_norm(h)
     if layer.is_attention:
-        h = h + layer.self_attn(x, layer_cache, rows, cos, sin)
+        h = h + layer.self_attn(x, layer_cache, rows, rope)
     else:
         h = h + layer.conv(x, layer_cache, rows, mode)
     return h + layer.feed_forward(layer.ffn_norm(h))
@@ -37,13 +37,10 @@ def _completed_layer(layer, h, layer_cache, rows, mode, cos, sin):
 @torch.no_grad()
 def _reference(model, ids, cache, slots, start, lens, mode, logits_index=None):
     """``(logits, aux)`` of the target with completed layers."""
-    T = ids.shape[1]
     rows = Rows(slots, start, lens)
-    cos, sin = gather_cos_sin(cache.rope, window_positions(start, T))
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     outputs = [model.model.embed_tokens(ids)]                  # outputs[k + 1] = output of layer k
     for layer, layer_cache in zip(model.model.layers, cache.layer_caches(model.config), strict=True):
-        outputs.append(_completed_layer(layer, outputs[-1], layer_cache, rows, mode, cos, sin))
+        outputs.append(_completed_layer(layer, outputs[-1], layer_cache, rows, mode, cache.rope))
     h = outputs[-1]
     if logits_index is not None:
         h = h[torch.arange(h.shape[0]), logits_index]
