@@ -26,18 +26,18 @@ feed-forward output as a pending ``delta`` and the next layer starts with ``h = 
 same bf16 add as HF's, so each layer's compiled graph (graphs/compile.py) fuses that add into its
 first RMSNorm; at the end of a layer it would be a kernel of its own, between a GEMM without an
 epilogue and a region boundary. The last layer's delta is added by the consumer, which fuses it
-into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Eager results are bit-identical to
-adding at the end of each layer; compiled, the fused norm reads the sum before its bf16 rounding
-(Inductor elides the round trip), as the norm after the mid-layer add always did.
+into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Results are bit-identical to adding
+at the end of each layer, eager and compiled (graphs/compile.py keeps the bf16 rounding of the sum
+that Inductor would elide).
 
 Fused norm (one-row decode on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): at batch 1 a
 DECODE forward runs each add + RMSNorm + projection as one ``lfmspark::add_rmsnorm_gemv`` kernel:
 the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add
 with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
 :meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
-kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does (and as
-this module does uncompiled), not the unrounded sum the compiled unfused norm reads. Prefill,
-verify, several rows and CPU always take the unfused path.
+kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
+this module does, uncompiled and compiled. Prefill, verify, several rows and CPU always take the
+unfused path.
 """
 
 from __future__ import annotations

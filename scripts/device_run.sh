@@ -25,7 +25,7 @@ for step in $STEPS; do
       timeout ${T_TTFT:-200} python3 scripts/ttft_probe.py --preset ${TTFT_PRESET:-lfm2.5-1.2b} ${TTFT_ARGS:-} \
         --json $RUN/ttft.json 2>&1 | tee $RUN/ttft.log | grep -v "^      " | tail -40 ;;
     walk)    # the Markov walk's launch-config sweep
-      timeout ${T_WALK:-120} python3 benchmarks/kernels/argmax_walk.py --sweep --json $RUN/walk.json 2>&1 \
+      timeout ${T_WALK:-120} python3 benchmarks/kernels/argmax_walk.py --sweep --batches ${WALK_BATCHES:-1} --json $RUN/walk.json 2>&1 \
         | tee $RUN/walk.log | head -${WALK_LINES:-24} ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1
@@ -44,12 +44,14 @@ for step in $STEPS; do
       timeout ${T_BENCH8:-300} lfmspark bench --preset lfm2-8b-a1b --batch-sizes ${BATCH_SIZES:-1} --runs 2 \
         $IMPOSED_ARGS ${BENCH_ARGS:-} --profile-dir $RUN/profile_8b --json $RUN/bench_8b.json 2>&1 \
         | tee $RUN/bench_8b.log | tail -25 ;;
-    ab)      # A/B of runtime switches: AB_VARIANTS="name:VAR=1,VAR2=0 name2:..." (no HF, imposed 0.8)
+    ab)      # A/B of runtime switches: AB_VARIANTS="name:VAR=1,VAR2=0 name2:..." (no HF, imposed 0.8);
+             # AB_PROFILE=1 also writes each variant's per-kernel tables
       for variant in ${AB_VARIANTS:-"base:LFMSPARK_PDL=0 pdl:LFMSPARK_PDL=1"}; do
         name=${variant%%:*}; envs=${variant#*:}
         echo "--- $name ($envs)"
         env ${envs//,/ } timeout ${T_AB:-120} lfmspark bench --preset ${AB_PRESET:-lfm2.5-1.2b} \
           --batch-sizes ${BATCH_SIZES:-1} --runs 2 --no-hf --no-phase-split --imposed-acceptance 0.8 \
+          ${AB_PROFILE:+--profile-dir $RUN/profile_ab_$name} \
           --json $RUN/ab_$name.json > $RUN/ab_$name.log 2>&1 || tail -20 $RUN/ab_$name.log
       done
       python3 scripts/ab_summary.py $RUN/ab_*.json | tee $RUN/ab_summary.txt ;;

@@ -60,3 +60,25 @@ def test_compiled_round_reuses_one_graph_per_layer_kind_and_matches_eager():
     expected = [o.token_ids for o in engine(False).generate(prompts, params)]
     assert [o.token_ids for o in first] == expected
     assert [o.token_ids for o in again] == expected
+
+
+def test_compiled_regions_keep_eager_bf16_roundings():
+    """graphs/compile.py keeps the bf16 roundings Inductor would elide between fused ops, so a
+    compiled unfused layer computes what the fused decode kernels (which round there, as HF eager
+    does) compute: the residual add before its RMSNorm, silu(gate) before the product."""
+    import torch.nn.functional as F
+
+    from lfmspark.graphs.compile import configure_compile
+
+    def swiglu_and_add_norm(gate, up, h, delta):
+        s = h + delta
+        x32 = s.float()
+        return F.silu(gate) * up, (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(s.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, n, generator=g).bfloat16() for n in (1024, 1024, 512, 512)]
+    torch._dynamo.reset()
+    configure_compile(n_variants=1)
+    got = torch.compile(swiglu_and_add_norm, fullgraph=True, dynamic=False)(*args)
+    for a, b in zip(got, swiglu_and_add_norm(*args), strict=True):
+        assert torch.equal(a, b)

@@ -61,8 +61,8 @@ def sweep(batches: list[int]) -> list[dict]:
         anchor = torch.randint(0, V, (B,), device=dev)
         default = walk_config(B, V, RANK)
         want = markov_greedy_walk_triton(base, anchor, w1, w2, default)
-        for block_v in (64, 128, 256, 512):
-            for block_r in (32, 64, 128, 256):
+        for block_v in (64, 128, 256):
+            for block_r in (64, 128, 256):
                 for num_warps in (4, 8):
                     cfg = WalkConfig(block_v=block_v, block_r=block_r, num_warps=num_warps)
                     try:
