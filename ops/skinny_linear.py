@@ -21,8 +21,8 @@ fp32 partial tile to a ``[splits, M, N]`` workspace, then increments the tile's 
 finds ``splits - 1`` there arrived last: every other split's partial is already visible to it, so it
 sums all of them, its own included, applies the epilogue (the rounding to ``x``'s dtype, or the
 SwiGLU activation), writes the output and puts the counter back to 0. A split-K product is thus one
-launch (the separate reduce kernel cost a kernel boundary, ~1.5-3 us with PDL, 59 times per
-speculative round on the H200).
+launch (the separate reduce kernel ran 59 times per batch-1 speculative round on the H200; with PDL a
+small kernel costs ~0.5 us there, measured as the round's gain per removed kernel: docs/benchmarks.md).
 
 Determinism: which program arrives last varies from run to run, but not what it computes: the
 partials are the same (each split's sum over its K range, in a fixed order), and the last program

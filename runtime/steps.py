@@ -14,7 +14,8 @@ each op there would be a CUDA-graph node of its own that cannot join the program
 launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
 it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that
 Inductor fuses into the region's kernels, and a head computes everything its layers share (the
-window's positions, lens, RoPE cos/sin) as its outputs; between regions the step only slices the
+window's lens; for the draft, RoPE cos/sin: the target's attention reads its table itself) as its
+outputs; between regions the step only slices the
 caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
 which concatenates them for the draft's context injection.
 
@@ -132,7 +133,7 @@ class Steps:
 
     def decode_head(self, slots: torch.Tensor, first_cache: LayerCache) -> PartialForward:
         """The step up to its second layer: the rows' anchors and lengths, the embedding, the
-        window (lens, RoPE cos/sin) and the first layer (with its cache slices ``first_cache``)."""
+        window's lens and the first layer (with its cache slices ``first_cache``)."""
         row = self.read_rows(slots)
         fwd = self.target.begin(row.x0[:, None], self.tcache.rope, slots, row.s, torch.ones_like(row.s))
         return self.target.advance(fwd, [first_cache], ForwardMode.DECODE, self.target.model.layers[:1])
@@ -204,8 +205,8 @@ class Steps:
         return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd))
 
     def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
-        """The verify up to its second layer: the window ``[x0, d]``'s embeddings, lens and RoPE
-        cos/sin, and the first layer."""
+        """The verify up to its second layer: the window ``[x0, d]``'s embeddings and lens, and the
+        first layer."""
         row = self.read_rows(slots)
         fwd = self.target.begin(torch.cat([row.x0[:, None], d], dim=1), self.tcache.rope, slots, row.s, None,
                                 self.taps)
