@@ -16,12 +16,11 @@ Static grid, no host sync: CUDA-graph safe.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .skinny_linear import _load_w_block, _load_x_vector
+from .skinny_linear import _load_w_block, _load_x_vector, skinny_swiglu_reference
 
 # gate columns per program (and as many up columns): 4 weight rows x 1024 per K step, the shape
 # of the best plain GEMV config (ops/skinny_linear.py); 4 + 4 rows x 512 measured 19.5 us per
@@ -102,9 +101,8 @@ def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # reference
 
-def swiglu_gemv_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.silu(gate) * up
+# the unfused module, as for several rows (ops/skinny_linear.py)
+swiglu_gemv_reference = skinny_swiglu_reference
 
 
 # ---------------------------------------------------------------------------------------------
