@@ -9,8 +9,9 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
   embedding lookup, the verify's ``[x0, d]`` concat, the draft block's ``[x0, MASK, ...]``, the
   window's lens, the draft block's RoPE cos/sin; the target's attention reads the RoPE table
   itself) together with the model's first layer. The first layer needs a graph of its own
-  anyway, since it starts without a pending residual add (models/lfm2.py: each layer's last add is fused into the next layer's first norm, the last layer's into the tail's
-  final norm), so folding the glue into it costs no extra graph;
+  anyway, since it starts without a pending residual add (models/lfm2.py: each layer's last add
+  is fused into the next layer's first norm, the last layer's into the tail's final norm), so
+  folding the glue into it costs no extra graph;
 - tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
   (``finish_draft``); acceptance + commit for the round (``round_accept_commit``, which also joins
   the verify's aux taps for the draft's context injection).
