@@ -62,8 +62,10 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
     """Swap a :class:`~lfmspark.runtime.steps.Steps`' regions for compiled versions (see the module
     doc). Only that object changes: the models stay plain, and prefill runs their layers directly."""
     # each region is compiled per batch size and, for the tails, sampling mode; a later target layer
-    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE)
-    configure_compile(n_variants=10 * n_batch_sizes)
+    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE),
+    # and per shape of its next_weight L2 prefetch view (models/layers.py prefetch_view: one shape
+    # when every next weight is at least the budget, as on the served models; up to 3 on tiny ones)
+    configure_compile(n_variants=30 * n_batch_sizes)
 
     def compiled(fn):
         return torch.compile(fn, **COMPILE_OPTIONS)

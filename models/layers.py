@@ -11,6 +11,10 @@ Environment switches (read at each call; under compile, at trace time):
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
   separate (the add and norm then fuse under compile, the product is its own kernel).
+- ``LFMSPARK_L2_PREFETCH_MB`` (``8`` default, ``0`` off): how many bytes of the next product's
+  weight a skinny product asks L2 to fetch once its own loads are out (ops/l2_prefetch.py,
+  :func:`prefetch_view`). The modules pass each product the view of what runs after it: within a
+  layer its own next weight, across layers the ``next_weight`` their caller hands them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
+from ..ops.l2_prefetch import l2_prefetch_budget
 from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M
 
 lfm = torch.ops.lfmspark
@@ -51,12 +56,31 @@ def _routed_to_skinny(x: torch.Tensor) -> bool:
     return x.is_cuda and lo <= rows <= hi
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def prefetch_view(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """What a product asks L2 to prefetch of the ``weight`` read after it: its first
+    ``LFMSPARK_L2_PREFETCH_MB`` megabytes as a flat view (no copy; the rows the next kernel's first
+    programs read), or None (no weight, not on CUDA, or the budget is 0). Every weight of at least
+    the budget gives a view of the same shape, so a compiled layer taking one as an input serves
+    all of them."""
+    if weight is None or not weight.is_cuda:
+        return None
+    return leading_view(weight, l2_prefetch_budget())
+
+
+def leading_view(weight: torch.Tensor, n_bytes: int) -> torch.Tensor | None:
+    """The first ``n_bytes`` of a contiguous ``weight`` (all of it if smaller) as a flat view; None for
+    ``n_bytes`` < one element."""
+    n = min(n_bytes // weight.element_size(), weight.numel())
+    return weight.reshape(-1)[:n] if n else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` (no bias): ``F.linear``, or ``lfmspark::skinny_linear`` for few-row products on
-    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`)."""
+    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`), which also requests
+    ``prefetch`` (a :func:`prefetch_view`) into L2."""
     rows = x.numel() // x.shape[-1]
     if _routed_to_skinny(x):
-        return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight, prefetch).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
@@ -82,34 +106,40 @@ def _one_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
-                     swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     swiglu: bool, prefetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
-                                weight, swiglu)
+                                weight, swiglu, prefetch)
     # without delta the sum is h itself (the op's s is a copy of it)
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
-def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: Linear, fuse: bool = True,
+                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
 
     With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
     :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
-    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
+    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them). ``prefetch``: the
+    :func:`prefetch_view` of the weight read next."""
     if fuse and _fuses_norm(h, norm, proj.weight):
-        return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
+        return _fused_norm_gemv(h, delta, norm, proj.weight, False, prefetch)
     s = h if delta is None else h + delta
-    return s, proj(norm(s))
+    return s, proj(norm(s), prefetch)
 
 
 def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,
-                      fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      fuse: bool = True, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, feed_forward(norm(s)))`` with ``s = h + delta``, as :func:`norm_linear`: a dense
     :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in ``lfmspark::add_rmsnorm_gemv``
-    (then ``w2``); any other feed-forward (the MoE block) runs unfused."""
-    if fuse and isinstance(feed_forward, SwiGLU) and _fuses_norm(h, norm, feed_forward.w13.weight):
-        s, act = _fused_norm_gemv(h, delta, norm, feed_forward.w13.weight, swiglu=True)
-        return s, feed_forward.w2(act)
+    (then ``w2``); any other feed-forward (the MoE block) runs unfused. ``prefetch``: the
+    :func:`prefetch_view` of the weight read after the feed-forward (a dense one's ``w2`` takes it)."""
+    if isinstance(feed_forward, SwiGLU):
+        if fuse and _fuses_norm(h, norm, feed_forward.w13.weight):
+            s, act = _fused_norm_gemv(h, delta, norm, feed_forward.w13.weight, True,
+                                      prefetch_view(feed_forward.w2.weight))
+            return s, feed_forward.w2(act, prefetch)
+        s = h if delta is None else h + delta
+        return s, feed_forward(norm(s), prefetch)
     s = h if delta is None else h + delta
     return s, feed_forward(norm(s))
 
@@ -120,8 +150,8 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, prefetch)
 
 
 class RMSNorm(nn.Module):
@@ -147,14 +177,15 @@ class SwiGLU(nn.Module):
         self.w13 = Linear(hidden, 2 * ffn)
         self.w2 = Linear(ffn, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        """``prefetch``: the :func:`prefetch_view` of the weight read after this block (``w2`` takes it)."""
         rows = x.numel() // x.shape[-1]
         if _routed_to_skinny(x) and rows <= SWIGLU_MAX_M:
             # rows on the skinny kernels (batch-1 decode, verify, draft): the activation rides in the
             # gate/up product's epilogue, so the [rows, 2F] product is never written and costs no
             # separate activation kernel; one row on the GEMV, 2-16 on the swap-AB kernel
             fused = lfm.swiglu_gemv if rows == 1 else lfm.skinny_swiglu
-            h = fused(x.reshape(rows, x.shape[-1]), self.w13.weight).view(*x.shape[:-1], -1)
-            return self.w2(h)
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+            h = fused(x.reshape(rows, x.shape[-1]), self.w13.weight, prefetch_view(self.w2.weight))
+            return self.w2(h.view(*x.shape[:-1], -1), prefetch)
+        gate, up = self.w13(x, prefetch_view(self.w2.weight)).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up, prefetch)

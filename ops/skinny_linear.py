@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
+from .l2_prefetch import prefetch_args, prefetch_l2
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
@@ -95,19 +96,21 @@ SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, k_split,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr,
+    M, N, K, k_split, pf_bytes,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
     # = w @ x^T, stored transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T. SWIGLU: N = F,
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
-    # partials from column F on), the tile's last program sums them (see the module doc)
+    # partials from column F on), the tile's last program sums them (see the module doc). PREFETCH:
+    # once its own weight loads are out, the program asks L2 for its share of pf_bytes at pf_ptr,
+    # the next product's weights (ops/l2_prefetch.py)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -145,6 +148,9 @@ def _skinny_linear_kernel(
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
+    if PREFETCH:
+        prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
+                    PF_THREADS)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
@@ -259,15 +265,17 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
-    N, K, k_split,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr,
+    N, K, k_split, pf_bytes,
     stride_wn, stride_ws,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
-    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
+    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel;
+    # PREFETCH as there
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -286,6 +294,9 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
+    if PREFETCH:
+        prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
+                    PF_THREADS)
     out = tl.sum(acc, axis=1)
     col_ok = cols < N
     if SPLIT:
@@ -475,10 +486,12 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> None:
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
+            prefetch: torch.Tensor | None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
-    with split-K, the fp32 workspace and the device's arrival counters."""
+    with split-K, the fp32 workspace and the device's arrival counters; ``prefetch``: the bytes
+    to request into L2 (ops/l2_prefetch.py)."""
     (M, K), N = x.shape, out.shape[1]
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
@@ -491,22 +504,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
+    pf = prefetch_args(prefetch, weight)
     if M == 1 and cfg.gemv and not swiglu:
         _gemv_kernel[grid](
-            x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
+            x, weight, out, ws, counters, pf.pop("pf_ptr"), N, K, k_split, pf.pop("pf_bytes"),
+            weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+            PF_THREADS=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),
         )
     else:
         _skinny_linear_kernel[grid](
-            x, weight, out, ws, counters,
-            M, N, K, k_split,
+            x, weight, out, ws, counters, pf.pop("pf_ptr"),
+            M, N, K, k_split, pf.pop("pf_bytes"),
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PF_THREADS=32 * cfg.num_warps,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),
         )
 
 
@@ -521,7 +536,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight must be row-major (stride(1) == 1)")
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
     _check(x, weight)
     (M, K), N = x.shape, weight.shape[0]
@@ -531,7 +547,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False)
+    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False,
+            prefetch=prefetch)
     return out
 
 
@@ -548,7 +565,8 @@ def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
         raise ValueError("w13 must be row-major (stride(1) == 1)")
 
 
-def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None,
+                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``skinny_swiglu`` on the ``tl.dot`` kernel (``config``: launch override; ``gemv`` is ignored)."""
     _check_swiglu(x, w13)
     (M, K), F_ = x.shape, w13.shape[0] // 2
@@ -558,7 +576,8 @@ def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfi
     if K == 0:  # gate = up = 0: silu(0) * 0
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True)
+    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True,
+            prefetch=prefetch)
     return out
 
 
@@ -587,41 +606,44 @@ def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
 # CUDA graph replays a launch any number of times.
 
 @torch.library.custom_op("lfmspark::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``. ``prefetch``: bytes
+    (the next product's weights) to request into L2 meanwhile, a hint that never changes the result
+    (ops/l2_prefetch.py)."""
     if use_triton(x):
-        return skinny_linear_triton(x, weight)
+        return skinny_linear_triton(x, weight, prefetch=prefetch)
     _check(x, weight)  # the same limits on every device
     return skinny_linear_reference(x, weight)
 
 
 @skinny_linear.register_kernel("cuda")
-def _skinny_linear_cuda(x, weight):
-    return skinny_linear_triton(x, weight)
+def _skinny_linear_cuda(x, weight, prefetch=None):
+    return skinny_linear_triton(x, weight, prefetch=prefetch)
 
 
 @skinny_linear.register_fake
-def _skinny_linear_fake(x, weight):
+def _skinny_linear_fake(x, weight, prefetch=None):
     _check(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("lfmspark::skinny_swiglu", mutates_args=())
-def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` with ``[gate | up] = x [M, H] @ w13[2F, H]^T`` -> ``[M, F]``, for ``M <= 16``
-    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s)."""
+    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s). ``prefetch`` as for
+    ``skinny_linear``."""
     if use_triton(x):
-        return skinny_swiglu_triton(x, w13)
+        return skinny_swiglu_triton(x, w13, prefetch=prefetch)
     _check_swiglu(x, w13)
     return skinny_swiglu_reference(x, w13)
 
 
 @skinny_swiglu.register_kernel("cuda")
-def _skinny_swiglu_cuda(x, w13):
-    return skinny_swiglu_triton(x, w13)
+def _skinny_swiglu_cuda(x, w13, prefetch=None):
+    return skinny_swiglu_triton(x, w13, prefetch=prefetch)
 
 
 @skinny_swiglu.register_fake
-def _skinny_swiglu_fake(x, w13):
+def _skinny_swiglu_fake(x, w13, prefetch=None):
     _check_swiglu(x, w13)
     return x.new_empty((x.shape[0], w13.shape[0] // 2))
