@@ -66,15 +66,15 @@ def _add_rmsnorm_gemv_kernel(
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
     # weights (the GEMV's and the norm's) depend on no earlier kernel: requested before the PDL wait
-    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K, PREFETCH)
     if SWIGLU:
-        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K)
+        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K, PREFETCH)
     if EVEN_K:
         nw = tl.load(nw_ptr + ks)
     else:
         nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
     if PREFETCH:  # its own loads are out: the program's share of the next product's weights into L2
-        prefetch_l2(pf_ptr, pf_bytes, pid, tl.num_programs(0), PF_THREADS)  # (ops/l2_prefetch.py)
+        prefetch_l2(pf_ptr, pf_bytes, pid, tl.num_programs(0), PF_THREADS, PREFETCH)  # (ops/l2_prefetch.py)
     if PDL:
         tl.extra.cuda.gdc_wait()
     dtype = s_ptr.dtype.element_ty

@@ -34,23 +34,47 @@ _ALIGN = 16  # cp.async.bulk: 16-byte aligned address and size
 
 
 @triton.jit
-def prefetch_l2(base_ptr, n_bytes, pid, n_programs, NUM_THREADS: tl.constexpr):
+def prefetch_l2(base_ptr, n_bytes, pid, n_programs, NUM_THREADS: tl.constexpr, MODE: tl.constexpr):
     """Program ``pid`` of ``n_programs`` requests its share of bytes ``[0, n_bytes)`` at ``base_ptr``
-    into L2: one bulk prefetch per thread of a 16-byte aligned chunk (``n_bytes`` a multiple of 16).
-    Shares are rounded up to whole chunks, so the programs launched *last* take them (the share
-    index counts down from the last program): in a grid of several waves the prefetch goes out
-    during the final one, not so early that the kernel's own stream evicts it from L2 again.
-    Call only with the launcher's ``PREFETCH`` on (inline PTX: the interpreter cannot run it)."""
-    share = tl.cdiv(tl.cdiv(n_bytes, n_programs), NUM_THREADS * 16) * (NUM_THREADS * 16)
-    chunk = share // NUM_THREADS
+    into L2 (``n_bytes`` a multiple of 16). The share index counts down from the last program, so
+    in a grid of several waves the prefetch goes out during the final one, not so early that the
+    kernel's own stream evicts it from L2 again. ``MODE`` (:data:`MODES`): 1, one bulk prefetch per
+    thread of a 16-byte aligned chunk; 2, one bulk prefetch per program (its first thread); 3, one
+    ``prefetch.global.L2`` per 128-byte line, spread over the threads. Call only with the launcher's
+    mode on (inline PTX: the interpreter cannot run it)."""
     index = (n_programs - 1 - pid).to(tl.int64)
-    start = index * share + tl.arange(0, NUM_THREADS).to(tl.int64) * chunk
-    size = tl.maximum(tl.minimum(chunk, n_bytes - start), 0).to(tl.int32)
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + start
-    # threads whose chunk starts past the end skip the request (predicate), nothing is read there
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+    if MODE & 7 == 1:
+        share = tl.cdiv(tl.cdiv(n_bytes, n_programs), NUM_THREADS * 16) * (NUM_THREADS * 16)
+        chunk = share // NUM_THREADS
+        start = index * share + tl.arange(0, NUM_THREADS).to(tl.int64) * chunk
+        size = tl.maximum(tl.minimum(chunk, n_bytes - start), 0).to(tl.int32)
+        # threads whose chunk starts past the end skip the request (predicate), nothing is read there
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
+    elif MODE & 7 == 2:
+        share = tl.cdiv(tl.cdiv(n_bytes, n_programs), 16) * 16
+        start = index * share
+        size = tl.maximum(tl.minimum(share, n_bytes - start), 0).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; .reg .b64 pol; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "setp.gt.and.s32 p, $2, 0, p; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+            "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        share = tl.cdiv(tl.cdiv(n_bytes, n_programs), 128) * 128
+        start = index * share
+        end = tl.minimum(start + share, n_bytes)
+        for line in range(start, end, NUM_THREADS * 128):
+            offs = line + tl.arange(0, NUM_THREADS).to(tl.int64) * 128
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.lt.s64 p, $2, $3; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+                "=r,l,l,l", [base_ptr.to(tl.pointer_type(tl.int8)) + offs, offs, end + offs * 0], dtype=tl.int32,
+                is_pure=False, pack=1)
+
+
+MODES = {"threads": 1, "program": 2, "lines": 3}
+EVICT_FIRST = 8  # mode bit: the kernel's own weight loads evict first (``LFMSPARK_WEIGHT_EVICT_FIRST=1``)
 
 
 def l2_prefetch_budget() -> int:
@@ -78,7 +102,7 @@ def prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor) -> dict
     cannot run (see the module doc), with ``fallback`` (any tensor of the launch) as the unread
     pointer."""
     device = fallback.device
-    off = {"pf_ptr": fallback, "pf_bytes": 0, "PREFETCH": False}
+    off = {"pf_ptr": fallback, "pf_bytes": 0, "PREFETCH": 0}
     if prefetch is None or device.type != "cuda" or prefetch.device != device or not _supports_bulk_prefetch(device):
         return off
     if not prefetch.is_contiguous():
@@ -86,5 +110,13 @@ def prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor) -> dict
     n_bytes = prefetch.numel() * prefetch.element_size() // _ALIGN * _ALIGN
     if n_bytes == 0 or prefetch.data_ptr() % _ALIGN:
         return off
-    return {"pf_ptr": prefetch, "pf_bytes": n_bytes, "PREFETCH": True}
+    return {"pf_ptr": prefetch, "pf_bytes": n_bytes, "PREFETCH": prefetch_mode()}
+
+
+def prefetch_mode() -> int:
+    """``LFMSPARK_L2_PREFETCH_MODE`` (``threads``, ``program``, ``lines``): how a kernel issues it."""
+    value = os.environ.get("LFMSPARK_L2_PREFETCH_MODE", "program")
+    if value not in MODES:
+        raise ValueError(f"LFMSPARK_L2_PREFETCH_MODE={value!r}: use one of {sorted(MODES)}")
+    return MODES[value] | (EVICT_FIRST if os.environ.get("LFMSPARK_WEIGHT_EVICT_FIRST") == "1" else 0)
 

@@ -127,10 +127,10 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
@@ -140,17 +140,17 @@ def _skinny_linear_kernel(
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
         if SWIGLU:
             u_ptrs += BLOCK_K
-            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
+            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
     if PREFETCH:
         prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PF_THREADS)
+                    PF_THREADS, PREFETCH)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
@@ -170,10 +170,15 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+    # with the EVICT_FIRST bit of the prefetch mode (ops/l2_prefetch.py) the streamed weights are
+    # marked first to leave L2, so they do not push out the next product's prefetched lines
     if EVEN_K:
-        return tl.load(w_ptrs)
-    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
+        w = tl.load(w_ptrs, eviction_policy="evict_first" if PREFETCH & 8 else "")
+    else:
+        w = tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0,
+                    eviction_policy="evict_first" if PREFETCH & 8 else "")
+    return w
 
 
 @triton.jit
@@ -286,17 +291,17 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
     if PREFETCH:
         prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PF_THREADS)
+                    PF_THREADS, PREFETCH)
     out = tl.sum(acc, axis=1)
     col_ok = cols < N
     if SPLIT:

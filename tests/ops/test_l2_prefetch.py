@@ -14,7 +14,7 @@ import torch
 
 from lfmspark.models.layers import leading_view, prefetch_view
 from lfmspark.ops.add_rmsnorm_gemv import add_rmsnorm_gemv_triton
-from lfmspark.ops.l2_prefetch import l2_prefetch_budget, prefetch_args
+from lfmspark.ops.l2_prefetch import MODES, l2_prefetch_budget, prefetch_args, prefetch_mode
 from lfmspark.ops.skinny_linear import SkinnyConfig, skinny_linear_triton, skinny_swiglu_triton
 from lfmspark.ops.swiglu_gemv import swiglu_gemv_triton
 
@@ -32,6 +32,16 @@ def test_budget_switch(monkeypatch) -> None:
             l2_prefetch_budget()
 
 
+def test_mode_switch(monkeypatch) -> None:
+    monkeypatch.delenv("LFMSPARK_L2_PREFETCH_MODE", raising=False)
+    assert prefetch_mode() == MODES["program"]
+    monkeypatch.setenv("LFMSPARK_L2_PREFETCH_MODE", "lines")
+    assert prefetch_mode() == MODES["lines"]
+    monkeypatch.setenv("LFMSPARK_L2_PREFETCH_MODE", "tma")
+    with pytest.raises(ValueError, match="LFMSPARK_L2_PREFETCH_MODE"):
+        prefetch_mode()
+
+
 def test_leading_view() -> None:
     w = torch.arange(64, dtype=torch.float32).view(8, 8)
     v = leading_view(w, 40)                         # 10 fp32 elements
@@ -44,15 +54,15 @@ def test_leading_view() -> None:
 
 def test_launcher_turns_prefetch_off_off_cuda() -> None:
     w = torch.ones(4, 4)
-    assert prefetch_args(w, w) == {"pf_ptr": w, "pf_bytes": 0, "PREFETCH": False}
-    assert prefetch_args(None, w)["PREFETCH"] is False
+    assert prefetch_args(w, w) == {"pf_ptr": w, "pf_bytes": 0, "PREFETCH": 0}
+    assert prefetch_args(None, w)["PREFETCH"] == 0
 
 
 @pytest.mark.gpu
 def test_launcher_arguments_on_cuda() -> None:
     w = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
-    args = prefetch_args(w.view(-1)[:1000], w)             # 2000 bytes -> 1984 (16-byte multiple)
-    assert args["PREFETCH"] and args["pf_bytes"] == 1984
+    args = prefetch_args(w.view(-1)[:1001], w)             # 2002 bytes -> 2000 (16-byte multiple)
+    assert args["PREFETCH"] == MODES["program"] and args["pf_bytes"] == 2000
     assert not prefetch_args(w.view(-1)[1:100], w)["PREFETCH"]   # base not 16-byte aligned
     assert not prefetch_args(w.view(-1)[:7], w)["PREFETCH"]      # under 16 bytes
     with pytest.raises(ValueError, match="contiguous"):
@@ -65,10 +75,12 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("n_bytes", [16, 4096 + 16, 3 << 20, 40 << 20], ids=["tiny", "odd", "3MB", "40MB"])
-def test_results_do_not_depend_on_the_prefetch(n_bytes: int) -> None:
+def test_results_do_not_depend_on_the_prefetch(monkeypatch, mode: str, n_bytes: int) -> None:
     """Every kernel with a prefetch range, at served-like shapes (one wave and several, split-K),
-    gives the same bits with a prefetch of ``n_bytes`` of another tensor as without."""
+    gives the same bits with a prefetch of ``n_bytes`` of another tensor as without, in every mode."""
+    monkeypatch.setenv("LFMSPARK_L2_PREFETCH_MODE", mode)
     other = torch.empty(n_bytes // 2, device="cuda", dtype=torch.bfloat16)
     pf = other.view(-1)
     K, N, F = 2048, 2048, 2816
