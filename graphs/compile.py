@@ -97,7 +97,7 @@ def configure_compile(n_variants: int) -> None:
     inductor.triton.enable_pdl = inductor_pdl_enabled()
     # Eager numerics in the compiled regions: keep the bf16 rounding between fused ops (the residual
     # add before its RMSNorm, silu(gate) before the product) that Inductor would otherwise elide. The
-    # fused decode kernels (add_rmsnorm_gemv, swiglu_gemv, skinny_swiglu) round there, as HF eager
+    # fused kernels (add_rmsnorm_gemv, add_rmsnorm_skinny, swiglu_gemv, skinny_swiglu) round there, as HF eager
     # does; with the rounding elided, a verify's compiled unfused layers computed slightly different
     # numbers than the decode step's kernels, and bf16 speculation diverged from target-only decoding
     # far more often (tests/test_graphs_gpu.py: 1 of 8 sequences identical, docs/benchmarks.md).

@@ -17,6 +17,12 @@ first megabytes of the weight read after it: ``q_proj`` -> the layer's K/V slice
 gate/up -> ``w2`` -> the next layer's ``q_proj`` (the LM head after the last layer) -> the Markov
 head's ``w2``; in the context injection ``fc`` -> the stacked K/V projection -> the first layer's
 ``q_proj`` (the next round's draft starts there).
+
+Fused norm (1-16 rows on CUDA, i.e. the batch-1 block; ``LFMSPARK_FUSED_NORM``, models/layers.py):
+each layer's pending add + ``input_layernorm`` runs as the prologue of ``q_proj`` and again of the
+K/V projection (two ``lfmspark::add_rmsnorm_skinny`` launches, the second recomputing the norm of
+the first one's sum), ``post_attention_layernorm`` as that of the MLP's gate/up product, and the
+final ``norm`` as that of the LM head when the walk reads only the logits (the fused greedy walk).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, linear, prefetch_view
+from .layers import Linear, RMSNorm, SwiGLU, linear, norm_feed_forward, norm_linear, norm_linears, prefetch_view
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -114,16 +120,17 @@ class DraftLayer(nn.Module):
         ``next_weight``: the L2 prefetch view of the weight read after this layer (module doc)."""
         attn = self.self_attn
         B, G, _ = x.shape
-        if delta is not None:
-            x = x + delta
-        h = self.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h, prefetch_view(kv_weight)).view(B, G, attn.n_heads, attn.head_dim))
+        # the pending add + input_layernorm feed both q_proj and the K/V projection; fused (1-16
+        # rows on CUDA: the batch-1 block), each product recomputes the norm (models/layers.py)
+        x, (q, kv) = norm_linears(x, delta, self.input_layernorm, (attn.q_proj, kv_weight), True,
+                                  (prefetch_view(kv_weight), prefetch_view(attn.o_proj.weight)))
+        q = attn.q_norm(q.view(B, G, attn.n_heads, attn.head_dim))
         q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
-        lfm.kv_norm_rope_write(linear(h, kv_weight, prefetch_view(attn.o_proj.weight)), k_norm_weight, rope, k_cache,
-                               v_cache, 0, slots, start, torch.full_like(slots, G), self.eps, self.is_neox)
+        lfm.kv_norm_rope_write(kv, k_norm_weight, rope, k_cache, v_cache, 0, slots, start, torch.full_like(slots, G),
+                               self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
-        x = x + attn.o_proj(o.reshape(B, G, -1), prefetch_view(self.mlp.w13.weight))
-        return x, self.mlp(self.post_attention_layernorm(x), next_weight)
+        o = attn.o_proj(o.reshape(B, G, -1), prefetch_view(self.mlp.w13.weight))
+        return norm_feed_forward(x, o, self.post_attention_layernorm, self.mlp, True, next_weight)
 
 
 class MarkovHead(nn.Module):
@@ -275,23 +282,33 @@ class DSparkDraft(nn.Module):
                       ) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`), then the Markov walk."""
-        h = self.norm(x + delta)
         head = self.markov_head
-        logits = linear(h, self.lm_head.weight, prefetch_view(None if head is None else head.markov_w2.weight))
-        return self.walk(logits, h, anchor, pick)
+        prefetch = prefetch_view(None if head is None else head.markov_w2.weight)
+        if self.walks_logits_only(pick):  # the normalised h is not needed: the norm may ride in the LM head
+            return self.walk(norm_linear(x, delta, self.norm, self.lm_head.weight, True, prefetch)[1], None, anchor,
+                             pick)
+        h = self.norm(x + delta)
+        return self.walk(linear(h, self.lm_head.weight, prefetch), h, anchor, pick)
 
-    def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
+    def walks_logits_only(self, pick: TokenPicker) -> bool:
+        """Whether :meth:`walk` with ``pick`` is the fused greedy walk, which reads only the LM-head
+        logits (a vanilla Markov head or none), not the normalised hidden states."""
+        head = self.markov_head
+        return pick is greedy_pick and (head is None or head.kind == "vanilla")
+
+    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker
+             ) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
         logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
         (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
-        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits."""
+        argmax per slot (``h``, the normalised hidden states, is not read and may be None). Otherwise
+        slot by slot, keeping each slot's corrected logits."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
-        if pick is greedy_pick and head is None:
-            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
-        if pick is greedy_pick and head.kind == "vanilla":
-            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight)
+        if self.walks_logits_only(pick):
+            tokens = argmax_last(base) if head is None else lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight,
+                                                                                   head.markov_w2.weight)
             return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None

@@ -7,10 +7,12 @@ Environment switches (read at each call; under compile, at trace time):
   :class:`SwiGLU`'s gate/up product of a routed row count runs with its activation fused: one row
   on ``lfmspark::swiglu_gemv``, 2-16 rows on ``lfmspark::skinny_swiglu``; routed counts above 16
   (``all``, ``verify``) on ``skinny_linear`` followed by the separate activation.
-- ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): on the one-row CUDA decode path (one row routed to
-  the GEMV kernels), the residual add, RMSNorm and the following projection run as one
-  ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
-  separate (the add and norm then fuse under compile, the product is its own kernel).
+- ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): for products of 1-16 rows routed to the skinny
+  kernels (CUDA) whose caller fuses (decode, verify, the draft block), the residual add, RMSNorm
+  and the following projection run as one kernel (:func:`norm_linear`, :func:`norm_linears`,
+  :func:`norm_feed_forward`): one row on ``lfmspark::add_rmsnorm_gemv``, 2-16 rows on
+  ``lfmspark::add_rmsnorm_skinny``; ``0`` keeps them separate (the add and norm then fuse under
+  compile, the product is its own kernel).
 - ``LFMSPARK_L2_PREFETCH_MB`` (``8`` default, ``0`` off): how many bytes of the next product's
   weight a skinny product asks L2 to fetch once its own loads are out (ops/l2_prefetch.py,
   :func:`prefetch_view`). The modules pass each product the view of what runs after it: within a
@@ -20,6 +22,7 @@ Environment switches (read at each call; under compile, at trace time):
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
+from ..ops.add_rmsnorm_skinny import MAX_M as FUSED_NORM_MAX_ROWS
 from ..ops.l2_prefetch import l2_prefetch_budget
 from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M
 
@@ -85,58 +89,92 @@ def linear(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None 
 
 
 def fused_norm_requested() -> bool:
-    """``LFMSPARK_FUSED_NORM`` (default ``1``): whether one-row add + RMSNorm + projection chains
-    may run as ``lfmspark::add_rmsnorm_gemv`` (see the module doc); ``0`` turns the fusion off."""
+    """``LFMSPARK_FUSED_NORM`` (default ``1``): whether add + RMSNorm + projection chains of 1-16 rows
+    may run as one fused op (see the module doc); ``0`` turns the fusion off."""
     value = os.environ.get("LFMSPARK_FUSED_NORM", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_FUSED_NORM={value!r}: use 1 (fused add + RMSNorm + GEMV) or 0 (off)")
+        raise ValueError(f"LFMSPARK_FUSED_NORM={value!r}: use 1 (fused add + RMSNorm + product) or 0 (off)")
     return value == "1"
 
 
 def _fuses_norm(h: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> bool:
-    """Whether ``(h + delta, norm, product with weight)`` runs as one ``lfmspark::add_rmsnorm_gemv``:
-    exactly one row, which :func:`_routed_to_skinny` sends to the GEMV kernels (CUDA), the switch
-    on, and shapes and dtypes the op takes (a model in one dtype always qualifies)."""
-    return (fused_norm_requested() and h.numel() == h.shape[-1] and _routed_to_skinny(h)
-            and h.shape[-1] <= FUSED_NORM_MAX_K and norm.weight.dtype == h.dtype == weight.dtype)
+    """Whether ``(h + delta, norm, product with weight)`` runs as one fused op: 1-16 rows, which
+    :func:`_routed_to_skinny` sends to the skinny kernels (CUDA), the switch on, and shapes and
+    dtypes the ops take (a model in one dtype always qualifies)."""
+    rows = h.numel() // h.shape[-1]
+    return (fused_norm_requested() and rows <= FUSED_NORM_MAX_ROWS and _routed_to_skinny(h)
+            and (rows > 1 or h.shape[-1] <= FUSED_NORM_MAX_K) and norm.weight.dtype == h.dtype == weight.dtype)
 
 
-def _one_row(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(1, t.shape[-1]).contiguous()
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
-                     swiglu: bool, prefetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
-                                weight, swiglu, prefetch)
+def _fused_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
+                swiglu: bool, prefetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused op for ``h``'s rows: one row on ``lfmspark::add_rmsnorm_gemv`` (the GEMV kernel),
+    2-16 on ``lfmspark::add_rmsnorm_skinny`` (the swap-AB kernel's norm prologue)."""
+    rows = h.numel() // h.shape[-1]
+    op = lfm.add_rmsnorm_gemv if rows == 1 else lfm.add_rmsnorm_skinny
+    s, y = op(_as_rows(h), None if delta is None else _as_rows(delta), norm.weight, norm.eps, weight, swiglu,
+              prefetch)
     # without delta the sum is h itself (the op's s is a copy of it)
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
-def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: Linear, fuse: bool = True,
-                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
+def _weight(proj: Linear | torch.Tensor) -> torch.Tensor:
+    return proj.weight if isinstance(proj, Linear) else proj
 
-    With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
-    :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
-    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them). ``prefetch``: the
-    :func:`prefetch_view` of the weight read next."""
-    if fuse and _fuses_norm(h, norm, proj.weight):
-        return _fused_norm_gemv(h, delta, norm, proj.weight, False, prefetch)
+
+def _project(x: torch.Tensor, proj: Linear | torch.Tensor, prefetch: torch.Tensor | None) -> torch.Tensor:
+    # a module is called as such (its forward hooks run), a bare weight goes to linear()
+    return proj(x, prefetch) if isinstance(proj, Linear) else linear(x, proj, prefetch)
+
+
+def norm_linears(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, projs: Sequence[Linear | torch.Tensor],
+                 fuse: bool = True, prefetches: Sequence[torch.Tensor | None] | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(s, [proj(norm(s)) for proj in projs])`` with ``s = h + delta`` (``h`` itself when ``delta`` is
+    None): products of one normalised input (the draft's q and K/V projections share it); each
+    ``proj`` a :class:`Linear` or a bare weight ``[N, K]``.
+
+    With ``fuse`` (a caller whose rows may fuse: decode, verify, the draft block) and rows the
+    fused ops take (see :func:`_fuses_norm`), each product runs as one fused op computing the add
+    and the norm in its prologue: the first adds ``delta``, the later ones take its ``s`` and
+    recompute the norm (the same values, no norm kernel). Otherwise as the modules: the add,
+    ``norm`` once, the products (bit-identical to calling them). ``prefetches``: each product's
+    :func:`prefetch_view` of the weight read after it (default none)."""
+    prefetches = [None] * len(projs) if prefetches is None else prefetches
+    if fuse and all(_fuses_norm(h, norm, _weight(p)) for p in projs):
+        ys = []
+        for proj, pf in zip(projs, prefetches, strict=True):
+            s, y = _fused_norm(h, delta, norm, _weight(proj), False, pf)
+            h, delta = s, None  # the later products normalise the same sum
+            ys.append(y)
+        return h, ys
     s = h if delta is None else h + delta
-    return s, proj(norm(s), prefetch)
+    x = norm(s)
+    return s, [_project(x, proj, pf) for proj, pf in zip(projs, prefetches, strict=True)]
+
+
+def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: Linear | torch.Tensor,
+                fuse: bool = True, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, proj(norm(s)))`` with ``s = h + delta``: :func:`norm_linears` for one product
+    (``lfmspark::add_rmsnorm_gemv`` for one row, ``lfmspark::add_rmsnorm_skinny`` for 2-16, where
+    fused). ``prefetch``: the :func:`prefetch_view` of the weight read next."""
+    s, (y,) = norm_linears(h, delta, norm, (proj,), fuse, (prefetch,))
+    return s, y
 
 
 def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,
                       fuse: bool = True, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, feed_forward(norm(s)))`` with ``s = h + delta``, as :func:`norm_linear`: a dense
-    :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in ``lfmspark::add_rmsnorm_gemv``
-    (then ``w2``); any other feed-forward (the MoE block) runs unfused. ``prefetch``: the
-    :func:`prefetch_view` of the weight read after the feed-forward (a dense one's ``w2`` takes it)."""
+    :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in the fused op (then ``w2``); any
+    other feed-forward (the MoE block) runs unfused. ``prefetch``: the :func:`prefetch_view` of the
+    weight read after the feed-forward (a dense one's ``w2`` takes it)."""
     if isinstance(feed_forward, SwiGLU):
         if fuse and _fuses_norm(h, norm, feed_forward.w13.weight):
-            s, act = _fused_norm_gemv(h, delta, norm, feed_forward.w13.weight, True,
-                                      prefetch_view(feed_forward.w2.weight))
+            s, act = _fused_norm(h, delta, norm, feed_forward.w13.weight, True, prefetch_view(feed_forward.w2.weight))
             return s, feed_forward.w2(act, prefetch)
         s = h if delta is None else h + delta
         return s, feed_forward(norm(s), prefetch)

@@ -30,13 +30,14 @@ into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Results are bit-id
 at the end of each layer, eager and compiled (graphs/compile.py keeps the bf16 rounding of the sum
 that Inductor would elide).
 
-Fused norm (one-row decode on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): at batch 1 a
-DECODE forward runs each add + RMSNorm + projection as one ``lfmspark::add_rmsnorm_gemv`` kernel:
-the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add
-with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
-:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
-kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
-this module does, uncompiled and compiled. Prefill, verify, several rows and CPU always take the
+Fused norm (1-16 rows on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): a DECODE or VERIFY
+forward runs each add + RMSNorm + projection as one kernel (``lfmspark::add_rmsnorm_gemv`` for one
+row, the batch-1 decode; ``lfmspark::add_rmsnorm_skinny`` for 2-16, the batch-1 verify's ten): the
+layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add with
+``ffn_norm`` and the dense SwiGLU's gate/up product (MoE feed-forwards stay unfused), and in
+:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. Those
+kernels normalise the sum *after* its rounding to the activation dtype, as HF eager does and as
+this module does, uncompiled and compiled. Prefill, more than 16 rows and CPU always take the
 unfused path.
 
 L2 prefetch (CUDA, ``LFMSPARK_L2_PREFETCH_MB``, ops/l2_prefetch.py): every skinny product asks L2
@@ -117,7 +118,7 @@ class Lfm2Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor,
                prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """The block after its input projection ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
-        the decoder layer computes (fused with its norm on the one-row decode path).
+        the decoder layer computes (fused with its norm on the fused-norm path).
 
         One ``lfmspark::qkv_norm_rope_write`` launch takes q and k through their per-head RMSNorm
         (these modules' weights) and neox RoPE at ``rows.start + t`` (the cache's fp32 table, one
@@ -150,7 +151,7 @@ class Lfm2ShortConv(nn.Module):
     def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode,
             prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """The block after ``in_proj``, from its output ``bcx = [B | C | x]`` ``[B, T, 3H]``, which the
-        decoder layer computes (fused with its norm on the one-row decode path). ``prefetch``: the
+        decoder layer computes (fused with its norm on the fused-norm path). ``prefetch``: the
         L2 prefetch view for ``out_proj``."""
         # the ops take the whole in_proj output and apply both gates in the conv kernel
         conv_state, conv_tape = state_tape
@@ -197,11 +198,11 @@ class Lfm2DecoderLayer(nn.Module):
         delta instead would cost a fill kernel (and the add), which is what this interface removes.
 
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
-        ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
-        CUDA one fused kernel (see the module doc). ``next_weight``: the L2 prefetch view of the
+        ``norm_feed_forward`` (models/layers.py): the modules one by one, or in DECODE and VERIFY
+        with 1-16 rows on CUDA one fused kernel (see the module doc). ``next_weight``: the L2 prefetch view of the
         weight read after this layer (models/layers.py ``prefetch_view``); each product of the layer
         prefetches the one after it."""
-        fuse = mode is ForwardMode.DECODE
+        fuse = mode is not ForwardMode.PREFILL
         mixer = self.self_attn if self.is_attention else self.conv
         after_mixer = prefetch_view(self.feed_forward.w13.weight) if isinstance(self.feed_forward, SwiGLU) else None
         h_in, projected = norm_linear(h, delta, self.operator_norm, mixer.qkv_proj if self.is_attention else mixer.in_proj,
@@ -251,7 +252,7 @@ class Lfm2ForCausalLM(nn.Module):
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
             h, delta = h[picked], delta[picked]
-        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
+        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is not ForwardMode.PREFILL), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
@@ -304,10 +305,11 @@ class Lfm2ForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True,
                        prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a
-        single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
-        decode step's one-row case); :meth:`forward` passes it for DECODE only. ``prefetch``: the
-        L2 prefetch view of the weight read next (the next decode step's first weight)."""
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: 1-16
+        rows may run the add, final norm and LM head as one kernel (``norm_linear``; the decode
+        step, and the round's commit over the verify window); :meth:`forward` passes it for DECODE
+        and VERIFY. ``prefetch``: the L2 prefetch view of the weight read next (the next decode
+        step's first weight)."""
         return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse, prefetch)[1]
 
     @staticmethod

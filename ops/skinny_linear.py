@@ -69,6 +69,10 @@ no separate kernel. Numerics: those of the unfused module in ``x``'s dtype, as
 ``lfmspark::swiglu_gemv``: gate and up are each an fp32 sum rounded once to the dtype (as
 ``F.linear`` rounds its output), ``silu(gate)`` is rounded, and so is the product.
 
+Norm prologue (``NORM``, ``lfmspark::add_rmsnorm_skinny`` in ops/add_rmsnorm_skinny.py, swap-AB,
+``M <= 16``): ``x`` is ``rmsnorm(h + delta)``, built by each program per K block after a first pass
+over the whole rows for their statistics; see that module.
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -96,12 +100,13 @@ SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr,
-    M, N, K, k_split, pf_bytes,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr, d_ptr, nw_ptr, s_ptr,
+    M, N, K, k_split, pf_bytes, eps,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
@@ -110,7 +115,10 @@ def _skinny_linear_kernel(
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
     # partials from column F on), the tile's last program sums them (see the module doc). PREFETCH:
     # once its own weight loads are out, the program asks L2 for its share of pf_bytes at pf_ptr,
-    # the next product's weights (ops/l2_prefetch.py)
+    # the next product's weights (ops/l2_prefetch.py). NORM (ops/add_rmsnorm_skinny.py): x_ptr is h
+    # and x = rmsnorm(h + delta) with the norm weight at nw_ptr, built per K block from per-row
+    # statistics over all of K; s = h + delta (delta at d_ptr with HAS_DELTA; h, delta and s share
+    # x's strides) is stored by program (0, 0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -133,7 +141,14 @@ def _skinny_linear_kernel(
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
+    if NORM:  # h and delta are the predecessors' outputs: statistics after the wait, from L2
+        inv = _norm_statistics(x_ptr, d_ptr, s_ptr, rows, row_ok, K, stride_xm, eps, (pid_n == 0) & (split == 0),
+                               BLOCK_M, BLOCK_K, EVEN_K, HAS_DELTA)
+        d_ptrs = d_ptr + rows[:, None] * stride_xm + ks[None, :]
+        nw_ptrs = nw_ptr + ks
+        a = _norm_x_block(x_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k0, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
+    else:
+        a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
         acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
@@ -144,7 +159,12 @@ def _skinny_linear_kernel(
         if SWIGLU:
             u_ptrs += BLOCK_K
             wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
-        a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+        if NORM:
+            d_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
+            a = _norm_x_block(x_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
+        else:
+            a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
@@ -188,6 +208,49 @@ def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.co
         return tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
     k_ok = (k + tl.arange(0, BLOCK_K)) < k_end
     return tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _residual_block(h_ptrs, d_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    HAS_DELTA: tl.constexpr):
+    # a [BLOCK_M, BLOCK_K] block of s = h + delta, rounded to the dtype as torch's add; 0 where masked
+    s = _load_x_block(h_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+    if HAS_DELTA:
+        d = _load_x_block(d_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+        s = (s.to(tl.float32) + d.to(tl.float32)).to(s.dtype)
+    return s
+
+
+@triton.jit
+def _norm_statistics(h_ptr, d_ptr, s_ptr, rows, row_ok, K, stride_m, eps, store_s, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_DELTA: tl.constexpr):
+    # RMSNorm's per-row fp32 rsqrt(mean(s^2) + eps) over all of K (every split needs the whole row),
+    # the rounded s squared; padding rows give rsqrt(eps), harmless: their x is 0. store_s: this
+    # program also writes s (one program does; all compute the same values)
+    offs = rows[:, None] * stride_m + tl.arange(0, BLOCK_K)[None, :]
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # reduced per block: few registers live across the loop
+    for k in range(0, K, BLOCK_K):
+        s = _residual_block(h_ptr + offs + k, d_ptr + offs + k, row_ok, k, K, BLOCK_K, EVEN_K, HAS_DELTA)
+        if store_s:
+            k_ok = (k + tl.arange(0, BLOCK_K)) < K
+            tl.store(s_ptr + offs + k, s, mask=row_ok[:, None] & k_ok[None, :])
+        s32 = s.to(tl.float32)
+        sq += tl.sum(s32 * s32, axis=1)
+    return tl.math.rsqrt(sq / K + eps)
+
+
+@triton.jit
+def _norm_x_block(h_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  HAS_DELTA: tl.constexpr):
+    # a block of x = rmsnorm(s) with the module's roundings (models/layers.py RMSNorm): the fp32
+    # normalised s cast to the dtype, times the norm weight, the product rounded to the dtype
+    s = _residual_block(h_ptrs, d_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
+    xn = (s.to(tl.float32) * inv[:, None]).to(s.dtype)
+    if EVEN_K:
+        nw = tl.load(nw_ptrs)
+    else:
+        nw = tl.load(nw_ptrs, mask=(k + tl.arange(0, BLOCK_K)) < k_end, other=0.0)
+    return (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(s.dtype)
 
 
 @triton.jit
@@ -491,13 +554,27 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """The ``NORM`` prologue of a swap-AB launch (ops/add_rmsnorm_skinny.py): ``x`` is ``h`` and the
+    kernel multiplies ``rmsnorm(h + delta)`` (``weight``, ``eps``), writing ``h + delta`` to ``s``;
+    ``delta`` and ``s`` have ``h``'s shape and strides."""
+    delta: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    s: torch.Tensor
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
-            prefetch: torch.Tensor | None) -> None:
+            prefetch: torch.Tensor | None, norm: NormPrologue | None = None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
     with split-K, the fp32 workspace and the device's arrival counters; ``prefetch``: the bytes
-    to request into L2 (ops/l2_prefetch.py)."""
+    to request into L2 (ops/l2_prefetch.py); ``norm``: the add + RMSNorm prologue (swap-AB only)."""
     (M, K), N = x.shape, out.shape[1]
+    if norm is not None and not (cfg.swap_ab and M <= SWIGLU_MAX_M):
+        raise ValueError(f"the add + RMSNorm prologue runs on the swap-AB kernel with at most {SWIGLU_MAX_M} rows, "
+                         f"got M = {M} and {cfg}")
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
     if splits > 1:
@@ -510,7 +587,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
     pf = prefetch_args(prefetch, weight)
-    if M == 1 and cfg.gemv and not swiglu:
+    if M == 1 and cfg.gemv and not swiglu and norm is None:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, pf.pop("pf_ptr"), N, K, k_split, pf.pop("pf_bytes"),
             weight.stride(0), stride_ws,
@@ -518,12 +595,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             PF_THREADS=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),
         )
     else:
+        delta = None if norm is None else norm.delta
         _skinny_linear_kernel[grid](
-            x, weight, out, ws, counters, pf.pop("pf_ptr"),
-            M, N, K, k_split, pf.pop("pf_bytes"),
+            x, weight, out, ws, counters, pf.pop("pf_ptr"), x if delta is None else delta,
+            x if norm is None else norm.weight, out if norm is None else norm.s,
+            M, N, K, k_split, pf.pop("pf_bytes"), 0.0 if norm is None else float(norm.eps),
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, NORM=norm is not None, HAS_DELTA=delta is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PF_THREADS=32 * cfg.num_warps,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),

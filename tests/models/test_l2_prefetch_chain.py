@@ -25,7 +25,8 @@ from lfmspark.models.lfm2 import ForwardMode
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
 # op name -> positions of (weight, prefetch) in its arguments
-_PRODUCTS = {"skinny_linear": (1, 2), "skinny_swiglu": (1, 2), "swiglu_gemv": (1, 2), "add_rmsnorm_gemv": (4, 6)}
+_PRODUCTS = {"skinny_linear": (1, 2), "skinny_swiglu": (1, 2), "swiglu_gemv": (1, 2), "add_rmsnorm_gemv": (4, 6),
+             "add_rmsnorm_skinny": (4, 6)}
 
 
 class _Recorder:
@@ -83,8 +84,9 @@ def test_target_products_prefetch_the_next_weight(recorder: _Recorder, mode: For
     # four products per layer (mixer in, mixer out, gate/up, w2), then the LM head
     _assert_chain(recorder, 4 * cfg.num_hidden_layers + 1)
     assert recorder.calls[-1][1] is model.lm_head.weight and recorder.calls[-1][2] is None
-    if mode is ForwardMode.DECODE:     # one row: every norm + product is the fused op
-        assert sum(name == "add_rmsnorm_gemv" for name, _, _ in recorder.calls) == 2 * cfg.num_hidden_layers + 1
+    # every norm + product is a fused op: the GEMV's for one row, the swap-AB kernel's for several
+    fused = "add_rmsnorm_gemv" if mode is ForwardMode.DECODE else "add_rmsnorm_skinny"
+    assert sum(name == fused for name, _, _ in recorder.calls) == 2 * cfg.num_hidden_layers + 1
 
 
 def test_target_first_weight() -> None:
@@ -111,8 +113,12 @@ def test_draft_products_prefetch_the_next_weight(recorder: _Recorder) -> None:
         assert recorder.calls[1][2].data_ptr() == draft.first_weight(0).data_ptr()
         recorder.calls.clear()
         draft.propose(torch.tensor([7]), cache, slots, torch.tensor([3]), greedy_pick)
-    # per layer q, K/V, o, gate/up, w2; then the LM head, which prefetches the Markov head's w2
+    # per layer q, K/V, o, gate/up, w2; then the LM head, which prefetches the Markov head's w2; the
+    # norms ride in q, K/V (each recomputing input_layernorm), gate/up and the LM head
     _assert_chain(recorder, 5 * cfg.num_hidden_layers + 1)
+    assert [c[0] for c in recorder.calls[:5]] == ["add_rmsnorm_skinny"] * 2 + ["skinny_linear"] + \
+        ["add_rmsnorm_skinny", "skinny_linear"]
+    assert sum(c[0] == "add_rmsnorm_skinny" for c in recorder.calls) == 3 * cfg.num_hidden_layers + 1
     name, weight, pf = recorder.calls[-1]
     assert weight is target.lm_head.weight and pf.data_ptr() == draft.markov_head.markov_w2.weight.data_ptr()
     assert draft.first_weight(cfg.num_hidden_layers) is target.lm_head.weight
