@@ -62,10 +62,8 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
     """Swap a :class:`~lfmspark.runtime.steps.Steps`' regions for compiled versions (see the module
     doc). Only that object changes: the models stay plain, and prefill runs their layers directly."""
     # each region is compiled per batch size and, for the tails, sampling mode; a later target layer
-    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE),
-    # and per shape of its next_weight L2 prefetch view (models/layers.py prefetch_view: one shape
-    # when every next weight is at least the budget, as on the served models; up to 3 on tiny ones)
-    configure_compile(n_variants=30 * n_batch_sizes)
+    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE)
+    configure_compile(n_variants=10 * n_batch_sizes)
 
     def compiled(fn):
         return torch.compile(fn, **COMPILE_OPTIONS)
@@ -97,7 +95,7 @@ def configure_compile(n_variants: int) -> None:
     inductor.triton.enable_pdl = inductor_pdl_enabled()
     # Eager numerics in the compiled regions: keep the bf16 rounding between fused ops (the residual
     # add before its RMSNorm, silu(gate) before the product) that Inductor would otherwise elide. The
-    # fused kernels (add_rmsnorm_gemv, add_rmsnorm_skinny, swiglu_gemv, skinny_swiglu) round there, as HF eager
+    # fused decode kernels (add_rmsnorm_gemv, swiglu_gemv, skinny_swiglu) round there, as HF eager
     # does; with the rounding elided, a verify's compiled unfused layers computed slightly different
     # numbers than the decode step's kernels, and bf16 speculation diverged from target-only decoding
     # far more often (tests/test_graphs_gpu.py: 1 of 8 sequences identical, docs/benchmarks.md).

@@ -11,18 +11,6 @@ State: the draft KV cache holds **context** entries only (positions ``< s``), wr
 target's aux hidden states by :meth:`DSparkDraft.inject_context` (``fc`` → ``hidden_norm`` → every
 layer's ``k_proj``/``v_proj`` → ``kv_norm_rope_write``). The block's own K/V are scratch written at
 positions ``s .. s+gamma-1`` and overwritten when the round commits.
-
-L2 prefetch (models/layers.py ``prefetch_view``): as in the target, each product asks L2 for the
-first megabytes of the weight read after it: ``q_proj`` -> the layer's K/V slice -> ``o_proj`` ->
-gate/up -> ``w2`` -> the next layer's ``q_proj`` (the LM head after the last layer) -> the Markov
-head's ``w2``; in the context injection ``fc`` -> the stacked K/V projection -> the first layer's
-``q_proj`` (the next round's draft starts there).
-
-Fused norm (1-16 rows on CUDA, i.e. the batch-1 block; ``LFMSPARK_FUSED_NORM``, models/layers.py):
-each layer's pending add + ``input_layernorm`` runs as the prologue of ``q_proj`` and again of the
-K/V projection (two ``lfmspark::add_rmsnorm_skinny`` launches, the second recomputing the norm of
-the first one's sum), ``post_attention_layernorm`` as that of the MLP's gate/up product, and the
-final ``norm`` as that of the LM head when the walk reads only the logits (the fused greedy walk).
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, linear, norm_feed_forward, norm_linear, norm_linears, prefetch_view
+from .layers import Linear, RMSNorm, SwiGLU, linear
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -109,28 +97,26 @@ class DraftLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, kv_weight: torch.Tensor,
                 k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
-                slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                next_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the block ``x [B, G, H]`` plus the previous layer's pending MLP output
         ``delta`` (None for the first layer): the residual carry of models/lfm2.py, so the compiled
         layer fuses the add into ``input_layernorm``. Returns ``(x, delta)``, the residual stream
         after attention and this layer's pending MLP output (the layer's output is their sum).
         This layer's stacked K/V projection, k_norm weight and cache come in as one-layer slices
-        (addressed as layer 0 by the ops), so one compiled graph serves every layer but the first.
-        ``next_weight``: the L2 prefetch view of the weight read after this layer (module doc)."""
+        (addressed as layer 0 by the ops), so one compiled graph serves every layer but the first."""
         attn = self.self_attn
         B, G, _ = x.shape
-        # the pending add + input_layernorm feed both q_proj and the K/V projection; fused (1-16
-        # rows on CUDA: the batch-1 block), each product recomputes the norm (models/layers.py)
-        x, (q, kv) = norm_linears(x, delta, self.input_layernorm, (attn.q_proj, kv_weight), True,
-                                  (prefetch_view(kv_weight), prefetch_view(attn.o_proj.weight)))
-        q = attn.q_norm(q.view(B, G, attn.n_heads, attn.head_dim))
+        if delta is not None:
+            x = x + delta
+        h = self.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
         q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
-        lfm.kv_norm_rope_write(kv, k_norm_weight, rope, k_cache, v_cache, 0, slots, start, torch.full_like(slots, G),
-                               self.eps, self.is_neox)
+        lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
+                               torch.full_like(slots, G), self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
-        o = attn.o_proj(o.reshape(B, G, -1), prefetch_view(self.mlp.w13.weight))
-        return norm_feed_forward(x, o, self.post_attention_layernorm, self.mlp, True, next_weight)
+        x = x + attn.o_proj(o.reshape(B, G, -1))
+        return x, self.mlp(self.post_attention_layernorm(x))
 
 
 class MarkovHead(nn.Module):
@@ -202,8 +188,6 @@ class DSparkDraft(nn.Module):
 
     def attach_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         """Borrow the target's embedding and LM head (kept out of this module's parameters)."""
-        if lm_head.bias is not None:
-            raise ValueError("the draft's borrowed LM head must be bias-free (LFM2's is)")
         self._shared = (embed_tokens, lm_head)
 
     @property
@@ -221,8 +205,8 @@ class DSparkDraft(nn.Module):
                        lens: torch.Tensor) -> None:
         """Write context K/V for the first ``lens[b]`` columns of ``aux [B, T, n_taps*H_t]`` at
         positions ``start[b] + t`` in every draft layer."""
-        ctx = self.hidden_norm(self.fc(aux, prefetch_view(self.kv_proj)))
-        kv = linear(ctx, self.kv_proj.flatten(0, 1), prefetch_view(self.first_weight(0)))
+        ctx = self.hidden_norm(self.fc(aux))
+        kv = linear(ctx, self.kv_proj.flatten(0, 1))
         lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, 0, slots, start, lens,
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 
@@ -262,14 +246,8 @@ class DSparkDraft(nn.Module):
         ``self.layers``, or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, layer_caches, strict=True), start=first):
             x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, rope, slots, start,
-                             cos, sin, prefetch_view(self.first_weight(i + 1)))
+                             cos, sin)
         return x, delta
-
-    def first_weight(self, layer: int) -> torch.Tensor:
-        """The weight read first by draft layer ``layer``, or by the LM head after the last layer (what
-        layer ``layer - 1`` prefetches into L2)."""
-        layers = self.layers
-        return layers[layer].self_attn.q_proj.weight if layer < len(layers) else self.lm_head.weight
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
                 pick: TokenPicker) -> DraftProposal:
@@ -282,33 +260,21 @@ class DSparkDraft(nn.Module):
                       ) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`), then the Markov walk."""
-        head = self.markov_head
-        prefetch = prefetch_view(None if head is None else head.markov_w2.weight)
-        if self.walks_logits_only(pick):  # the normalised h is not needed: the norm may ride in the LM head
-            return self.walk(norm_linear(x, delta, self.norm, self.lm_head.weight, True, prefetch)[1], None, anchor,
-                             pick)
         h = self.norm(x + delta)
-        return self.walk(linear(h, self.lm_head.weight, prefetch), h, anchor, pick)
+        return self.walk(self.lm_head(h), h, anchor, pick)
 
-    def walks_logits_only(self, pick: TokenPicker) -> bool:
-        """Whether :meth:`walk` with ``pick`` is the fused greedy walk, which reads only the LM-head
-        logits (a vanilla Markov head or none), not the normalised hidden states."""
-        head = self.markov_head
-        return pick is greedy_pick and (head is None or head.kind == "vanilla")
-
-    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker
-             ) -> DraftProposal:
+    def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
         logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
         (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
-        argmax per slot (``h``, the normalised hidden states, is not read and may be None). Otherwise
-        slot by slot, keeping each slot's corrected logits."""
+        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
-        if self.walks_logits_only(pick):
-            tokens = argmax_last(base) if head is None else lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight,
-                                                                                   head.markov_w2.weight)
+        if pick is greedy_pick and head is None:
+            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
+        if pick is greedy_pick and head.kind == "vanilla":
+            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight)
             return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None

@@ -7,22 +7,15 @@ Environment switches (read at each call; under compile, at trace time):
   :class:`SwiGLU`'s gate/up product of a routed row count runs with its activation fused: one row
   on ``lfmspark::swiglu_gemv``, 2-16 rows on ``lfmspark::skinny_swiglu``; routed counts above 16
   (``all``, ``verify``) on ``skinny_linear`` followed by the separate activation.
-- ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): for products of 1-16 rows routed to the skinny
-  kernels (CUDA) whose caller fuses (decode, verify, the draft block), the residual add, RMSNorm
-  and the following projection run as one kernel (:func:`norm_linear`, :func:`norm_linears`,
-  :func:`norm_feed_forward`): one row on ``lfmspark::add_rmsnorm_gemv``, 2-16 rows on
-  ``lfmspark::add_rmsnorm_skinny``; ``0`` keeps them separate (the add and norm then fuse under
-  compile, the product is its own kernel).
-- ``LFMSPARK_L2_PREFETCH_MB`` (``8`` default, ``0`` off): how many bytes of the next product's
-  weight a skinny product asks L2 to fetch once its own loads are out (ops/l2_prefetch.py,
-  :func:`prefetch_view`). The modules pass each product the view of what runs after it: within a
-  layer its own next weight, across layers the ``next_weight`` their caller hands them.
+- ``LFMSPARK_FUSED_NORM`` (``1`` default, ``0``): on the one-row CUDA decode path (one row routed to
+  the GEMV kernels), the residual add, RMSNorm and the following projection run as one
+  ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
+  separate (the add and norm then fuse under compile, the product is its own kernel).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +23,6 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
-from ..ops.add_rmsnorm_skinny import MAX_M as FUSED_NORM_MAX_ROWS
-from ..ops.l2_prefetch import l2_prefetch_budget
 from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M
 
 lfm = torch.ops.lfmspark
@@ -60,124 +51,65 @@ def _routed_to_skinny(x: torch.Tensor) -> bool:
     return x.is_cuda and lo <= rows <= hi
 
 
-def prefetch_view(weight: torch.Tensor | None) -> torch.Tensor | None:
-    """What a product asks L2 to prefetch of the ``weight`` read after it: its first
-    ``LFMSPARK_L2_PREFETCH_MB`` megabytes as a flat view (no copy; the rows the next kernel's first
-    programs read), or None (no weight, not on CUDA, or the budget is 0). Every weight of at least
-    the budget gives a view of the same shape, so a compiled layer taking one as an input serves
-    all of them."""
-    if weight is None or not weight.is_cuda:
-        return None
-    return leading_view(weight, l2_prefetch_budget())
-
-
-def leading_view(weight: torch.Tensor, n_bytes: int) -> torch.Tensor | None:
-    """The first ``n_bytes`` of a contiguous ``weight`` (all of it if smaller) as a flat view; None for
-    ``n_bytes`` < one element."""
-    n = min(n_bytes // weight.element_size(), weight.numel())
-    return weight.reshape(-1)[:n] if n else None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias): ``F.linear``, or ``lfmspark::skinny_linear`` for few-row products on
-    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`), which also requests
-    ``prefetch`` (a :func:`prefetch_view`) into L2."""
+    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`)."""
     rows = x.numel() // x.shape[-1]
     if _routed_to_skinny(x):
-        return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight, prefetch).view(*x.shape[:-1], weight.shape[0])
+        return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
 def fused_norm_requested() -> bool:
-    """``LFMSPARK_FUSED_NORM`` (default ``1``): whether add + RMSNorm + projection chains of 1-16 rows
-    may run as one fused op (see the module doc); ``0`` turns the fusion off."""
+    """``LFMSPARK_FUSED_NORM`` (default ``1``): whether one-row add + RMSNorm + projection chains
+    may run as ``lfmspark::add_rmsnorm_gemv`` (see the module doc); ``0`` turns the fusion off."""
     value = os.environ.get("LFMSPARK_FUSED_NORM", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_FUSED_NORM={value!r}: use 1 (fused add + RMSNorm + product) or 0 (off)")
+        raise ValueError(f"LFMSPARK_FUSED_NORM={value!r}: use 1 (fused add + RMSNorm + GEMV) or 0 (off)")
     return value == "1"
 
 
 def _fuses_norm(h: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> bool:
-    """Whether ``(h + delta, norm, product with weight)`` runs as one fused op: 1-16 rows, which
-    :func:`_routed_to_skinny` sends to the skinny kernels (CUDA), the switch on, and shapes and
-    dtypes the ops take (a model in one dtype always qualifies)."""
-    rows = h.numel() // h.shape[-1]
-    return (fused_norm_requested() and rows <= FUSED_NORM_MAX_ROWS and _routed_to_skinny(h)
-            and (rows > 1 or h.shape[-1] <= FUSED_NORM_MAX_K) and norm.weight.dtype == h.dtype == weight.dtype)
+    """Whether ``(h + delta, norm, product with weight)`` runs as one ``lfmspark::add_rmsnorm_gemv``:
+    exactly one row, which :func:`_routed_to_skinny` sends to the GEMV kernels (CUDA), the switch
+    on, and shapes and dtypes the op takes (a model in one dtype always qualifies)."""
+    return (fused_norm_requested() and h.numel() == h.shape[-1] and _routed_to_skinny(h)
+            and h.shape[-1] <= FUSED_NORM_MAX_K and norm.weight.dtype == h.dtype == weight.dtype)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, t.shape[-1]).contiguous()
 
 
-def _fused_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
-                swiglu: bool, prefetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused op for ``h``'s rows: one row on ``lfmspark::add_rmsnorm_gemv`` (the GEMV kernel),
-    2-16 on ``lfmspark::add_rmsnorm_skinny`` (the swap-AB kernel's norm prologue)."""
-    rows = h.numel() // h.shape[-1]
-    op = lfm.add_rmsnorm_gemv if rows == 1 else lfm.add_rmsnorm_skinny
-    s, y = op(_as_rows(h), None if delta is None else _as_rows(delta), norm.weight, norm.eps, weight, swiglu,
-              prefetch)
+def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
+                     swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
+                                weight, swiglu)
     # without delta the sum is h itself (the op's s is a copy of it)
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
-def _weight(proj: Linear | torch.Tensor) -> torch.Tensor:
-    return proj.weight if isinstance(proj, Linear) else proj
+def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
 
-
-def _project(x: torch.Tensor, proj: Linear | torch.Tensor, prefetch: torch.Tensor | None) -> torch.Tensor:
-    # a module is called as such (its forward hooks run), a bare weight goes to linear()
-    return proj(x, prefetch) if isinstance(proj, Linear) else linear(x, proj, prefetch)
-
-
-def norm_linears(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, projs: Sequence[Linear | torch.Tensor],
-                 fuse: bool = True, prefetches: Sequence[torch.Tensor | None] | None = None
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(s, [proj(norm(s)) for proj in projs])`` with ``s = h + delta`` (``h`` itself when ``delta`` is
-    None): products of one normalised input (the draft's q and K/V projections share it); each
-    ``proj`` a :class:`Linear` or a bare weight ``[N, K]``.
-
-    With ``fuse`` (a caller whose rows may fuse: decode, verify, the draft block) and rows the
-    fused ops take (see :func:`_fuses_norm`), each product runs as one fused op computing the add
-    and the norm in its prologue: the first adds ``delta``, the later ones take its ``s`` and
-    recompute the norm (the same values, no norm kernel). Otherwise as the modules: the add,
-    ``norm`` once, the products (bit-identical to calling them). ``prefetches``: each product's
-    :func:`prefetch_view` of the weight read after it (default none)."""
-    prefetches = [None] * len(projs) if prefetches is None else prefetches
-    if fuse and all(_fuses_norm(h, norm, _weight(p)) for p in projs):
-        ys = []
-        for proj, pf in zip(projs, prefetches, strict=True):
-            s, y = _fused_norm(h, delta, norm, _weight(proj), False, pf)
-            h, delta = s, None  # the later products normalise the same sum
-            ys.append(y)
-        return h, ys
+    With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
+    :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
+    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
+    if fuse and _fuses_norm(h, norm, proj.weight):
+        return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
     s = h if delta is None else h + delta
-    x = norm(s)
-    return s, [_project(x, proj, pf) for proj, pf in zip(projs, prefetches, strict=True)]
-
-
-def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: Linear | torch.Tensor,
-                fuse: bool = True, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, proj(norm(s)))`` with ``s = h + delta``: :func:`norm_linears` for one product
-    (``lfmspark::add_rmsnorm_gemv`` for one row, ``lfmspark::add_rmsnorm_skinny`` for 2-16, where
-    fused). ``prefetch``: the :func:`prefetch_view` of the weight read next."""
-    s, (y,) = norm_linears(h, delta, norm, (proj,), fuse, (prefetch,))
-    return s, y
+    return s, proj(norm(s))
 
 
 def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,
-                      fuse: bool = True, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, feed_forward(norm(s)))`` with ``s = h + delta``, as :func:`norm_linear`: a dense
-    :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in the fused op (then ``w2``); any
-    other feed-forward (the MoE block) runs unfused. ``prefetch``: the :func:`prefetch_view` of the
-    weight read after the feed-forward (a dense one's ``w2`` takes it)."""
-    if isinstance(feed_forward, SwiGLU):
-        if fuse and _fuses_norm(h, norm, feed_forward.w13.weight):
-            s, act = _fused_norm(h, delta, norm, feed_forward.w13.weight, True, prefetch_view(feed_forward.w2.weight))
-            return s, feed_forward.w2(act, prefetch)
-        s = h if delta is None else h + delta
-        return s, feed_forward(norm(s), prefetch)
+    :class:`SwiGLU` on the fused path computes ``silu(gate) * up`` in ``lfmspark::add_rmsnorm_gemv``
+    (then ``w2``); any other feed-forward (the MoE block) runs unfused."""
+    if fuse and isinstance(feed_forward, SwiGLU) and _fuses_norm(h, norm, feed_forward.w13.weight):
+        s, act = _fused_norm_gemv(h, delta, norm, feed_forward.w13.weight, swiglu=True)
+        return s, feed_forward.w2(act)
     s = h if delta is None else h + delta
     return s, feed_forward(norm(s))
 
@@ -188,8 +120,8 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, prefetch)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -215,15 +147,14 @@ class SwiGLU(nn.Module):
         self.w13 = Linear(hidden, 2 * ffn)
         self.w2 = Linear(ffn, hidden)
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """``prefetch``: the :func:`prefetch_view` of the weight read after this block (``w2`` takes it)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if _routed_to_skinny(x) and rows <= SWIGLU_MAX_M:
             # rows on the skinny kernels (batch-1 decode, verify, draft): the activation rides in the
             # gate/up product's epilogue, so the [rows, 2F] product is never written and costs no
             # separate activation kernel; one row on the GEMV, 2-16 on the swap-AB kernel
             fused = lfm.swiglu_gemv if rows == 1 else lfm.skinny_swiglu
-            h = fused(x.reshape(rows, x.shape[-1]), self.w13.weight, prefetch_view(self.w2.weight))
-            return self.w2(h.view(*x.shape[:-1], -1), prefetch)
-        gate, up = self.w13(x, prefetch_view(self.w2.weight)).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up, prefetch)
+            h = fused(x.reshape(rows, x.shape[-1]), self.w13.weight).view(*x.shape[:-1], -1)
+            return self.w2(h)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)

@@ -30,21 +30,14 @@ into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Results are bit-id
 at the end of each layer, eager and compiled (graphs/compile.py keeps the bf16 rounding of the sum
 that Inductor would elide).
 
-Fused norm (1-16 rows on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): a DECODE or VERIFY
-forward runs each add + RMSNorm + projection as one kernel (``lfmspark::add_rmsnorm_gemv`` for one
-row, the batch-1 decode; ``lfmspark::add_rmsnorm_skinny`` for 2-16, the batch-1 verify's ten): the
-layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add with
-``ffn_norm`` and the dense SwiGLU's gate/up product (MoE feed-forwards stay unfused), and in
-:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. Those
-kernels normalise the sum *after* its rounding to the activation dtype, as HF eager does and as
-this module does, uncompiled and compiled. Prefill, more than 16 rows and CPU always take the
+Fused norm (one-row decode on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): at batch 1 a
+DECODE forward runs each add + RMSNorm + projection as one ``lfmspark::add_rmsnorm_gemv`` kernel:
+the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add
+with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
+:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
+kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
+this module does, uncompiled and compiled. Prefill, verify, several rows and CPU always take the
 unfused path.
-
-L2 prefetch (CUDA, ``LFMSPARK_L2_PREFETCH_MB``, ops/l2_prefetch.py): every skinny product asks L2
-for the first megabytes of the weight read after it, so the memory system keeps streaming through
-kernel boundaries and the latency-bound kernels in between (``in_proj`` / ``qkv_proj`` -> ``out_proj``
--> gate/up -> ``w2`` -> the next layer's first weight, :meth:`Lfm2ForCausalLM.first_weight`; after
-the last layer the LM head). The decoder layers get the next layer's view as ``next_weight``.
 """
 
 from __future__ import annotations
@@ -59,7 +52,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear, prefetch_view
+from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear
 
 lfm = torch.ops.lfmspark
 
@@ -115,23 +108,21 @@ class Lfm2Attention(nn.Module):
         """Attention over the normalised input ``x [B, T, H]``: ``qkv_proj``, then :meth:`attend`."""
         return self.attend(self.qkv_proj(x), kv, rows, rope)
 
-    def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
         """The block after its input projection ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
-        the decoder layer computes (fused with its norm on the fused-norm path).
+        the decoder layer computes (fused with its norm on the one-row decode path).
 
         One ``lfmspark::qkv_norm_rope_write`` launch takes q and k through their per-head RMSNorm
         (these modules' weights) and neox RoPE at ``rows.start + t`` (the cache's fp32 table, one
         rounding; HF rounds cos/sin to the activation dtype first, a difference within bf16 noise),
         writes K and V of the first ``rows.lens`` tokens to the cache and returns the queries: three
-        launches before (Inductor's q and k kernels and the K/V write). ``prefetch``: the L2 prefetch
-        view for ``out_proj`` (models/layers.py ``prefetch_view``)."""
+        launches before (Inductor's q and k kernels and the K/V write)."""
         B, T, _ = qkv.shape
         k_cache, v_cache = kv
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
-        return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim), prefetch)
+        return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class Lfm2ShortConv(nn.Module):
@@ -148,11 +139,9 @@ class Lfm2ShortConv(nn.Module):
         """The block over the normalised input ``x [B, T, H]``: ``in_proj``, then :meth:`mix`."""
         return self.mix(self.in_proj(x), state_tape, rows, mode)
 
-    def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode,
-            prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
         """The block after ``in_proj``, from its output ``bcx = [B | C | x]`` ``[B, T, 3H]``, which the
-        decoder layer computes (fused with its norm on the fused-norm path). ``prefetch``: the
-        L2 prefetch view for ``out_proj``."""
+        decoder layer computes (fused with its norm on the one-row decode path)."""
         # the ops take the whole in_proj output and apply both gates in the conv kernel
         conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
@@ -160,7 +149,7 @@ class Lfm2ShortConv(nn.Module):
             y = lfm.short_conv_verify(bcx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
             y = lfm.short_conv_prefill(bcx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
-        return self.out_proj(y, prefetch)
+        return self.out_proj(y)
 
 
 class Lfm2DecoderLayer(nn.Module):
@@ -175,14 +164,8 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = Lfm2ShortConv(cfg)
         self.feed_forward = feed_forward
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """The weight this layer reads first (its mixer's input projection)."""
-        return self.self_attn.qkv_proj.weight if self.is_attention else self.conv.in_proj.weight
-
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, layer_cache: LayerCache, rows: Rows,
-                mode: ForwardMode, rope: torch.Tensor, next_weight: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mode: ForwardMode, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer over the residual stream ``h`` plus the previous layer's pending feed-forward
         output ``delta`` (None for the first layer, whose ``h`` is the embeddings; see the module doc).
 
@@ -198,20 +181,16 @@ class Lfm2DecoderLayer(nn.Module):
         delta instead would cost a fill kernel (and the add), which is what this interface removes.
 
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
-        ``norm_feed_forward`` (models/layers.py): the modules one by one, or in DECODE and VERIFY
-        with 1-16 rows on CUDA one fused kernel (see the module doc). ``next_weight``: the L2 prefetch view of the
-        weight read after this layer (models/layers.py ``prefetch_view``); each product of the layer
-        prefetches the one after it."""
-        fuse = mode is not ForwardMode.PREFILL
-        mixer = self.self_attn if self.is_attention else self.conv
-        after_mixer = prefetch_view(self.feed_forward.w13.weight) if isinstance(self.feed_forward, SwiGLU) else None
-        h_in, projected = norm_linear(h, delta, self.operator_norm, mixer.qkv_proj if self.is_attention else mixer.in_proj,
-                                      fuse, prefetch_view(mixer.out_proj.weight))
+        ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
+        CUDA one fused kernel (see the module doc)."""
+        fuse = mode is ForwardMode.DECODE
         if self.is_attention:
-            mixed = mixer.attend(projected, layer_cache, rows, rope, after_mixer)
+            h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
+            mixed = self.self_attn.attend(qkv, layer_cache, rows, rope)
         else:
-            mixed = mixer.mix(projected, layer_cache, rows, mode, after_mixer)
-        h, ff = norm_feed_forward(h_in, mixed, self.ffn_norm, self.feed_forward, fuse, next_weight)
+            h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
+            mixed = self.conv.mix(bcx, layer_cache, rows, mode)
+        h, ff = norm_feed_forward(h_in, mixed, self.ffn_norm, self.feed_forward, fuse)
         return h_in, h, ff
 
 
@@ -252,7 +231,7 @@ class Lfm2ForCausalLM(nn.Module):
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
             h, delta = h[picked], delta[picked]
-        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is not ForwardMode.PREFILL), aux=aux)
+        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
@@ -283,18 +262,11 @@ class Lfm2ForCausalLM(nn.Module):
         cache slices (:meth:`TargetCache.layer_caches`). ``layers`` are those of ``self.model.layers``,
         or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
         for layer, layer_cache in zip(layers, layer_caches, strict=True):
-            next_weight = prefetch_view(self.first_weight(fwd.done + 1))
-            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.rope, next_weight)
+            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.rope)
             if fwd.done - 1 in fwd.taps:    # layer i's input is layer i - 1's output (the embeddings for i = 0)
                 fwd.taps[fwd.done - 1] = h_in
             fwd.done += 1
         return fwd
-
-    def first_weight(self, layer: int) -> torch.Tensor:
-        """The weight read first by decoder layer ``layer``, or by the LM head after the last layer
-        (what layer ``layer - 1`` prefetches into L2; see the module doc)."""
-        layers = self.model.layers
-        return layers[layer].first_weight if layer < len(layers) else self.lm_head.weight
 
     def aux_taps(self, fwd: PartialForward) -> tuple[torch.Tensor, ...]:
         """The aux taps ``[B, T, H]`` of a finished forward, in ``aux_layer_ids`` order. The last layer's
@@ -303,14 +275,11 @@ class Lfm2ForCausalLM(nn.Module):
         last = len(self.model.layers) - 1
         return tuple(fwd.h + fwd.delta if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
 
-    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: 1-16
-        rows may run the add, final norm and LM head as one kernel (``norm_linear``; the decode
-        step, and the round's commit over the verify window); :meth:`forward` passes it for DECODE
-        and VERIFY. ``prefetch``: the L2 prefetch view of the weight read next (the next decode
-        step's first weight)."""
-        return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse, prefetch)[1]
+    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a
+        single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
+        decode step's one-row case); :meth:`forward` passes it for DECODE only."""
+        return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:

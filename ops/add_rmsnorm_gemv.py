@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .l2_prefetch import prefetch_args, prefetch_l2
 from .skinny_linear import _load_w_block
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
@@ -50,11 +49,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _add_rmsnorm_gemv_kernel(
-    h_ptr, d_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, pf_ptr,
-    N, K, stride_wn, eps, pf_bytes,
+    h_ptr, d_ptr, nw_ptr, w_ptr, s_ptr, out_ptr,
+    N, K, stride_wn, eps,
     HAS_DELTA: tl.constexpr, SWIGLU: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # N: output columns (for SWIGLU the gate/up width F: rows j and F + j of the weight)
     if PDL:
@@ -66,15 +64,13 @@ def _add_rmsnorm_gemv_kernel(
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
     # weights (the GEMV's and the norm's) depend on no earlier kernel: requested before the PDL wait
-    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K, PREFETCH)
+    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K)
     if SWIGLU:
-        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K, PREFETCH)
+        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K)
     if EVEN_K:
         nw = tl.load(nw_ptr + ks)
     else:
         nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0)
-    if PREFETCH:  # its own loads are out: the program's share of the next product's weights into L2
-        prefetch_l2(pf_ptr, pf_bytes, pid, tl.num_programs(0), PF_THREADS, PREFETCH)  # (ops/l2_prefetch.py)
     if PDL:
         tl.extra.cuda.gdc_wait()
     dtype = s_ptr.dtype.element_ty
@@ -152,9 +148,8 @@ def launch_params(K: int, swiglu: bool, block_n: int | None = None, num_warps: i
 
 
 def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, swiglu: bool, prefetch: torch.Tensor | None = None,
-                            block_n: int | None = None, num_warps: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            weight: torch.Tensor, swiglu: bool, block_n: int | None = None,
+                            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on the Triton kernel. ``block_n``: output columns per program (gate columns for
     ``swiglu``, each with its up column) and ``num_warps``: launch overrides for tuning (defaults:
     :func:`launch_params`)."""
@@ -167,12 +162,11 @@ def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_we
     if N == 0:                                     # no weight rows: only the sum
         s.copy_(h if delta is None else h + delta)
         return s, out
-    pf = prefetch_args(prefetch, weight)
     _add_rmsnorm_gemv_kernel[(triton.cdiv(N, block_n),)](
-        h, h if delta is None else delta, norm_weight, weight, s, out, pf.pop("pf_ptr"),
-        N, K, weight.stride(0), float(eps), pf.pop("pf_bytes"),
+        h, h if delta is None else delta, norm_weight, weight, s, out,
+        N, K, weight.stride(0), float(eps),
         HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K == block_k,
-        PF_THREADS=32 * num_warps, num_warps=num_warps, **pf, **pdl_kwargs(h),
+        num_warps=num_warps, **pdl_kwargs(h),
     )
     return s, out
 
@@ -203,26 +197,23 @@ def add_rmsnorm_gemv_reference(h: torch.Tensor, delta: torch.Tensor | None, norm
 
 @torch.library.custom_op("lfmspark::add_rmsnorm_gemv", mutates_args=())
 def add_rmsnorm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, swiglu: bool, prefetch: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, y)`` for one row ``h [1, K]``: ``s = h + delta`` (a copy of ``h`` when ``delta`` is None)
     and ``y = rmsnorm(s) @ weight[N, K]^T`` ``[1, N]``, or with ``swiglu`` ``silu(gate) * up`` ``[1, F]``
-    of the stacked ``weight [2F, K]``; all in ``h``'s dtype, ``K <= 8192``. ``prefetch``: bytes (the
-    next product's weights) to request into L2, a hint that never changes the result
-    (ops/l2_prefetch.py)."""
+    of the stacked ``weight [2F, K]``; all in ``h``'s dtype, ``K <= 8192``."""
     if use_triton(h):
-        return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu, prefetch)
+        return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu)
     _check(h, delta, norm_weight, weight, swiglu)  # the same limits on every device
     return add_rmsnorm_gemv_reference(h, delta, norm_weight, eps, weight, swiglu)
 
 
 @add_rmsnorm_gemv.register_kernel("cuda")
-def _add_rmsnorm_gemv_cuda(h, delta, norm_weight, eps, weight, swiglu, prefetch=None):
-    return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu, prefetch)
+def _add_rmsnorm_gemv_cuda(h, delta, norm_weight, eps, weight, swiglu):
+    return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu)
 
 
 @add_rmsnorm_gemv.register_fake
-def _add_rmsnorm_gemv_fake(h, delta, norm_weight, eps, weight, swiglu, prefetch=None):
+def _add_rmsnorm_gemv_fake(h, delta, norm_weight, eps, weight, swiglu):
     _check(h, delta, norm_weight, weight, swiglu)
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return torch.empty_like(h, memory_format=torch.contiguous_format), h.new_empty((1, N))

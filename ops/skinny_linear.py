@@ -69,10 +69,6 @@ no separate kernel. Numerics: those of the unfused module in ``x``'s dtype, as
 ``lfmspark::swiglu_gemv``: gate and up are each an fp32 sum rounded once to the dtype (as
 ``F.linear`` rounds its output), ``silu(gate)`` is rounded, and so is the product.
 
-Norm prologue (``NORM``, ``lfmspark::add_rmsnorm_skinny`` in ops/add_rmsnorm_skinny.py, swap-AB,
-``M <= 16``): ``x`` is ``rmsnorm(h + delta)``, built by each program per K block after a first pass
-over the whole rows for their statistics; see that module.
-
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -89,7 +85,6 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .l2_prefetch import prefetch_args, prefetch_l2
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
@@ -100,25 +95,19 @@ SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr, d_ptr, nw_ptr, s_ptr,
-    M, N, K, k_split, pf_bytes, eps,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
     # = w @ x^T, stored transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T. SWIGLU: N = F,
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
-    # partials from column F on), the tile's last program sums them (see the module doc). PREFETCH:
-    # once its own weight loads are out, the program asks L2 for its share of pf_bytes at pf_ptr,
-    # the next product's weights (ops/l2_prefetch.py). NORM (ops/add_rmsnorm_skinny.py): x_ptr is h
-    # and x = rmsnorm(h + delta) with the norm weight at nw_ptr, built per K block from per-row
-    # statistics over all of K; s = h + delta (delta at d_ptr with HAS_DELTA; h, delta and s share
-    # x's strides) is stored by program (0, 0)
+    # partials from column F on), the tile's last program sums them (see the module doc)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -135,42 +124,27 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
+        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if NORM:  # h and delta are the predecessors' outputs: statistics after the wait, from L2
-        inv = _norm_statistics(x_ptr, d_ptr, s_ptr, rows, row_ok, K, stride_xm, eps, (pid_n == 0) & (split == 0),
-                               BLOCK_M, BLOCK_K, EVEN_K, HAS_DELTA)
-        d_ptrs = d_ptr + rows[:, None] * stride_xm + ks[None, :]
-        nw_ptrs = nw_ptr + ks
-        a = _norm_x_block(x_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k0, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
-    else:
-        a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
+    a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
         acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         if SWIGLU:
             u_ptrs += BLOCK_K
-            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
-        if NORM:
-            d_ptrs += BLOCK_K
-            nw_ptrs += BLOCK_K
-            a = _norm_x_block(x_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
-        else:
-            a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
+            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
-    if PREFETCH:
-        prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PF_THREADS, PREFETCH)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
@@ -190,15 +164,10 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
-    # with the EVICT_FIRST bit of the prefetch mode (ops/l2_prefetch.py) the streamed weights are
-    # marked first to leave L2, so they do not push out the next product's prefetched lines
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     if EVEN_K:
-        w = tl.load(w_ptrs, eviction_policy="evict_first" if PREFETCH & 8 else "")
-    else:
-        w = tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0,
-                    eviction_policy="evict_first" if PREFETCH & 8 else "")
-    return w
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
 
 
 @triton.jit
@@ -208,49 +177,6 @@ def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.co
         return tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
     k_ok = (k + tl.arange(0, BLOCK_K)) < k_end
     return tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _residual_block(h_ptrs, d_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    HAS_DELTA: tl.constexpr):
-    # a [BLOCK_M, BLOCK_K] block of s = h + delta, rounded to the dtype as torch's add; 0 where masked
-    s = _load_x_block(h_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-    if HAS_DELTA:
-        d = _load_x_block(d_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-        s = (s.to(tl.float32) + d.to(tl.float32)).to(s.dtype)
-    return s
-
-
-@triton.jit
-def _norm_statistics(h_ptr, d_ptr, s_ptr, rows, row_ok, K, stride_m, eps, store_s, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_DELTA: tl.constexpr):
-    # RMSNorm's per-row fp32 rsqrt(mean(s^2) + eps) over all of K (every split needs the whole row),
-    # the rounded s squared; padding rows give rsqrt(eps), harmless: their x is 0. store_s: this
-    # program also writes s (one program does; all compute the same values)
-    offs = rows[:, None] * stride_m + tl.arange(0, BLOCK_K)[None, :]
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # reduced per block: few registers live across the loop
-    for k in range(0, K, BLOCK_K):
-        s = _residual_block(h_ptr + offs + k, d_ptr + offs + k, row_ok, k, K, BLOCK_K, EVEN_K, HAS_DELTA)
-        if store_s:
-            k_ok = (k + tl.arange(0, BLOCK_K)) < K
-            tl.store(s_ptr + offs + k, s, mask=row_ok[:, None] & k_ok[None, :])
-        s32 = s.to(tl.float32)
-        sq += tl.sum(s32 * s32, axis=1)
-    return tl.math.rsqrt(sq / K + eps)
-
-
-@triton.jit
-def _norm_x_block(h_ptrs, d_ptrs, nw_ptrs, inv, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_DELTA: tl.constexpr):
-    # a block of x = rmsnorm(s) with the module's roundings (models/layers.py RMSNorm): the fp32
-    # normalised s cast to the dtype, times the norm weight, the product rounded to the dtype
-    s = _residual_block(h_ptrs, d_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K, HAS_DELTA)
-    xn = (s.to(tl.float32) * inv[:, None]).to(s.dtype)
-    if EVEN_K:
-        nw = tl.load(nw_ptrs)
-    else:
-        nw = tl.load(nw_ptrs, mask=(k + tl.arange(0, BLOCK_K)) < k_end, other=0.0)
-    return (nw.to(tl.float32)[None, :] * xn.to(tl.float32)).to(s.dtype)
 
 
 @triton.jit
@@ -333,17 +259,15 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, pf_ptr,
-    N, K, k_split, pf_bytes,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
+    N, K, k_split,
     stride_wn, stride_ws,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
-    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel;
-    # PREFETCH as there
+    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -354,17 +278,14 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, PREFETCH)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, PREFETCH)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
-    if PREFETCH:
-        prefetch_l2(pf_ptr, pf_bytes, split * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PF_THREADS, PREFETCH)
     out = tl.sum(acc, axis=1)
     col_ok = cols < N
     if SPLIT:
@@ -554,27 +475,11 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-@dataclass(frozen=True)
-class NormPrologue:
-    """The ``NORM`` prologue of a swap-AB launch (ops/add_rmsnorm_skinny.py): ``x`` is ``h`` and the
-    kernel multiplies ``rmsnorm(h + delta)`` (``weight``, ``eps``), writing ``h + delta`` to ``s``;
-    ``delta`` and ``s`` have ``h``'s shape and strides."""
-    delta: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    s: torch.Tensor
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
-            prefetch: torch.Tensor | None, norm: NormPrologue | None = None) -> None:
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
-    with split-K, the fp32 workspace and the device's arrival counters; ``prefetch``: the bytes
-    to request into L2 (ops/l2_prefetch.py); ``norm``: the add + RMSNorm prologue (swap-AB only)."""
+    with split-K, the fp32 workspace and the device's arrival counters."""
     (M, K), N = x.shape, out.shape[1]
-    if norm is not None and not (cfg.swap_ab and M <= SWIGLU_MAX_M):
-        raise ValueError(f"the add + RMSNorm prologue runs on the swap-AB kernel with at most {SWIGLU_MAX_M} rows, "
-                         f"got M = {M} and {cfg}")
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
     if splits > 1:
@@ -586,26 +491,22 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    pf = prefetch_args(prefetch, weight)
-    if M == 1 and cfg.gemv and not swiglu and norm is None:
+    if M == 1 and cfg.gemv and not swiglu:
         _gemv_kernel[grid](
-            x, weight, out, ws, counters, pf.pop("pf_ptr"), N, K, k_split, pf.pop("pf_bytes"),
-            weight.stride(0), stride_ws,
+            x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
-            PF_THREADS=32 * cfg.num_warps, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
     else:
-        delta = None if norm is None else norm.delta
         _skinny_linear_kernel[grid](
-            x, weight, out, ws, counters, pf.pop("pf_ptr"), x if delta is None else delta,
-            x if norm is None else norm.weight, out if norm is None else norm.s,
-            M, N, K, k_split, pf.pop("pf_bytes"), 0.0 if norm is None else float(norm.eps),
+            x, weight, out, ws, counters,
+            M, N, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, NORM=norm is not None, HAS_DELTA=delta is not None,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PF_THREADS=32 * cfg.num_warps,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pf, **pdl_kwargs(x),
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
 
 
@@ -620,8 +521,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight must be row-major (stride(1) == 1)")
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
     _check(x, weight)
     (M, K), N = x.shape, weight.shape[0]
@@ -631,8 +531,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False,
-            prefetch=prefetch)
+    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False)
     return out
 
 
@@ -649,8 +548,7 @@ def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
         raise ValueError("w13 must be row-major (stride(1) == 1)")
 
 
-def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """``skinny_swiglu`` on the ``tl.dot`` kernel (``config``: launch override; ``gemv`` is ignored)."""
     _check_swiglu(x, w13)
     (M, K), F_ = x.shape, w13.shape[0] // 2
@@ -660,8 +558,7 @@ def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfi
     if K == 0:  # gate = up = 0: silu(0) * 0
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True,
-            prefetch=prefetch)
+    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True)
     return out
 
 
@@ -690,44 +587,41 @@ def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
 # CUDA graph replays a launch any number of times.
 
 @torch.library.custom_op("lfmspark::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``. ``prefetch``: bytes
-    (the next product's weights) to request into L2 meanwhile, a hint that never changes the result
-    (ops/l2_prefetch.py)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``."""
     if use_triton(x):
-        return skinny_linear_triton(x, weight, prefetch=prefetch)
+        return skinny_linear_triton(x, weight)
     _check(x, weight)  # the same limits on every device
     return skinny_linear_reference(x, weight)
 
 
 @skinny_linear.register_kernel("cuda")
-def _skinny_linear_cuda(x, weight, prefetch=None):
-    return skinny_linear_triton(x, weight, prefetch=prefetch)
+def _skinny_linear_cuda(x, weight):
+    return skinny_linear_triton(x, weight)
 
 
 @skinny_linear.register_fake
-def _skinny_linear_fake(x, weight, prefetch=None):
+def _skinny_linear_fake(x, weight):
     _check(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("lfmspark::skinny_swiglu", mutates_args=())
-def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with ``[gate | up] = x [M, H] @ w13[2F, H]^T`` -> ``[M, F]``, for ``M <= 16``
-    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s). ``prefetch`` as for
-    ``skinny_linear``."""
+    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s)."""
     if use_triton(x):
-        return skinny_swiglu_triton(x, w13, prefetch=prefetch)
+        return skinny_swiglu_triton(x, w13)
     _check_swiglu(x, w13)
     return skinny_swiglu_reference(x, w13)
 
 
 @skinny_swiglu.register_kernel("cuda")
-def _skinny_swiglu_cuda(x, w13, prefetch=None):
-    return skinny_swiglu_triton(x, w13, prefetch=prefetch)
+def _skinny_swiglu_cuda(x, w13):
+    return skinny_swiglu_triton(x, w13)
 
 
 @skinny_swiglu.register_fake
-def _skinny_swiglu_fake(x, w13, prefetch=None):
+def _skinny_swiglu_fake(x, w13):
     _check_swiglu(x, w13)
     return x.new_empty((x.shape[0], w13.shape[0] // 2))

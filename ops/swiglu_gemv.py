@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .l2_prefetch import prefetch_args, prefetch_l2
 from .skinny_linear import _load_w_block, _load_x_vector, skinny_swiglu_reference
 
 # gate columns per program (and as many up columns): 4 weight rows x 1024 per K step, the shape
@@ -35,13 +34,10 @@ _BLOCK_K = 1024
 
 @triton.jit
 def _swiglu_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, pf_ptr,
-    F, K, stride_wn, pf_bytes,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, out_ptr,
+    F, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    # PREFETCH: once its weight loads are out, the program requests its share of the next product's
-    # weights into L2 (ops/l2_prefetch.py)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,8 +45,8 @@ def _swiglu_gemv_kernel(
     g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     u_ptrs = g_ptrs + F * stride_wn
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    wg = _load_w_block(g_ptrs, 0, K, BLOCK_K, EVEN_K, PREFETCH)
-    wu = _load_w_block(u_ptrs, 0, K, BLOCK_K, EVEN_K, PREFETCH)
+    wg = _load_w_block(g_ptrs, 0, K, BLOCK_K, EVEN_K)
+    wu = _load_w_block(u_ptrs, 0, K, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     xv = _load_x_vector(x_ptr, 0, K, BLOCK_K, EVEN_K)[None, :]
@@ -59,13 +55,11 @@ def _swiglu_gemv_kernel(
     for k in range(BLOCK_K, K, BLOCK_K):
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-        wg = _load_w_block(g_ptrs, k, K, BLOCK_K, EVEN_K, PREFETCH)
-        wu = _load_w_block(u_ptrs, k, K, BLOCK_K, EVEN_K, PREFETCH)
+        wg = _load_w_block(g_ptrs, k, K, BLOCK_K, EVEN_K)
+        wu = _load_w_block(u_ptrs, k, K, BLOCK_K, EVEN_K)
         xv = _load_x_vector(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
         acc_g += wg.to(tl.float32) * xv
         acc_u += wu.to(tl.float32) * xv
-    if PREFETCH:
-        prefetch_l2(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0), PF_THREADS, PREFETCH)
     dtype = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_u, axis=1).to(dtype).to(tl.float32)
@@ -87,7 +81,7 @@ def _check(x: torch.Tensor, w13: torch.Tensor) -> None:
         raise ValueError("w13 must be row-major (stride(1) == 1)")
 
 
-def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     _check(x, w13)
     F_, K = w13.shape[0] // 2, w13.shape[1]
     out = torch.empty((1, F_), dtype=x.dtype, device=x.device)
@@ -97,11 +91,9 @@ def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor, prefetch: torch.Tenso
         return out.zero_()
     x = x.contiguous()
     block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(K)))
-    pf = prefetch_args(prefetch, w13)
     _swiglu_gemv_kernel[(triton.cdiv(F_, _BLOCK_N),)](
-        x, w13, out, pf.pop("pf_ptr"), F_, K, w13.stride(0), pf.pop("pf_bytes"),
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PF_THREADS=4 * 32, num_warps=4, **pf,
-        **pdl_kwargs(x),
+        x, w13, out, F_, K, w13.stride(0),
+        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=4, **pdl_kwargs(x),
     )
     return out
 
@@ -117,21 +109,20 @@ swiglu_gemv_reference = skinny_swiglu_reference
 # op
 
 @torch.library.custom_op("lfmspark::swiglu_gemv", mutates_args=())
-def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` with ``[gate | up] = x [1, H] @ w13[2F, H]^T`` -> ``[1, F]``. ``prefetch``: bytes
-    to request into L2 meanwhile, a hint that never changes the result (ops/l2_prefetch.py)."""
+def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``[gate | up] = x [1, H] @ w13[2F, H]^T`` -> ``[1, F]``."""
     if use_triton(x):
-        return swiglu_gemv_triton(x, w13, prefetch)
+        return swiglu_gemv_triton(x, w13)
     _check(x, w13)
     return swiglu_gemv_reference(x, w13)
 
 
 @swiglu_gemv.register_kernel("cuda")
-def _swiglu_gemv_cuda(x, w13, prefetch=None):
-    return swiglu_gemv_triton(x, w13, prefetch)
+def _swiglu_gemv_cuda(x, w13):
+    return swiglu_gemv_triton(x, w13)
 
 
 @swiglu_gemv.register_fake
-def _swiglu_gemv_fake(x, w13, prefetch=None):
+def _swiglu_gemv_fake(x, w13):
     _check(x, w13)
     return x.new_empty((1, w13.shape[0] // 2))

@@ -33,7 +33,6 @@ import torch
 
 from ..models.cache import DraftCache, LayerCache, TargetCache
 from ..models.dspark import DSparkDraft, greedy_pick
-from ..models.layers import prefetch_view
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward
 from ..ops.argmax_rows import argmax_last
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
@@ -144,8 +143,7 @@ class Steps:
         """Final norm of ``h + delta`` (the last layer's output, see ``Lfm2ForCausalLM.hidden_states``),
         LM head, pick the next token, advance the rows' state."""
         st, row = self.state, self.read_rows(slots, sampling)
-        # the LM head prefetches the next step's first weight into L2 (models/lfm2.py)
-        logits = self.target.compute_logits(h[:, 0], delta[:, 0], prefetch=prefetch_view(self.target.first_weight(0)))
+        logits = self.target.compute_logits(h[:, 0], delta[:, 0])
         nxt = row.rows.pick(logits.float(), row.s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
         w = st.scatter_index(slots)
         st.seq_len[w] = row.s + 1
@@ -220,9 +218,7 @@ class Steps:
         st, gamma = self.state, self.gamma
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s
-        # the LM head prefetches the context injection's first weight into L2 (models/dspark.py)
-        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta,
-                                                               prefetch=prefetch_view(self.draft.fc.weight))
+        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta)
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:
             target_pick = argmax_last(logits)                                  # [B, W], no fp32 copy
