@@ -31,6 +31,13 @@ accurate as the reference, which rounds to the activation dtype after every step
 differ by a few bf16 ulps (see tests/ops/test_moe.py for the tolerances). Deterministic: no atomics.
 Expert ids must lie in ``[0, E)`` (an out-of-range id leaves that pair's row of the fp32 scratch
 unwritten).
+
+Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the number of pairs
+(:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
+specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
+launches with any other pair count of that variant need. The engine's prefill warm-up relies on
+this (runtime/engine.py ``prefill_warm_shapes``): a first request that compiled a plan variant cost
+the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200 (docs/benchmarks.md, "TTFT").
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ def _expert_of(ids_ptr, p, P, TOPK, stride_in, stride_ik, E: tl.constexpr):
     return tl.where(e < E, e, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _moe_count_kernel(
     ids_ptr, counts_ptr,
     P, TOPK,
@@ -73,7 +80,7 @@ def _moe_count_kernel(
     tl.store(counts_ptr + pid * E_PAD + experts, tl.sum(hit, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "n_blocks"])
 def _moe_plan_kernel(
     ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
     P, TOPK, n_blocks,
@@ -272,6 +279,50 @@ def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
                      num_warps=8, num_stages=3)
 
 
+def default_config(n_pairs: int, n_experts: int, elem_size: int) -> MoeConfig:
+    """The tiles a launch uses: :func:`moe_config`, with the reduction tiles halved for fp32 (they
+    are sized for 16-bit shared-memory stages)."""
+    cfg = moe_config(n_pairs, n_experts)
+    if elem_size > 2:
+        cfg = replace(cfg, block_k1=cfg.block_k1 // 2, block_k2=cfg.block_k2 // 2)
+    return cfg
+
+
+@dataclass(frozen=True)
+class PlanLaunch:
+    """How :func:`moe_plan` launches for ``P`` pairs."""
+    chunk: int          # pairs placed per plan program (and counted per counting program): CHUNK
+    count_chunk: int    # pairs (or count rows, when precounted) summed per step: COUNT_CHUNK
+    precount: bool      # a separate counting launch first (PRECOUNTED)
+    n_chunks: int       # programs of each launch
+
+
+def plan_launch(n_pairs: int, n_experts: int, chunk: int = 0, precount: bool | None = None) -> PlanLaunch:
+    """The plan's chunking for ``n_pairs`` pairs (``chunk`` / ``precount``: overrides, for tests)."""
+    e_pad = triton.next_power_of_2(n_experts)
+    # pairs placed per program (one program up to 64 pairs) and counted per step: both keep the
+    # [chunk, E] one-hots small (a plan over [512, 32] tiles took 29 us on the H200, this one 2-7)
+    n_pow2 = triton.next_power_of_2(max(n_pairs, 16))
+    count_chunk = chunk or min(n_pow2, max(16, 8192 // e_pad))
+    chunk = chunk or min(n_pow2, 64)
+    n_chunks = triton.cdiv(n_pairs, chunk)
+    if precount is None:
+        precount = n_chunks > 8  # else every program re-counts all pairs: quadratic in P
+    if precount:  # the plan programs then sum rows of the per-chunk counts, count_chunk of them per step
+        count_chunk = min(count_chunk, max(16, triton.next_power_of_2(n_chunks)))
+    return PlanLaunch(chunk=chunk, count_chunk=count_chunk, precount=precount, n_chunks=n_chunks)
+
+
+def launch_variant(n_pairs: int, n_experts: int, elem_size: int) -> tuple[MoeConfig, int, int, bool]:
+    """The compile-time choices of a default ``moe_experts`` launch over ``n_pairs`` pairs: its tiles
+    and compile options, and the plan's chunking constexprs. Launches with equal variants (and the
+    same model shapes and dtype) run the same compiled kernels (module doc, "Compile-time
+    variants")."""
+    cfg = default_config(n_pairs, n_experts, elem_size)
+    plan = plan_launch(n_pairs, n_experts, cfg.plan_chunk)
+    return cfg, plan.chunk, plan.count_chunk, plan.precount
+
+
 def _tile(block: int, dim: int) -> int:
     """``block`` shrunk for a small ``dim`` (never under 16: ``tl.dot``'s minimum)."""
     return max(16, min(block, triton.next_power_of_2(dim)))
@@ -295,34 +346,25 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
     P = topk_ids.numel()
     n_blocks = n_blocks_bound(P, n_experts, block_m)
     e_pad = triton.next_power_of_2(n_experts)
-    # pairs placed per program (one program up to 64 pairs) and counted per step: both keep the
-    # [chunk, E] one-hots small (a plan over [512, 32] tiles took 29 us on the H200, this one 2-7)
-    n_pow2 = triton.next_power_of_2(max(P, 16))
-    step_max = max(16, 8192 // e_pad)
-    count_chunk = chunk or min(n_pow2, step_max)
-    chunk = chunk or min(n_pow2, 64)
-    n_chunks = triton.cdiv(P, chunk)
-    if precount is None:
-        precount = n_chunks > 8  # else every program re-counts all pairs: quadratic in P
+    plan = plan_launch(P, n_experts, chunk, precount)
+    chunk, n_chunks = plan.chunk, plan.n_chunks
     dev = topk_ids.device
     slot_pair = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     block_rows = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     counts = block_rows  # unused (a placeholder pointer) unless precounted
-    if precount:
+    if plan.precount:
         counts = torch.empty(n_chunks, e_pad, dtype=torch.int32, device=dev)
         _moe_count_kernel[(n_chunks,)](
             topk_ids, counts, P, topk_ids.shape[1], topk_ids.stride(0), topk_ids.stride(1),
             E=n_experts, E_PAD=e_pad, CHUNK=chunk, **pdl_kwargs(topk_ids),
         )
-        # the plan programs now sum rows of `counts`, count_chunk of them per step
-        count_chunk = min(count_chunk, max(16, triton.next_power_of_2(n_chunks)))
     _moe_plan_kernel[(n_chunks,)](
         topk_ids, counts, slot_pair, block_expert, block_rows,
         P, topk_ids.shape[1], n_blocks,
         topk_ids.stride(0), topk_ids.stride(1),
-        E=n_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, COUNT_CHUNK=count_chunk,
-        PRECOUNTED=precount, **pdl_kwargs(topk_ids),
+        E=n_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, COUNT_CHUNK=plan.count_chunk,
+        PRECOUNTED=plan.precount, **pdl_kwargs(topk_ids),
     )
     return slot_pair, block_expert, block_rows
 
@@ -339,10 +381,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if k == 0:
         return out.zero_()
     P = N * k
-    cfg = config or moe_config(P, E)
-    if config is None and x.element_size() > 2:
-        # the tiles are sized for 16-bit shared-memory stages: halve the reduction tiles for fp32
-        cfg = replace(cfg, block_k1=cfg.block_k1 // 2, block_k2=cfg.block_k2 // 2)
+    cfg = config or default_config(P, E, x.element_size())
     bm = cfg.block_m
     slot_pair, block_expert, block_rows = moe_plan(topk_ids, E, bm, cfg.plan_chunk)
     n_blocks = block_expert.shape[0]

@@ -17,6 +17,7 @@ hand tokens to the caller. A request finishing in round ``r`` therefore rides al
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -33,9 +34,10 @@ from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
 from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
-from ..models.config import DraftConfig
+from ..models.config import DraftConfig, TargetConfig
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops.cache_attention import plan_launch
+from ..ops.moe import launch_variant as moe_launch_variant
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
 from .sampling import SamplingError, SamplingParams
@@ -100,7 +102,7 @@ def _common_prefix(a: str, b: str) -> str:
 
 
 def prefill_warm_shapes(max_batch: int, longest: int,
-                        attention_variant: Callable[[int, int], Hashable] | None) -> list[tuple[int, int]]:
+                        variants: Sequence[Callable[[int, int], Hashable]] = ()) -> list[tuple[int, int]]:
     """The ``(rows, length)`` prefills that compile every Triton variant a prefill can need, for
     prompts of up to ``longest`` tokens per chunk.
 
@@ -110,21 +112,42 @@ def prefill_warm_shapes(max_batch: int, longest: int,
 
     - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
     - the length: one token, a multiple of 16 (above) and not (17);
-    - the attention's launch plan (``attention_variant(rows, length)``, the target's
-      ``ops.cache_attention.plan_launch(...).variant``) depends on both: row tiles by length, key
-      splits by the number of programs. One shape per variant, the one with the fewest tokens.
-      Its integer arguments are not specialized, so one shape covers the variant.
+    - kernels whose launch plan depends on both, each named by a function ``variant(rows, length)``
+      in ``variants``: the attention (``ops.cache_attention.plan_launch(...).variant``: row tiles by
+      length, key splits by the number of programs) and, for an MoE target, the experts
+      (``ops.moe.launch_variant`` of the ``rows * length * top_k`` pairs: tiles and plan chunking).
+      One shape per variant of each, the one with the fewest tokens. Their shape-dependent
+      integer arguments are not specialized, so one shape covers a variant.
     """
     shapes = [(rows, 16) for rows in range(1, max_batch + 1)] + [(1, 1), (1, 17)]
-    if attention_variant is not None:
+    for variant in variants:
         cheapest: dict[Hashable, tuple[int, int]] = {}
         for rows in range(1, max_batch + 1):
             for length in range(1, longest + 1):
-                v = attention_variant(rows, length)
+                v = variant(rows, length)
                 if v not in cheapest or rows * length < math.prod(cheapest[v]):
                     cheapest[v] = (rows, length)
         shapes += sorted(cheapest.values())
     return list(dict.fromkeys((r, n) for r, n in shapes if n <= longest))
+
+
+def prefill_variants(cfg: TargetConfig, cache_len: int, elem_size: int, sms: int
+                     ) -> list[Callable[[int, int], Hashable]]:
+    """The ``variant(rows, length)`` functions of :func:`prefill_warm_shapes` for a target: its
+    attention's launch plan (with a KV cache of ``cache_len`` positions) and, for an MoE target, its
+    experts' (``ops.moe.launch_variant`` of the prefill's ``rows * length * top_k`` pairs)."""
+    variants: list[Callable[[int, int], Hashable]] = []
+    if cfg.attention_layers:
+        def attention_variant(rows: int, length: int) -> Hashable:
+            return plan_launch(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               cache_len, elem_size, sms).variant
+        variants.append(attention_variant)
+    if cfg.is_moe and cfg.num_hidden_layers > cfg.num_dense_layers:
+        # a function of the pair count alone, which many shapes share
+        moe_variant = functools.lru_cache(maxsize=None)(
+            lambda pairs: moe_launch_variant(pairs, cfg.num_experts, elem_size))
+        variants.append(lambda rows, length: moe_variant(rows * length * cfg.num_experts_per_tok))
+    return variants
 
 
 class Engine:
@@ -276,16 +299,9 @@ class Engine:
         nothing is compiled, so one short prefill exercises the path."""
         if self.device.type != "cuda":
             return [(1, min(16, self.max_seq_len))]
-        cfg = self.config
-        has_attention = bool(cfg.attention_layers)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-
-        def attention_variant(rows: int, length: int) -> Hashable:
-            return plan_launch(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               self.tcache.max_seq_len, self.dtype.itemsize, sms).variant
-
-        return prefill_warm_shapes(self.max_batch, min(self.prefill_chunk, self.max_seq_len),
-                                   attention_variant if has_attention else None)
+        variants = prefill_variants(self.config, self.tcache.max_seq_len, self.dtype.itemsize, sms)
+        return prefill_warm_shapes(self.max_batch, min(self.prefill_chunk, self.max_seq_len), variants)
 
     def _warm_prefill(self, sampling: bool) -> None:
         """Run :meth:`prefill_warm_shapes` on free slots (greedy, and the first shape sampling too
