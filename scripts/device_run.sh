@@ -18,8 +18,9 @@ IMPOSED_ARGS="--imposed-acceptance 0.9 --imposed-acceptance 0.8"
 for step in $STEPS; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests)   # gpu-marked tests plus the op tests, which run natively on CUDA
-      timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rfs --tb=short -p no:logging \
+    tests)   # gpu-marked tests plus the op tests, which run natively on CUDA; at the time limit pytest
+             # gets SIGINT, so it still prints the failures and counts of what ran
+      timeout -s INT -k 30 ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rfs --tb=short -p no:logging \
         ${TEST_PATHS:-tests/ops tests/models tests/test_graphs_gpu.py} 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
     ttft)    # first- vs second-request prefill per shape, with the Triton kernels each compiled
       timeout ${T_TTFT:-200} python3 scripts/ttft_probe.py --preset ${TTFT_PRESET:-lfm2.5-1.2b} ${TTFT_ARGS:-} \
