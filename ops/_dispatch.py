@@ -19,6 +19,17 @@ every PDL-launched kernel waits before it finishes: a kernel that skipped the wa
 before an earlier kernel, and its successor waits for it alone (graphs/compile.py makes Inductor's
 kernels wait for that reason). ``LFMSPARK_PDL=0`` turns it off (graphs/compile.py does the same for Inductor's
 kernels).
+
+When the successor's programs may launch (``LFMSPARK_PDL_TRIGGER``, an A/B switch not yet measured
+on the GPU): ``entry`` (the default) executes ``gdc_launch_dependents`` first thing in every kernel,
+so the successor's programs launch as soon as SM resources allow and request their first weights
+early; the risk is that they occupy SM slots, waiting, that the running product's later waves
+need. ``late`` moves it, in the weight-streaming products (``skinny_linear``, ``swiglu_gemv``,
+``add_rmsnorm_gemv``), to after the program has read its weights, so only the product's tail
+overlaps the successor. The ``PDL`` constexpr carries the mode: 0 off, 1 on with the trigger at
+entry, 2 on with the products' trigger late (every other kernel treats any nonzero value as 1).
+Where the trigger sits changes only timing, never results: a successor still waits for the
+completion of its predecessor.
 """
 
 from __future__ import annotations
@@ -51,13 +62,27 @@ def pdl_requested() -> bool:
     return value == "1"
 
 
+_TRIGGERS = {"entry": 1, "late": 2}
+
+
+def pdl_trigger() -> int:
+    """``LFMSPARK_PDL_TRIGGER`` (``entry`` default, ``late``): the ``PDL`` constexpr value of a PDL launch
+    (see the module doc)."""
+    value = os.environ.get("LFMSPARK_PDL_TRIGGER", "entry")
+    if value not in _TRIGGERS:
+        raise ValueError(f"LFMSPARK_PDL_TRIGGER={value!r}: use 'entry' (launch_dependents first thing) or 'late' "
+                         "(after a product's weights are read)")
+    return _TRIGGERS[value]
+
+
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` launch with PDL: CUDA on sm90+, unless ``LFMSPARK_PDL=0``.
     Launchers pass the result both as ``launch_pdl=`` and as the kernels' ``PDL`` constexpr."""
     return t.device.type == "cuda" and pdl_requested() and _supports_pdl(t.device)
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
-    """Launch keywords for a kernel following the PDL contract, working on ``t``'s device."""
+def pdl_kwargs(t: torch.Tensor) -> dict[str, int | bool]:
+    """Launch keywords for a kernel following the PDL contract, working on ``t``'s device: the
+    ``PDL`` constexpr (0 off, else :func:`pdl_trigger`) and ``launch_pdl``."""
     pdl = use_pdl(t)
-    return {"PDL": pdl, "launch_pdl": pdl}
+    return {"PDL": pdl_trigger() if pdl else 0, "launch_pdl": pdl}

@@ -55,7 +55,7 @@ def _add_rmsnorm_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # N: output columns (for SWIGLU the gate/up width F: rows j and F + j of the weight)
-    if PDL:
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,6 +92,8 @@ def _add_rmsnorm_gemv_kernel(
     xn = (x32 * inv).to(dtype).to(tl.float32)
     xv = (nw.to(tl.float32) * xn).to(dtype).to(tl.float32)[None, :]
     y = tl.sum(w.to(tl.float32) * xv, axis=1)
+    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+        tl.extra.cuda.gdc_launch_dependents()
     if SWIGLU:
         up = tl.sum(wu.to(tl.float32) * xv, axis=1).to(dtype).to(tl.float32)
         gate = y.to(dtype).to(tl.float32)

@@ -108,7 +108,7 @@ def _skinny_linear_kernel(
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
     # partials from column F on), the tile's last program sums them (see the module doc)
-    if PDL:
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -145,6 +145,8 @@ def _skinny_linear_kernel(
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
+    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+        tl.extra.cuda.gdc_launch_dependents()
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
@@ -268,7 +270,7 @@ def _gemv_kernel(
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
     # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
-    if PDL:
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -286,6 +288,8 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
+    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     col_ok = cols < N
     if SPLIT:

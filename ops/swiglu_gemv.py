@@ -38,7 +38,7 @@ def _swiglu_gemv_kernel(
     F, K, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_rows = (cols % F).to(tl.int64)            # past F: a valid row, never stored
@@ -60,6 +60,8 @@ def _swiglu_gemv_kernel(
         xv = _load_x_vector(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
         acc_g += wg.to(tl.float32) * xv
         acc_u += wu.to(tl.float32) * xv
+    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+        tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_u, axis=1).to(dtype).to(tl.float32)

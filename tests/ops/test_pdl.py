@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops._dispatch import pdl_kwargs, pdl_requested, use_pdl
+from lfmspark.ops._dispatch import pdl_kwargs, pdl_requested, pdl_trigger, use_pdl
 
 lfm = torch.ops.lfmspark
 
 
 def test_off_on_cpu() -> None:
     assert not use_pdl(torch.zeros(1))
-    assert pdl_kwargs(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+    assert pdl_kwargs(torch.zeros(1)) == {"PDL": 0, "launch_pdl": False}
 
 
 def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,6 +30,17 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LFMSPARK_PDL", "yes")
     with pytest.raises(ValueError, match="LFMSPARK_PDL='yes'"):
         pdl_requested()
+
+
+def test_trigger_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)
+    assert pdl_trigger() == 1
+    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "late")
+    assert pdl_trigger() == 2
+    assert pdl_kwargs(torch.zeros(1))["PDL"] == 0          # off the GPU, whatever the trigger
+    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "early")
+    with pytest.raises(ValueError, match="LFMSPARK_PDL_TRIGGER='early'"):
+        pdl_trigger()
 
 
 def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_out: torch.Tensor,
@@ -48,7 +59,8 @@ def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_
 
 
 @pytest.mark.gpu
-def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("trigger", ["entry", "late"])
+def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch, trigger: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     K = 2048
 
@@ -62,6 +74,7 @@ def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> 
     want = _chain(*args)
 
     monkeypatch.setenv("LFMSPARK_PDL", "1")
+    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", trigger)
     assert use_pdl(x), "the H200 supports PDL"
     _chain(*args)  # compile the PDL variants outside the capture
     torch.cuda.synchronize()
