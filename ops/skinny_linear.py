@@ -525,18 +525,27 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight must be row-major (stride(1) == 1)")
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
-    _check(x, weight)
-    (M, K), N = x.shape, weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool
+             ) -> torch.Tensor:
+    """``out [M, n_out]`` of either op on checked inputs: empty shapes and ``K = 0`` (a zero product;
+    for SwiGLU ``silu(0) * 0``) handled on the host, else one :func:`_launch` with ``config`` or the
+    default configuration (:func:`skinny_config` / :func:`swiglu_config`)."""
+    M, K = x.shape
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, weight, out, config or skinny_config(M, N, K, x.element_size(), _sm_count(x.device)), swiglu=False)
+    default = swiglu_config if swiglu else skinny_config
+    _launch(x, weight, out, config or default(M, n_out, K, x.element_size(), _sm_count(x.device)), swiglu=swiglu)
     return out
+
+
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
+    _check(x, weight)
+    return _product(x, weight, weight.shape[0], config, swiglu=False)
 
 
 def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
@@ -555,15 +564,7 @@ def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
 def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """``skinny_swiglu`` on the ``tl.dot`` kernel (``config``: launch override; ``gemv`` is ignored)."""
     _check_swiglu(x, w13)
-    (M, K), F_ = x.shape, w13.shape[0] // 2
-    out = torch.empty((M, F_), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if K == 0:  # gate = up = 0: silu(0) * 0
-        return out.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, w13, out, config or swiglu_config(M, F_, K, x.element_size(), _sm_count(x.device)), swiglu=True)
-    return out
+    return _product(x, w13, w13.shape[0] // 2, config, swiglu=True)
 
 
 # ---------------------------------------------------------------------------------------------
