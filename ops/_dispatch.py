@@ -20,16 +20,18 @@ before an earlier kernel, and its successor waits for it alone (graphs/compile.p
 kernels wait for that reason). ``LFMSPARK_PDL=0`` turns it off (graphs/compile.py does the same for Inductor's
 kernels).
 
-When the successor's programs may launch (``LFMSPARK_PDL_TRIGGER``, an A/B switch not yet measured
-on the GPU): ``entry`` (the default) executes ``gdc_launch_dependents`` first thing in every kernel,
-so the successor's programs launch as soon as SM resources allow and request their first weights
-early; the risk is that they occupy SM slots, waiting, that the running product's later waves
-need. ``late`` moves it, in the weight-streaming products (``skinny_linear``, ``swiglu_gemv``,
-``add_rmsnorm_gemv``), to after the program has read its weights, so only the product's tail
-overlaps the successor. The ``PDL`` constexpr carries the mode: 0 off, 1 on with the trigger at
-entry, 2 on with the products' trigger late (every other kernel treats any nonzero value as 1).
-Where the trigger sits changes only timing, never results: a successor still waits for the
-completion of its predecessor.
+When the successor's programs may launch (``LFMSPARK_PDL_TRIGGER``): ``entry`` executes
+``gdc_launch_dependents`` first thing in every kernel, so the successor's programs launch as soon as
+SM resources allow and request their first weights early; ``late`` moves it, in the weight-streaming
+products (``skinny_linear``, ``swiglu_gemv``, ``add_rmsnorm_gemv``), to after the program has read its
+weights, so only the product's tail overlaps the successor. Measured on the H200 (docs/benchmarks.md,
+session 7): ``late`` took the one-row decode step from 0.815 to 0.781 ms per token but the round
+(9-10-row tile products) from 1.365 to 1.388 ms, so the default, ``auto``, triggers late in the
+one-row products (``_gemv_kernel``, ``swiglu_gemv``, ``add_rmsnorm_gemv``) and at entry everywhere
+else. The ``PDL`` constexpr carries the choice: 0 off, 1 on with the trigger at entry, 2 on with the
+trigger late (kernels without a late trigger point treat any nonzero value as 1). Where the
+trigger sits changes only timing, never results: a successor still waits for the completion of its
+predecessor.
 """
 
 from __future__ import annotations
@@ -62,17 +64,21 @@ def pdl_requested() -> bool:
     return value == "1"
 
 
-_TRIGGERS = {"entry": 1, "late": 2}
+_TRIGGERS = ("auto", "entry", "late")
 
 
-def pdl_trigger() -> int:
-    """``LFMSPARK_PDL_TRIGGER`` (``entry`` default, ``late``): the ``PDL`` constexpr value of a PDL launch
-    (see the module doc)."""
-    value = os.environ.get("LFMSPARK_PDL_TRIGGER", "entry")
+def pdl_trigger(one_row_product: bool = False) -> int:
+    """``LFMSPARK_PDL_TRIGGER`` (``auto`` default, ``entry``, ``late``): the ``PDL`` constexpr value of a
+    PDL launch of a kernel (``one_row_product``: one of the one-row weight-streaming products); see
+    the module doc."""
+    value = os.environ.get("LFMSPARK_PDL_TRIGGER", "auto")
     if value not in _TRIGGERS:
-        raise ValueError(f"LFMSPARK_PDL_TRIGGER={value!r}: use 'entry' (launch_dependents first thing) or 'late' "
-                         "(after a product's weights are read)")
-    return _TRIGGERS[value]
+        raise ValueError(f"LFMSPARK_PDL_TRIGGER={value!r}: use 'auto' (the default: late in the one-row products, "
+                         "at entry elsewhere), 'entry' (launch_dependents first thing) or 'late' (after a "
+                         "product's weights are read)")
+    if value == "auto":
+        return 2 if one_row_product else 1
+    return 1 if value == "entry" else 2
 
 
 def use_pdl(t: torch.Tensor) -> bool:
@@ -81,8 +87,8 @@ def use_pdl(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and pdl_requested() and _supports_pdl(t.device)
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict[str, int | bool]:
+def pdl_kwargs(t: torch.Tensor, one_row_product: bool = False) -> dict[str, int | bool]:
     """Launch keywords for a kernel following the PDL contract, working on ``t``'s device: the
     ``PDL`` constexpr (0 off, else :func:`pdl_trigger`) and ``launch_pdl``."""
     pdl = use_pdl(t)
-    return {"PDL": pdl_trigger() if pdl else 0, "launch_pdl": pdl}
+    return {"PDL": pdl_trigger(one_row_product) if pdl else 0, "launch_pdl": pdl}

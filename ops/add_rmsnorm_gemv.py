@@ -168,7 +168,7 @@ def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_we
         h, h if delta is None else delta, norm_weight, weight, s, out,
         N, K, weight.stride(0), float(eps),
         HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K == block_k,
-        num_warps=num_warps, **pdl_kwargs(h),
+        num_warps=num_warps, **pdl_kwargs(h, one_row_product=True),
     )
     return s, out
 

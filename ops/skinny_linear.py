@@ -499,7 +499,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
         )
     else:
         _skinny_linear_kernel[grid](

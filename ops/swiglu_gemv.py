@@ -95,7 +95,7 @@ def swiglu_gemv_triton(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     block_k = min(_BLOCK_K, max(16, triton.next_power_of_2(K)))
     _swiglu_gemv_kernel[(triton.cdiv(F_, _BLOCK_N),)](
         x, w13, out, F_, K, w13.stride(0),
-        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=4, **pdl_kwargs(x),
+        BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=4, **pdl_kwargs(x, one_row_product=True),
     )
     return out
 

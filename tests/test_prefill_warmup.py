@@ -95,7 +95,10 @@ class _LaunchRecorder:
     def __init__(self, name: str, kernel, log: list):
         self.name, self.kernel, self.log = name, kernel, log
         # a JITFunction keeps its decorator's do_not_specialize; the interpreter's stand-in its kwargs
-        names = getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize") or ()
+        if hasattr(kernel, "do_not_specialize"):
+            names = kernel.do_not_specialize or ()
+        else:
+            names = kernel.kwargs.get("do_not_specialize") or ()
         unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in names}
         self.specialized = [i for i, a in enumerate(kernel.arg_names) if a not in unspecialized]
 

@@ -33,14 +33,55 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_trigger_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)
-    assert pdl_trigger() == 1
+    monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)   # auto: late in the one-row products only
+    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (1, 2)
+    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "entry")
+    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (1, 1)
     monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "late")
-    assert pdl_trigger() == 2
+    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (2, 2)
     assert pdl_kwargs(torch.zeros(1))["PDL"] == 0          # off the GPU, whatever the trigger
     monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "early")
     with pytest.raises(ValueError, match="LFMSPARK_PDL_TRIGGER='early'"):
         pdl_trigger()
+
+
+class _PdlRecorder:
+    """Stands in for a kernel: records the ``PDL`` constexpr of each launch instead of launching."""
+
+    def __init__(self, name: str, seen: dict[str, int]):
+        self.name, self.seen = name, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen[self.name] = kwargs["PDL"]
+        return launch
+
+
+@pytest.mark.parametrize("trigger, one_row, tile", [(None, 2, 1), ("entry", 1, 1), ("late", 2, 2)])
+def test_launchers_pass_the_trigger_of_their_kind(monkeypatch: pytest.MonkeyPatch, trigger: str | None,
+                                                  one_row: int, tile: int) -> None:
+    """The one-row products (GEMV, SwiGLU GEMV, fused-norm GEMV) launch with the one-row trigger,
+    the several-row tile products with the tile trigger (``auto``, the default, differs)."""
+    from lfmspark.ops import _dispatch, add_rmsnorm_gemv, skinny_linear, swiglu_gemv
+
+    if trigger is None:
+        monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)
+    else:
+        monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", trigger)
+    monkeypatch.setattr(_dispatch, "use_pdl", lambda t: True)
+    seen: dict[str, int] = {}
+    for module, name in [(skinny_linear, "_gemv_kernel"), (skinny_linear, "_skinny_linear_kernel"),
+                         (swiglu_gemv, "_swiglu_gemv_kernel"), (add_rmsnorm_gemv, "_add_rmsnorm_gemv_kernel")]:
+        monkeypatch.setattr(module, name, _PdlRecorder(name, seen))
+    K = 64
+    x, w, w13 = torch.ones(1, K), torch.ones(256, K), torch.ones(512, K)
+    skinny_linear.skinny_linear_triton(x, w, skinny_linear.SkinnyConfig(block_n=16, block_k=K, gemv=True))
+    skinny_linear.skinny_linear_triton(x.expand(10, K), w)
+    skinny_linear.skinny_swiglu_triton(x.expand(10, K), w13)
+    swiglu_gemv.swiglu_gemv_triton(x, w13)
+    add_rmsnorm_gemv.add_rmsnorm_gemv_triton(x, None, torch.ones(K), 1e-6, w, swiglu=False)
+    assert seen == {"_gemv_kernel": one_row, "_swiglu_gemv_kernel": one_row, "_add_rmsnorm_gemv_kernel": one_row,
+                    "_skinny_linear_kernel": tile}
 
 
 def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_out: torch.Tensor,
@@ -59,7 +100,7 @@ def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trigger", ["entry", "late"])
+@pytest.mark.parametrize("trigger", ["auto", "entry", "late"])
 def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch, trigger: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     K = 2048
