@@ -17,7 +17,7 @@ def main(paths: list[str]) -> None:
         results = report["results"]
         for target in results["target_only"]:
             b = target["batch"]
-            spec = [r for r in results["speculative"] if r["batch"] == b]
+            spec = [r for r in results.get("speculative", []) if r["batch"] == b]
             spec_txt = "".join(f" {s['tpot_ms_p50']:>10.3f} {s['step_ms']:>8.3f} {s['tau']:>5.2f}" for s in spec[:1])
             print(f"{Path(path).stem:<40} {b:>5} {target['tpot_ms_p50']:>8.3f} {target['step_ms']:>8.3f}{spec_txt}")
 
