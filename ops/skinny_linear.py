@@ -351,10 +351,10 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
         # the tl.dot-free kernel, 4 columns x 2048-wide K steps per program. Timed alone on the H200
         # (benchmarks/kernels/skinny_linear.py --sweep) 1024-wide steps were the best or within 3% of
         # the best at every served shape; inside the decode step's PDL chain 2048 took the LFM2.5-1.2B
-        # TPOT from 0.772 to 0.734 ms (docs/benchmarks.md, session 7): a K = 2048 program requests its
-        # whole weight tile before it waits for its predecessor (the first K step is peeled), and
-        # w2 (K = 8192) takes 4 steps instead of 8 (4096: 0.751 ms). No split: N / 4 programs already
-        # oversubscribe the SMs at N >= 2048
+        # TPOT from 0.772 to 0.734 ms (docs/benchmarks.md, session 7; 4096: 0.751 ms). Likely why: a
+        # K = 2048 program (out_proj) requests its whole weight tile before it waits for its
+        # predecessor (the first K step is peeled), and w2 (K = 8192) takes 4 steps instead of 8; the
+        # run did not separate the two. No split: N / 4 programs already oversubscribe the SMs at N >= 2048
         return SkinnyConfig(block_n=4, block_k=min(2048, max(16, triton.next_power_of_2(K))), split_k=1,
                             num_warps=4, num_stages=2, gemv=True)
     return swap_ab_config(M, N, K, elem_size, sms)
