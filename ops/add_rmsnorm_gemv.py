@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 from .skinny_linear import _load_w_block
+from .tuning import tuned
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
 # H200 sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep, docs/benchmarks.md), 1.2B shapes with 8
@@ -141,12 +142,14 @@ def launch_params(K: int, swiglu: bool, block_n: int | None = None, num_warps: i
     """``(block_n, block_k, num_warps)`` of a launch: ``block_n`` output columns per program (gate
     columns, each with its up column, for ``swiglu``; default ``BLOCK_N_PLAIN`` / ``BLOCK_N_SWIGLU``),
     the whole row as one K block, and ``NUM_WARPS`` by default (the swept best;
-    ``benchmarks/kernels/add_rmsnorm_gemv.py --sweep`` times the alternatives)."""
-    block_n = block_n or (BLOCK_N_SWIGLU if swiglu else BLOCK_N_PLAIN)
+    ``benchmarks/kernels/add_rmsnorm_gemv.py --sweep`` times the alternatives; ``LFMSPARK_TUNE`` kinds
+    ``norm_gemv`` / ``norm_swiglu`` replace the defaults, ops/tuning.py)."""
+    kind = "norm_swiglu" if swiglu else "norm_gemv"
+    block_n = block_n or tuned(kind, "block_n", BLOCK_N_SWIGLU if swiglu else BLOCK_N_PLAIN)
     if block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two, got {block_n}")
     block_k = max(16, triton.next_power_of_2(K))
-    return block_n, block_k, num_warps or NUM_WARPS
+    return block_n, block_k, num_warps or tuned(kind, "num_warps", NUM_WARPS)
 
 
 def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 from .argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
+from .tuning import tuned
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -143,9 +144,11 @@ class WalkConfig:
 
 
 def walk_config(B: int, V: int, rank: int) -> WalkConfig:
-    """Default launch parameters (not swept on the H200 yet; ``WalkConfig`` overrides them)."""
-    return WalkConfig(block_v=min(256, max(16, triton.next_power_of_2(V))),
-                      block_r=min(64, max(16, triton.next_power_of_2(rank))))
+    """Default launch parameters (the fastest of 18 in the H200 sweep at batch 1, docs/benchmarks.md;
+    ``LFMSPARK_TUNE`` kind ``walk`` replaces them, ops/tuning.py)."""
+    return WalkConfig(block_v=tuned("walk", "block_v", min(256, max(16, triton.next_power_of_2(V)))),
+                      block_r=tuned("walk", "block_r", min(64, max(16, triton.next_power_of_2(rank)))),
+                      num_warps=tuned("walk", "num_warps", WalkConfig.num_warps))
 
 
 def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:

@@ -45,13 +45,14 @@ for step in $STEPS; do
       timeout ${T_BENCH8:-300} lfmspark bench --preset lfm2-8b-a1b --batch-sizes ${BATCH_SIZES:-1} --runs 2 \
         $IMPOSED_ARGS ${BENCH_ARGS:-} --profile-dir $RUN/profile_8b --json $RUN/bench_8b.json 2>&1 \
         | tee $RUN/bench_8b.log | tail -25 ;;
-    ab)      # A/B of runtime switches: AB_VARIANTS="name:VAR=1,VAR2=0 name2:..." (no HF; AB_ARGS, default
+    ab)      # A/B of runtime switches: AB_VARIANTS="name:VAR=1;VAR2=0 name2:..." (";" between variables, so
+             # a value may hold commas: "k:LFMSPARK_TUNE=gemv.block_k=1024,gemv.num_warps=8"; no HF; AB_ARGS, default
              # imposed 0.8: e.g. "--draft-preset none" times target-only decode alone); AB_PROFILE=1 also
              # writes each variant's per-kernel tables
       for variant in ${AB_VARIANTS:-"base:LFMSPARK_PDL=0 pdl:LFMSPARK_PDL=1"}; do
         name=${variant%%:*}; envs=${variant#*:}
         echo "--- $name ($envs)"
-        env ${envs//,/ } timeout ${T_AB:-120} lfmspark bench --preset ${AB_PRESET:-lfm2.5-1.2b} \
+        env ${envs//;/ } timeout ${T_AB:-120} lfmspark bench --preset ${AB_PRESET:-lfm2.5-1.2b} \
           --batch-sizes ${BATCH_SIZES:-1} --runs 2 --no-hf --no-phase-split ${AB_ARGS:---imposed-acceptance 0.8} \
           ${AB_PROFILE:+--profile-dir $RUN/profile_ab_$name} \
           --json $RUN/ab_$name.json > $RUN/ab_$name.log 2>&1 || tail -20 $RUN/ab_$name.log

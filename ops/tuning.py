@@ -1,0 +1,63 @@
+"""``LFMSPARK_TUNE``: override the launch parameters the kernels' heuristics choose, to tune them
+inside a real step.
+
+Why: a kernel timed alone and the same kernel inside the decode step's PDL chain can rank launch
+parameters differently. On the H200 the one-row GEMV's 1024-wide K steps were the best timed alone,
+yet 2048-wide steps made the whole LFM2.5-1.2B decode step 5% faster (docs/benchmarks.md, session
+7). So parameters are tuned by timing the whole step once per variant, one process each, e.g. with
+``scripts/device_run.sh``'s ``ab`` step::
+
+    AB_VARIANTS="base:LFMSPARK_TUNE= k256:LFMSPARK_TUNE=tile.block_k=256" STEPS=ab bash scripts/device_run.sh
+
+The value is a comma-separated list of ``kind.parameter=integer``; each replaces what the heuristic
+would choose for every launch of that kind (the heuristic's later choices, e.g. the pipeline depth
+that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
+ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
+gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
+prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). Parameters
+are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
+resources: too many stages fail at launch with Triton's out-of-resources error. The benchmark's
+JSON records the variable with every other ``LFMSPARK_*`` switch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+_POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
+KNOBS: dict[str, tuple[str, ...]] = {
+    "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
+    "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
+    "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
+    "norm_gemv": ("block_n", "num_warps"),
+    "norm_swiglu": ("block_n", "num_warps"),
+    "walk": ("block_v", "block_r", "num_warps"),
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(value: str) -> dict[str, int]:
+    valid = ", ".join(f"{kind}.{p}" for kind, params in KNOBS.items() for p in params)
+    overrides: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, number = item.partition("=")
+        kind, _, param = key.partition(".")
+        if not sep or param not in KNOBS.get(kind, ()):
+            raise ValueError(f"LFMSPARK_TUNE: {item!r} is not kind.parameter=integer with a known key; valid keys: "
+                             f"{valid}")
+        try:
+            n = int(number)
+        except ValueError:
+            raise ValueError(f"LFMSPARK_TUNE: {key} needs an integer, got {number!r}") from None
+        if n < 1 or (param in _POWER_OF_TWO and n & (n - 1)):
+            raise ValueError(f"LFMSPARK_TUNE: {key} must be a positive integer"
+                             f"{' and a power of two' if param in _POWER_OF_TWO else ''}, got {n}")
+        overrides[key] = n
+    return overrides
+
+
+def tuned(kind: str, param: str, default: int) -> int:
+    """``default`` unless ``LFMSPARK_TUNE`` overrides ``kind.param``."""
+    assert param in KNOBS[kind], (kind, param)
+    return _parse(os.environ.get("LFMSPARK_TUNE", "")).get(f"{kind}.{param}", default)

@@ -1,0 +1,74 @@
+"""``LFMSPARK_TUNE`` (ops/tuning.py): overrides reach the launch parameters of each kind of kernel,
+later heuristic choices follow them, and malformed values are rejected with the valid keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lfmspark.ops import add_rmsnorm_gemv, markov_walk, skinny_linear
+from lfmspark.ops.tuning import tuned
+
+SMS = 132
+
+
+def test_unset_keeps_the_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
+    assert tuned("gemv", "block_k", 2048) == 2048
+    gemv = skinny_linear.skinny_config(1, 2048, 8192, 2, SMS)
+    assert (gemv.block_n, gemv.block_k, gemv.num_warps, gemv.num_stages) == (4, 2048, 4, 2)
+
+
+def test_each_kind_reads_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024, gemv.num_warps=8,tile.num_stages=2,"
+                                        "tile_swiglu.block_n=32,norm_gemv.block_n=4,norm_swiglu.num_warps=4,"
+                                        "walk.block_v=128")
+    gemv = skinny_linear.skinny_config(1, 2048, 8192, 2, SMS)
+    assert (gemv.block_n, gemv.block_k, gemv.num_warps) == (4, 1024, 8)
+    tile = skinny_linear.skinny_config(10, 6144, 2048, 2, SMS)
+    assert (tile.block_n, tile.num_stages) == (64, 2)          # block_n from the heuristic, stages replaced
+    swiglu = skinny_linear.swiglu_config(10, 8192, 2048, 2, SMS)
+    assert (swiglu.block_n, swiglu.num_stages) == (32, 3)      # tile.num_stages is not the SwiGLU's
+    assert add_rmsnorm_gemv.launch_params(2048, swiglu=False)[0] == 4
+    assert add_rmsnorm_gemv.launch_params(2048, swiglu=True) == (4, 2048, 4)
+    walk = markov_walk.walk_config(1, 65536, 256)
+    assert (walk.block_v, walk.block_r, walk.num_warps) == (128, 64, 8)
+
+
+def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wider tile means fewer column blocks, so the heuristic splits K further; a
+    replaced split count is planned over whole K blocks like the heuristic's."""
+    monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
+    base = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
+    wide = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    assert (base.block_n, wide.block_n) == (64, 128) and wide.split_k > base.split_k
+    assert wide.block_k == 64                                  # the 128-row tiles' K step
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile.split_k=3")
+    split = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    assert split.split_k == skinny_linear.split_k_plan(2048, split.block_k, 3)[1] == 3
+
+
+def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=g).to(triton_device)
+    w = torch.randn(96, 256, generator=g).to(triton_device)
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=16,tile.block_k=32,tile.split_k=2")
+    cfg = skinny_linear.skinny_config(3, 96, 256, 4, SMS)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (16, 32, 2)
+    got = skinny_linear.skinny_linear_triton(x, w)
+    torch.testing.assert_close(got, skinny_linear.skinny_linear_reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("gemv.block_k", "kind.parameter=integer"),
+    ("gemv.bogus=4", "valid keys: gemv.block_n"),
+    ("conv.block_n=4", "valid keys"),
+    ("tile.block_k=x", "tile.block_k needs an integer, got 'x'"),
+    ("tile.block_k=96", "power of two, got 96"),
+    ("tile.num_stages=0", "positive integer, got 0"),
+])
+def test_malformed_values_name_the_problem(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv("LFMSPARK_TUNE", value)
+    with pytest.raises(ValueError, match=message):
+        tuned("gemv", "block_n", 4)
