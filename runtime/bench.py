@@ -30,6 +30,7 @@ from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_t
 from ..ops._dispatch import use_pdl
 from .engine import Engine
 from .sampling import SamplingParams
+from .timeline import cuda_kernel_intervals, timeline_lines
 
 log = logging.getLogger("lfmspark")
 
@@ -223,6 +224,9 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
              f"{sum(e.count for e in kernels) / iters:.0f} kernels per replay",
              f"{'us/replay':>10} {'n/replay':>8}  kernel"]
     lines += [f"{e.device_time_total / iters:10.1f} {e.count / iters:8.1f}  {e.key[:150]}" for e in kernels]
+    # under PDL the durations above include waiting; the timeline table says what each kernel costs the replay
+    intervals = cuda_kernel_intervals(prof.events())
+    lines += [""] + (timeline_lines(intervals, iters) if intervals else ["(no device-side kernel events to lay out)"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
