@@ -101,7 +101,7 @@ def _skinny_linear_kernel(
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
@@ -123,19 +123,32 @@ def _skinny_linear_kernel(
     # columns past N read row `c % N` instead of being masked, so the weight loads of the fast path
     # carry no mask at all (full-width vector loads); those columns are never stored
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
-    # before waiting for the predecessor (PDL); x is its output and is read after the wait
+    # the first PEEL K blocks are peeled: their weights depend on no earlier kernel, so they are
+    # requested before waiting for the predecessor (PDL); x is its output and is read after the wait.
+    # PEEL = 2 (an LFMSPARK_TUNE experiment) needs every split to span two K blocks (the launcher's check)
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if PEEL == 2:
+        w_next = _load_w_block(w_ptrs + BLOCK_K, k0 + BLOCK_K, k_end, BLOCK_K, EVEN_K)
+        if SWIGLU:
+            wu_next = _load_w_block(u_ptrs + BLOCK_K, k0 + BLOCK_K, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
         acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
-    for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
+    if PEEL == 2:
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        a = _load_x_block(x_ptrs, row_ok, k0 + BLOCK_K, k_end, BLOCK_K, EVEN_K)
+        acc = _dot_block(a, w_next, acc, SWAP_AB, DOT_PRECISION, UPCAST)
+        if SWIGLU:
+            u_ptrs += BLOCK_K
+            acc_u = _dot_block(a, wu_next, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
+    for k in range(k0 + PEEL * BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
@@ -325,6 +338,8 @@ class SkinnyConfig:
     gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
     swap_ab: bool = False  # the tl.dot kernel with the weight tile as its A operand (SWAP_AB);
     #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
+    peel: int = 1          # tl.dot kernel: K blocks of weights requested before the PDL wait (1 or 2;
+    #                        2 only where every split spans two K blocks, else the launch peels 1)
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -434,7 +449,7 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=tuned(kind, "num_warps", 4),
-                        num_stages=tuned(kind, "num_stages", num_stages), swap_ab=True)
+                        num_stages=tuned(kind, "num_stages", num_stages), swap_ab=True, peel=tuned(kind, "peel", 1))
 
 
 def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
@@ -503,6 +518,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
+    if cfg.peel not in (1, 2):
+        raise ValueError(f"SkinnyConfig.peel must be 1 or 2 K blocks, got {cfg.peel}")
+    last_split_blocks = triton.cdiv(K - (splits - 1) * k_split, cfg.block_k)
+    peel = 2 if cfg.peel == 2 and min(k_split // cfg.block_k, last_split_blocks) >= 2 else 1
     if M == 1 and cfg.gemv and not swiglu:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
@@ -517,7 +536,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16, PEEL=peel,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
 

@@ -14,7 +14,8 @@ would choose for every launch of that kind (the heuristic's later choices, e.g. 
 that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
-prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). Parameters
+prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). ``peel``
+(1 or 2) is how many K blocks of weights a tile program requests before its PDL wait. Parameters
 are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
 resources: too many stages fail at launch with Triton's out-of-resources error. The benchmark's
 JSON records the variable with every other ``LFMSPARK_*`` switch.
@@ -28,8 +29,8 @@ import os
 _POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
     "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
-    "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
-    "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
+    "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages", "peel"),
+    "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages", "peel"),
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),

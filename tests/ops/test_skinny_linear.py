@@ -216,6 +216,48 @@ def test_swap_ab_kernel_matches_reference(triton_device: str, dtype: torch.dtype
     _check(skinny_linear_triton(x, w, cfg), x, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N, K, cfg", [
+    (100, 256, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),               # 4 K blocks, one split
+    (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),               # K tail in block 4
+    (130, 72, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),                # 2nd block partial
+    (130, 512, SkinnyConfig(block_n=128, block_k=32, split_k=4, swap_ab=True, peel=2)),   # 4 blocks a split
+    (64, 128, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),                # exactly 2 blocks
+], ids=["even", "k_tail", "short_tail", "split_k", "two_blocks"])
+def test_peeling_two_k_blocks_matches_reference(triton_device: str, dtype: torch.dtype, N: int, K: int,
+                                                cfg: SkinnyConfig) -> None:
+    """``peel = 2``: a second K block of weights requested before the PDL wait."""
+    for M in (2, 10):
+        x, w = _inputs(triton_device, dtype, M, N, K, seed=M + K)
+        _check(skinny_linear_triton(x, w, cfg), x, w)
+
+
+@pytest.mark.parametrize("K, cfg, want", [
+    (256, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2), 2),
+    (64, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2), 1),                 # one K block
+    (320, SkinnyConfig(block_n=64, block_k=64, split_k=3, swap_ab=True, peel=2), 1),     # splits 2 + 2 + 1 blocks
+    (256, SkinnyConfig(block_n=64, block_k=64, swap_ab=True), 1),
+])
+def test_peel_falls_back_where_a_split_has_one_block(monkeypatch: pytest.MonkeyPatch, K: int, cfg: SkinnyConfig,
+                                                     want: int) -> None:
+    from lfmspark.ops import skinny_linear
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["PEEL"])
+
+    monkeypatch.setattr(skinny_linear, "_skinny_linear_kernel", Recorder())
+    skinny_linear_triton(torch.ones(3, K), torch.ones(64, K), cfg)
+    assert seen == [want]
+
+
+def test_peel_must_be_one_or_two() -> None:
+    with pytest.raises(ValueError, match="peel must be 1 or 2"):
+        skinny_linear_triton(torch.ones(3, 256), torch.ones(64, 256), SkinnyConfig(block_n=64, block_k=64, peel=3))
+
+
 def test_swap_ab_heuristic_config_and_strided_x(triton_device: str) -> None:
     """The heuristic's own config (split-K at this size on the interpreter's 8 "SMs"), and ``x``
     as a column slice of a wider activation."""

@@ -68,6 +68,18 @@ def test_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int
     _check(skinny_swiglu_triton(x, w13, cfg), x, w13)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("F, K, cfg", [
+    (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),
+    (80, 512, SkinnyConfig(block_n=64, block_k=64, split_k=2, swap_ab=True, peel=2)),
+], ids=["one_split", "split_k"])
+def test_peeling_two_k_blocks_matches_reference(triton_device: str, dtype: torch.dtype, F: int, K: int,
+                                                cfg: SkinnyConfig) -> None:
+    """``peel = 2``: the second K block of both the gate and the up rows before the PDL wait."""
+    x, w13 = _inputs(triton_device, dtype, 10, F, K, seed=F + K)
+    _check(skinny_swiglu_triton(x, w13, cfg), x, w13)
+
+
 @pytest.mark.parametrize("M", [3, 10])
 def test_heuristic_config_and_regular_kernel(triton_device: str, M: int) -> None:
     """The default config (split-K at this size on the interpreter's 8 "SMs"), and the SWIGLU

@@ -20,15 +20,15 @@ def test_unset_keeps_the_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_each_kind_reads_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024, gemv.num_warps=8,tile.num_stages=2,"
+    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024, gemv.num_warps=8,tile.num_stages=2,tile.peel=2,"
                                         "tile_swiglu.block_n=32,norm_gemv.block_n=4,norm_swiglu.num_warps=4,"
                                         "walk.block_v=128")
     gemv = skinny_linear.skinny_config(1, 2048, 8192, 2, SMS)
     assert (gemv.block_n, gemv.block_k, gemv.num_warps) == (4, 1024, 8)
     tile = skinny_linear.skinny_config(10, 6144, 2048, 2, SMS)
-    assert (tile.block_n, tile.num_stages) == (64, 2)          # block_n from the heuristic, stages replaced
+    assert (tile.block_n, tile.num_stages, tile.peel) == (64, 2, 2)   # block_n from the heuristic
     swiglu = skinny_linear.swiglu_config(10, 8192, 2048, 2, SMS)
-    assert (swiglu.block_n, swiglu.num_stages) == (32, 3)      # tile.num_stages is not the SwiGLU's
+    assert (swiglu.block_n, swiglu.num_stages, swiglu.peel) == (32, 3, 1)   # the tile keys are not the SwiGLU's
     assert add_rmsnorm_gemv.launch_params(2048, swiglu=False)[0] == 4
     assert add_rmsnorm_gemv.launch_params(2048, swiglu=True) == (4, 2048, 4)
     walk = markov_walk.walk_config(1, 65536, 256)
