@@ -106,6 +106,14 @@ def configure_compile(n_variants: int) -> None:
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * n_variants + 64)
 
 
+def inductor_pdl_requested() -> bool:
+    """``LFMSPARK_INDUCTOR_PDL`` (default ``1``): the switch alone (:func:`inductor_pdl_enabled` decides)."""
+    value = os.environ.get("LFMSPARK_INDUCTOR_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_INDUCTOR_PDL={value!r}: use 1 (Inductor's kernels use PDL) or 0 (off)")
+    return value == "1"
+
+
 def inductor_pdl_enabled() -> bool:
     """Whether Inductor's kernels follow the PDL contract too (``LFMSPARK_PDL``, and
     ``LFMSPARK_INDUCTOR_PDL``, default ``1``; on the H200 it took 0.1 ms off the batch-1 round).
@@ -116,10 +124,7 @@ def inductor_pdl_enabled() -> bool:
     then read the earlier kernel's output too soon. :func:`_make_inductor_kernels_always_wait`
     makes every generated kernel wait before its first load or store; where this PyTorch lacks the
     hooks it patches, Inductor's PDL stays off."""
-    value = os.environ.get("LFMSPARK_INDUCTOR_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_INDUCTOR_PDL={value!r}: use 1 (Inductor's kernels use PDL) or 0 (off)")
-    if value == "0" or not pdl_requested():
+    if not inductor_pdl_requested() or not pdl_requested():
         return False
     if not _make_inductor_kernels_always_wait():
         log.warning("this PyTorch's Inductor has no PDL hooks lfmspark can make safe: its kernels launch without PDL")

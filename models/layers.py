@@ -3,7 +3,7 @@
 Environment switches (read at each call; under compile, at trace time):
 
 - ``LFMSPARK_SKINNY_LINEAR`` (``few`` default, ``gemv``, ``off``, ``all``, ``verify``): which row
-  counts of a product run on ``lfmspark::skinny_linear`` on CUDA (:func:`_skinny_rows`). A dense
+  counts of a product run on ``lfmspark::skinny_linear`` on CUDA (:func:`skinny_rows`). A dense
   :class:`SwiGLU`'s gate/up product of a routed row count runs with its activation fused: one row
   on ``lfmspark::swiglu_gemv``, 2-16 rows on ``lfmspark::skinny_swiglu``; routed counts above 16
   (``all``, ``verify``) on ``skinny_linear`` followed by the separate activation.
@@ -32,7 +32,7 @@ _FEW_ROWS = 16   # the swap-AB kernel's BLOCK_M = 16 covers the batch-1 verify (
 _SKINNY_MODES = {"off": (1, 0), "gemv": (1, 1), "few": (1, _FEW_ROWS), "all": (1, MAX_M), "verify": (2, MAX_M)}
 
 
-def _skinny_rows() -> tuple[int, int]:
+def skinny_rows() -> tuple[int, int]:
     """Row counts routed to ``lfmspark::skinny_linear`` on CUDA, from ``LFMSPARK_SKINNY_LINEAR``:
     ``few`` (default: 1..16 rows; on the H200 the GEMV kernel beat cuBLAS at every served shape for
     one row, and the swap-AB kernel for ten, docs/benchmarks.md), ``gemv`` (one row only), ``off``
@@ -47,13 +47,13 @@ def _skinny_rows() -> tuple[int, int]:
 def _routed_to_skinny(x: torch.Tensor) -> bool:
     """Whether a product with input ``x [..., K]`` runs on the skinny kernels (CUDA only)."""
     rows = x.numel() // x.shape[-1]
-    lo, hi = _skinny_rows()
+    lo, hi = skinny_rows()
     return x.is_cuda and lo <= rows <= hi
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias): ``F.linear``, or ``lfmspark::skinny_linear`` for few-row products on
-    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`_skinny_rows`)."""
+    CUDA when ``LFMSPARK_SKINNY_LINEAR`` selects it (see :func:`skinny_rows`)."""
     rows = x.numel() // x.shape[-1]
     if _routed_to_skinny(x):
         return lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])

@@ -58,6 +58,11 @@ def _parse(value: str) -> dict[str, int]:
     return overrides
 
 
+def tuning_overrides() -> dict[str, int]:
+    """``LFMSPARK_TUNE`` parsed: ``{"kind.param": value}`` (raises ``ValueError`` naming a bad item)."""
+    return dict(_parse(os.environ.get("LFMSPARK_TUNE", "")))
+
+
 def tuned(kind: str, param: str, default: int) -> int:
     """``default`` unless ``LFMSPARK_TUNE`` overrides ``kind.param``."""
     assert param in KNOBS[kind], (kind, param)

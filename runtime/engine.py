@@ -43,6 +43,7 @@ from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_
 from .sampling import SamplingError, SamplingParams
 from .state import SlotPool, SlotState
 from .steps import Steps
+from .switches import check_switches
 
 log = logging.getLogger("lfmspark")
 
@@ -162,6 +163,7 @@ class Engine:
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
                  chat: bool = True):
+        check_switches()
         cfg = target.config
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")

@@ -24,12 +24,12 @@ def test_cpu_products_are_f_linear_in_every_mode(monkeypatch, mode):
 
 
 def test_up_to_16_rows_take_the_skinny_kernels_by_default(monkeypatch):
-    from lfmspark.models.layers import _skinny_rows
+    from lfmspark.models.layers import skinny_rows
 
     monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
-    assert _skinny_rows() == (1, 16)
+    assert skinny_rows() == (1, 16)
     monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "gemv")
-    assert _skinny_rows() == (1, 1)
+    assert skinny_rows() == (1, 1)
 
 
 @pytest.mark.gpu
@@ -87,7 +87,7 @@ def test_swiglu_routing(monkeypatch, mode, rows, want):
     import lfmspark.models.layers as layers
 
     monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
-    lo, hi = layers._skinny_rows()
+    lo, hi = layers.skinny_rows()
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: lo <= t.numel() // t.shape[-1] <= hi)
     calls = []
 

@@ -1,0 +1,24 @@
+"""The ``LFMSPARK_*`` environment switches, checked together when an engine is built.
+
+Why: each switch is read where it acts (a kernel's launch, a region's trace), which on a CPU-only
+machine may be never and on a GPU only during warm-up. Reading them all when an
+:class:`~lfmspark.Engine` is constructed makes a misspelt value an error that names the switch and its
+valid values before any compile or request. The README lists them.
+"""
+
+from __future__ import annotations
+
+from ..graphs.compile import inductor_pdl_requested
+from ..models.layers import fused_norm_requested, skinny_rows
+from ..ops._dispatch import pdl_requested, pdl_trigger
+from ..ops.tuning import tuning_overrides
+
+
+def check_switches() -> None:
+    """Raise ``ValueError`` for the first ``LFMSPARK_*`` switch with a value it does not take."""
+    pdl_requested()
+    pdl_trigger()
+    inductor_pdl_requested()
+    skinny_rows()
+    fused_norm_requested()
+    tuning_overrides()
