@@ -125,7 +125,8 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first PEEL K blocks are peeled: their weights depend on no earlier kernel, so they are
     # requested before waiting for the predecessor (PDL); x is its output and is read after the wait.
-    # PEEL = 2 (an LFMSPARK_TUNE experiment) needs every split to span two K blocks (the launcher's check)
+    # PEEL = 2 (an LFMSPARK_TUNE experiment): the launcher sets it only where every split spans two
+    # K blocks, which the unmasked (EVEN_K) loads need
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
@@ -439,7 +440,7 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     if K % 64 == 0:
         while K % block_k:
             block_k //= 2
-    block_k = tuned(kind, "block_k", min(block_k, max(16, triton.next_power_of_2(K))))
+    block_k = min(tuned(kind, "block_k", block_k), max(16, triton.next_power_of_2(K)))
     n_blocks = triton.cdiv(N, block_n)
     split_k = 1
     if n_blocks < sms:
@@ -506,6 +507,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
     with split-K, the fp32 workspace and the device's arrival counters."""
+    if cfg.peel not in (1, 2):
+        raise ValueError(f"SkinnyConfig.peel must be 1 or 2 K blocks, got {cfg.peel}")
     (M, K), N = x.shape, out.shape[1]
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
@@ -518,10 +521,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if cfg.peel not in (1, 2):
-        raise ValueError(f"SkinnyConfig.peel must be 1 or 2 K blocks, got {cfg.peel}")
-    last_split_blocks = triton.cdiv(K - (splits - 1) * k_split, cfg.block_k)
-    peel = 2 if cfg.peel == 2 and min(k_split // cfg.block_k, last_split_blocks) >= 2 else 1
+    # the last split is the shortest (every other one spans k_split): it decides whether two blocks fit
+    peel = 2 if cfg.peel == 2 and triton.cdiv(K - (splits - 1) * k_split, cfg.block_k) >= 2 else 1
     if M == 1 and cfg.gemv and not swiglu:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,

@@ -17,8 +17,10 @@ gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with t
 prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). ``peel``
 (1 or 2) is how many K blocks of weights a tile program requests before its PDL wait. Parameters
 are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
-resources: too many stages fail at launch with Triton's out-of-resources error. The benchmark's
-JSON records the variable with every other ``LFMSPARK_*`` switch.
+resources: too many stages fail at launch with Triton's out-of-resources error. K steps are capped
+at the next power of two of K, like the heuristics' own. The benchmark's JSON records the variable
+with every other ``LFMSPARK_*`` switch; the kernel microbenchmarks' "default" rows
+(benchmarks/kernels) follow it too, so unset it for those.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _parse(value: str) -> dict[str, int]:
     overrides: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, sep, number = item.partition("=")
+        key = key.strip()
         kind, _, param = key.partition(".")
         if not sep or param not in KNOBS.get(kind, ()):
             raise ValueError(f"LFMSPARK_TUNE: {item!r} is not kind.parameter=integer with a known key; valid keys: "
@@ -51,9 +54,13 @@ def _parse(value: str) -> dict[str, int]:
             n = int(number)
         except ValueError:
             raise ValueError(f"LFMSPARK_TUNE: {key} needs an integer, got {number!r}") from None
+        if param == "peel" and n not in (1, 2):
+            raise ValueError(f"LFMSPARK_TUNE: {key} takes 1 or 2 (K blocks before the PDL wait), got {n}")
         if n < 1 or (param in _POWER_OF_TWO and n & (n - 1)):
             raise ValueError(f"LFMSPARK_TUNE: {key} must be a positive integer"
                              f"{' and a power of two' if param in _POWER_OF_TWO else ''}, got {n}")
+        if key in overrides:
+            raise ValueError(f"LFMSPARK_TUNE: {key} is given twice")
         overrides[key] = n
     return overrides
 

@@ -2,58 +2,84 @@
 
 Why: with programmatic dependent launch a kernel starts while its predecessor still runs and then
 waits for it, so the profiler's per-kernel durations include that wait and add up to more than the
-replay (session 6's decode: 1492 us of kernel time in a 0.83 ms replay). What a kernel costs the
+replay (session 7's decode: 868 us of kernel time in a 0.75 ms replay). What a kernel costs the
 step is how far it pushes the end of the GPU timeline past every kernel that started before it:
-walking the kernels in start order with the latest end seen so far (the frontier), a kernel adds
-``max(0, end - max(frontier, start))``, and a start past the frontier leaves the GPU idle for the
-difference. Summed per kernel name over the replays, those shares and the idle time add up to the
-timeline's span, so the table ranks the kernels by what removing or speeding them up could save.
-Gaps longer than ``gap_limit_us`` are taken to lie between replays (host time) and are left out.
+walking a replay's kernels in start order with the latest end seen so far (the frontier), a kernel
+adds ``max(0, end - max(frontier, start))``, and a start past the frontier leaves the GPU idle for
+the difference. Per replay, those shares and the idle time add up to the replay's span (its first
+start to its last end); summed per kernel name, the table ranks the kernels by what removing or
+speeding them up could save. A graph replay launches the same kernels every time, so the profiled
+kernels, in start order, split into replays of equal count; the gaps between replays (host time)
+are reported apart.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass
 class KernelShare:
     name: str
-    marginal_us: float   # how much this kernel's launches extended the timeline, in all
+    marginal_us: float   # how much this kernel's launches extended their replays' timelines, in all
     own_us: float        # their summed durations (waiting included)
     launches: int
 
 
-def critical_shares(intervals: Iterable[tuple[str, float, float]], gap_limit_us: float = 50.0
-                    ) -> tuple[list[KernelShare], float]:
-    """``(name, start_us, end_us)`` per kernel -> per-name shares, largest marginal first, and the
-    idle time inside the timeline (gaps up to ``gap_limit_us``)."""
+@dataclass
+class Timeline:
+    shares: list[KernelShare]   # largest marginal first
+    idle_us: float              # GPU idle inside the replays, in all
+    span_us: float              # the replays' spans, summed
+    between_us: float           # gaps between consecutive replays, summed
+
+
+def split_replays(intervals: list[tuple[str, float, float]], replays: int) -> list[list[tuple[str, float, float]]]:
+    """``(name, start_us, end_us)`` kernels of ``replays`` identical replays -> one list per replay
+    (equal counts, in start order); ``ValueError`` when the count does not divide."""
+    ordered = sorted(intervals, key=lambda t: (t[1], t[2]))
+    if replays < 1 or len(ordered) % replays:
+        raise ValueError(f"{len(ordered)} kernels do not split into {replays} replays of equal count")
+    per = len(ordered) // replays
+    return [ordered[i * per:(i + 1) * per] for i in range(replays)]
+
+
+def critical_path(replays: list[list[tuple[str, float, float]]]) -> Timeline:
+    """Each kernel's share of its replay's span (the module doc), summed per name over ``replays``."""
     shares: dict[str, KernelShare] = {}
-    idle = 0.0
-    frontier: float | None = None
-    for name, start, end in sorted(intervals, key=lambda t: (t[1], t[2])):
-        share = shares.setdefault(name, KernelShare(name, 0.0, 0.0, 0))
-        share.own_us += end - start
-        share.launches += 1
-        if frontier is None or start - frontier > gap_limit_us:
-            frontier = start          # the first kernel, or the first of the next replay
-        elif start > frontier:
-            idle += start - frontier
-        share.marginal_us += max(0.0, end - max(frontier, start))
-        frontier = max(frontier, end)
-    return sorted(shares.values(), key=lambda s: -s.marginal_us), idle
+    idle = span = between = 0.0
+    previous_end: float | None = None
+    for kernels in replays:
+        if not kernels:
+            continue
+        frontier = kernels[0][1]
+        if previous_end is not None:
+            between += max(0.0, frontier - previous_end)
+        for name, start, end in kernels:
+            share = shares.setdefault(name, KernelShare(name, 0.0, 0.0, 0))
+            share.own_us += end - start
+            share.launches += 1
+            idle += max(0.0, start - frontier)
+            share.marginal_us += max(0.0, end - max(frontier, start))
+            frontier = max(frontier, end)
+        span += frontier - kernels[0][1]
+        previous_end = frontier
+    return Timeline(sorted(shares.values(), key=lambda s: -s.marginal_us), idle, span, between)
 
 
 def timeline_lines(intervals: list[tuple[str, float, float]], replays: int, name_width: int = 150) -> list[str]:
     """The table written under each per-kernel profile (runtime/bench.py ``profile_replays``)."""
-    shares, idle = critical_shares(intervals)
-    busy = sum(s.marginal_us for s in shares)
-    lines = [f"timeline per replay: {(busy + idle) / replays:.1f} us = {busy / replays:.1f} us extended by kernels "
-             f"+ {idle / replays:.1f} us idle (marginal: how far each kernel pushed the timeline's end)",
+    try:
+        t = critical_path(split_replays(intervals, replays))
+    except ValueError as err:
+        return [f"(no timeline table: {err})"]
+    busy = sum(s.marginal_us for s in t.shares)
+    lines = [f"timeline per replay: span {t.span_us / replays:.1f} us = {busy / replays:.1f} us extended by kernels "
+             f"+ {t.idle_us / replays:.1f} us idle; {t.between_us / max(replays - 1, 1):.1f} us between replays "
+             "(marginal: how far each kernel pushed its replay's end)",
              f"{'marginal':>10} {'own':>10} {'n/replay':>8}  kernel (us per replay)"]
     lines += [f"{s.marginal_us / replays:10.1f} {s.own_us / replays:10.1f} {s.launches / replays:8.1f}  "
-              f"{s.name[:name_width]}" for s in shares]
+              f"{s.name[:name_width]}" for s in t.shares]
     return lines
 
 

@@ -11,6 +11,7 @@ rounding, still about 3e-3 at these sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -223,13 +224,17 @@ def test_swap_ab_kernel_matches_reference(triton_device: str, dtype: torch.dtype
     (130, 72, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),                # 2nd block partial
     (130, 512, SkinnyConfig(block_n=128, block_k=32, split_k=4, swap_ab=True, peel=2)),   # 4 blocks a split
     (64, 128, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),                # exactly 2 blocks
-], ids=["even", "k_tail", "short_tail", "split_k", "two_blocks"])
+    (100, 200, SkinnyConfig(block_n=32, block_k=32, split_k=2, swap_ab=True, peel=2)),    # K tail, 2 splits
+], ids=["even", "k_tail", "short_tail", "split_k", "two_blocks", "split_k_tail"])
 def test_peeling_two_k_blocks_matches_reference(triton_device: str, dtype: torch.dtype, N: int, K: int,
                                                 cfg: SkinnyConfig) -> None:
-    """``peel = 2``: a second K block of weights requested before the PDL wait."""
+    """``peel = 2``: a second K block of weights requested before the PDL wait; the sums run in the
+    same order, so the result is bit-identical to ``peel = 1``."""
     for M in (2, 10):
         x, w = _inputs(triton_device, dtype, M, N, K, seed=M + K)
-        _check(skinny_linear_triton(x, w, cfg), x, w)
+        out = skinny_linear_triton(x, w, cfg)
+        _check(out, x, w)
+        assert torch.equal(out, skinny_linear_triton(x, w, dataclasses.replace(cfg, peel=1)))
 
 
 @pytest.mark.parametrize("K, cfg, want", [

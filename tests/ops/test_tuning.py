@@ -14,7 +14,6 @@ SMS = 132
 
 def test_unset_keeps_the_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
-    assert tuned("gemv", "block_k", 2048) == 2048
     gemv = skinny_linear.skinny_config(1, 2048, 8192, 2, SMS)
     assert (gemv.block_n, gemv.block_k, gemv.num_warps, gemv.num_stages) == (4, 2048, 4, 2)
 
@@ -49,6 +48,11 @@ def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) ->
     assert split.split_k == skinny_linear.split_k_plan(2048, split.block_k, 3)[1] == 3
 
 
+def test_spaces_around_items_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TUNE", " gemv.block_k = 1024 , walk.num_warps=4")
+    assert (tuned("gemv", "block_k", 2048), tuned("walk", "num_warps", 8)) == (1024, 4)
+
+
 def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 256, generator=g).to(triton_device)
@@ -67,6 +71,8 @@ def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatc
     ("tile.block_k=x", "tile.block_k needs an integer, got 'x'"),
     ("tile.block_k=96", "power of two, got 96"),
     ("tile.num_stages=0", "positive integer, got 0"),
+    ("tile.peel=3", "takes 1 or 2"),
+    ("gemv.block_k=1024,gemv.block_k=2048", "given twice"),
 ])
 def test_malformed_values_name_the_problem(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
     monkeypatch.setenv("LFMSPARK_TUNE", value)
