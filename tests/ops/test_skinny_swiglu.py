@@ -70,22 +70,6 @@ def test_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int
     _check(skinny_swiglu_triton(x, w13, cfg), x, w13)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("F, K, cfg", [
-    (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, peel=2)),
-    (80, 512, SkinnyConfig(block_n=64, block_k=64, split_k=2, swap_ab=True, peel=2)),
-    (80, 192, SkinnyConfig(block_n=64, block_k=64, split_k=3, swap_ab=True, peel=2)),   # 1 block a split: peels 1
-], ids=["one_split", "split_k", "fallback"])
-def test_peeling_two_k_blocks_matches_reference(triton_device: str, dtype: torch.dtype, F: int, K: int,
-                                                cfg: SkinnyConfig) -> None:
-    """``peel = 2``: the second K block of both the gate and the up rows before the PDL wait (bit-identical
-    to ``peel = 1``: the same sums in the same order)."""
-    x, w13 = _inputs(triton_device, dtype, 10, F, K, seed=F + K)
-    out = skinny_swiglu_triton(x, w13, cfg)
-    _check(out, x, w13)
-    assert torch.equal(out, skinny_swiglu_triton(x, w13, dataclasses.replace(cfg, peel=1)))
-
-
 @pytest.mark.parametrize("M", [3, 10])
 def test_heuristic_config_and_regular_kernel(triton_device: str, M: int) -> None:
     """The default config (split-K at this size on the interpreter's 8 "SMs"), and the SWIGLU
