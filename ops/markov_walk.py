@@ -72,14 +72,12 @@ def _markov_walk_step_kernel(
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, FIRST: tl.constexpr, ROUND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ZIGZAG: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (column block j, row block) of step k; partials are [G, B, NB] (value fp32, index int32)
     if PDL:  # ops/_dispatch.py
         tl.extra.cuda.gdc_launch_dependents()
     j = tl.program_id(0)
-    if ZIGZAG:  # odd steps run the column blocks in reverse launch order (WalkConfig.zigzag)
-        j = tl.where(k % 2 == 1, NB - 1 - j, j)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < B
     cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -143,8 +141,6 @@ class WalkConfig:
     block_v: int = 256      # V = 65536: 256 column blocks, about two programs per H200 SM at B <= 16
     block_r: int = 64       # rank columns per dot step (unrolled over the rank)
     num_warps: int = 8
-    zigzag: int = 0         # 1: odd steps visit the column blocks last to first, so a step starts on the
-    #                         w2 rows its predecessor read last, the likeliest to still be in L2
 
 
 def walk_config(B: int, V: int, rank: int) -> WalkConfig:
@@ -152,8 +148,7 @@ def walk_config(B: int, V: int, rank: int) -> WalkConfig:
     ``LFMSPARK_TUNE`` kind ``walk`` replaces them, ops/tuning.py)."""
     return WalkConfig(block_v=tuned("walk", "block_v", min(256, max(16, triton.next_power_of_2(V)))),
                       block_r=tuned("walk", "block_r", min(64, max(16, triton.next_power_of_2(rank)))),
-                      num_warps=tuned("walk", "num_warps", WalkConfig.num_warps),
-                      zigzag=tuned("walk", "zigzag", WalkConfig.zigzag))
+                      num_warps=tuned("walk", "num_warps", WalkConfig.num_warps))
 
 
 def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -201,7 +196,7 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
             RANK=rank, BLOCK_B=block_b, BLOCK_V=cfg.block_v, BLOCK_R=cfg.block_r, BLOCK_P=block_p(nb),
             FIRST=k == 0, ROUND=_ROUND[w2.dtype],
             DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-            UPCAST=base.device.type != "cuda" and w2.dtype != torch.float32, ZIGZAG=cfg.zigzag == 1,
+            UPCAST=base.device.type != "cuda" and w2.dtype != torch.float32,
             num_warps=cfg.num_warps, **pdl_kwargs(base),
         )
     last = tokens[:, G - 1]

@@ -101,7 +101,7 @@ def _skinny_linear_kernel(
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
@@ -124,16 +124,11 @@ def _skinny_linear_kernel(
     # carry no mask at all (full-width vector loads); those columns are never stored
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
-    # before waiting for the predecessor (PDL); x is its output and is read after the wait.
-    # PREFETCH_LINES > 0: the weights that follow are hinted into L2 as well (see _prefetch_l2)
+    # before waiting for the predecessor (PDL); x is its output and is read after the wait
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
-    if PREFETCH_LINES > 0:
-        _prefetch_l2(w_ptr, cols % N, stride_wn, k0 + BLOCK_K, k_end, PREFETCH_LINES, LINE)
-        if SWIGLU:
-            _prefetch_l2(w_ptr, cols % N + N, stride_wn, k0 + BLOCK_K, k_end, PREFETCH_LINES, LINE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
@@ -176,20 +171,6 @@ def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr)
     if EVEN_K:
         return tl.load(w_ptrs)
     return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, stride_wn, k_lo, k_end, LINES: tl.constexpr, LINE: tl.constexpr):
-    # A hint, before the PDL wait: one `prefetch.global.L2` per 128-byte line (LINE elements) of the
-    # weight rows `rows` over K [k_lo, k_lo + LINES * LINE), clamped to k_end (past it, the last
-    # element is hinted again: harmless). Why: a program's register-peeled first K block is all it
-    # requests while its predecessor drains; these requests keep DRAM busy through the hand-over
-    # without holding registers, and the loop's loads then hit L2. No result, no effect on values.
-    # CUDA only (the interpreter has no inline assembly; the launcher passes LINES = 0 there)
-    ks = tl.minimum(k_lo + tl.arange(0, LINES) * LINE, k_end - 1)
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -284,8 +265,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
     N, K, k_split,
     stride_wn, stride_ws,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
@@ -302,8 +282,6 @@ def _gemv_kernel(
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
-    if PREFETCH_LINES > 0:
-        _prefetch_l2(w_ptr, cols % N, stride_wn, k0 + BLOCK_K, k_end, PREFETCH_LINES, LINE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
@@ -347,8 +325,6 @@ class SkinnyConfig:
     gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
     swap_ab: bool = False  # the tl.dot kernel with the weight tile as its A operand (SWAP_AB);
     #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
-    prefetch: int = 0      # K blocks of weights after the first that each program hints into L2 before
-    #                        its PDL wait (_prefetch_l2; CUDA only)
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -383,8 +359,7 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
         return SkinnyConfig(block_n=tuned("gemv", "block_n", 4),
                             block_k=min(tuned("gemv", "block_k", 2048), max(16, triton.next_power_of_2(K))),
                             split_k=1, num_warps=tuned("gemv", "num_warps", 4),
-                            num_stages=tuned("gemv", "num_stages", 2), gemv=True,
-                            prefetch=tuned("gemv", "prefetch", 0))
+                            num_stages=tuned("gemv", "num_stages", 2), gemv=True)
     return swap_ab_config(M, N, K, elem_size, sms)
 
 
@@ -459,8 +434,7 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=tuned(kind, "num_warps", 4),
-                        num_stages=tuned(kind, "num_stages", num_stages), swap_ab=True,
-                        prefetch=tuned(kind, "prefetch", 0))
+                        num_stages=tuned(kind, "num_stages", num_stages), swap_ab=True)
 
 
 def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
@@ -517,8 +491,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
     with split-K, the fp32 workspace and the device's arrival counters."""
-    if cfg.prefetch < 0:
-        raise ValueError(f"SkinnyConfig.prefetch must be >= 0 K blocks, got {cfg.prefetch}")
     (M, K), N = x.shape, out.shape[1]
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
@@ -531,12 +503,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    prefetch_lines, line = prefetch_plan(cfg, weight)
     if M == 1 and cfg.gemv and not swiglu:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
-            PREFETCH_LINES=prefetch_lines, LINE=line,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
         )
     else:
@@ -548,19 +518,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            PREFETCH_LINES=prefetch_lines, LINE=line,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
-
-
-def prefetch_plan(cfg: SkinnyConfig, weight: torch.Tensor) -> tuple[int, int]:
-    """``(lines, line)``: the 128-byte lines per weight row a program hints into L2 before its PDL
-    wait (``cfg.prefetch`` K blocks, at least one line; 0 off CUDA: the interpreter runs no inline
-    assembly) and the elements per line."""
-    line = max(1, 128 // weight.element_size())
-    if cfg.prefetch == 0 or weight.device.type != "cuda":
-        return 0, line
-    return triton.next_power_of_2(max(1, cfg.prefetch * cfg.block_k // line)), line
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -14,10 +14,7 @@ would choose for every launch of that kind (the heuristic's later choices, e.g. 
 that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
-prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py).
-``prefetch`` (0 or a power of two) is how many K blocks of weights after the first a ``gemv`` /
-``tile`` program hints into L2 before its PDL wait (ops/skinny_linear.py ``_prefetch_l2``); ``walk.zigzag``
-(0 or 1) makes odd steps visit the vocabulary's column blocks in reverse order. Parameters
+prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). Parameters
 are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
 resources: too many stages fail at launch with Triton's out-of-resources error. K steps are capped
 at the next power of two of K, like the heuristics' own. The benchmark's JSON records the variable
@@ -30,15 +27,14 @@ from __future__ import annotations
 import functools
 import os
 
-_POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps", "prefetch")
-_ZERO_ALLOWED = ("prefetch", "zigzag")
+_POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
-    "gemv": ("block_n", "block_k", "num_warps", "num_stages", "prefetch"),
-    "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch"),
-    "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages", "prefetch"),
+    "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
+    "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
+    "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
-    "walk": ("block_v", "block_r", "num_warps", "zigzag"),
+    "walk": ("block_v", "block_r", "num_warps"),
 }
 
 
@@ -57,11 +53,8 @@ def _parse(value: str) -> dict[str, int]:
             n = int(number)
         except ValueError:
             raise ValueError(f"LFMSPARK_TUNE: {key} needs an integer, got {number!r}") from None
-        if param == "zigzag" and n not in (0, 1):
-            raise ValueError(f"LFMSPARK_TUNE: {key} takes 0 or 1, got {n}")
-        if n < (0 if param in _ZERO_ALLOWED else 1) or (param in _POWER_OF_TWO and n & (n - 1)):
-            least = "a non-negative" if param in _ZERO_ALLOWED else "a positive"
-            raise ValueError(f"LFMSPARK_TUNE: {key} must be {least} integer"
+        if n < 1 or (param in _POWER_OF_TWO and n & (n - 1)):
+            raise ValueError(f"LFMSPARK_TUNE: {key} must be a positive integer"
                              f"{' and a power of two' if param in _POWER_OF_TWO else ''}, got {n}")
         if key in overrides:
             raise ValueError(f"LFMSPARK_TUNE: {key} is given twice")

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, prefetch_plan, skinny_config,
-                                        skinny_linear_reference, skinny_linear_triton, split_k_plan, swap_ab_config,
-                                        regular_config)
+from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, skinny_config, skinny_linear_reference,
+                                        skinny_linear_triton, split_k_plan, swap_ab_config, regular_config)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -216,52 +215,6 @@ def test_swap_ab_kernel_matches_reference(triton_device: str, dtype: torch.dtype
                                           cfg: SkinnyConfig) -> None:
     x, w = _inputs(triton_device, dtype, M, N, K, seed=M + K)
     _check(skinny_linear_triton(x, w, cfg), x, w)
-
-
-class _Weight:
-    """What ``prefetch_plan`` reads of a weight: its device and element size (a CUDA one on CPU)."""
-
-    def __init__(self, device: str, element_size: int) -> None:
-        self.device, self._size = torch.device(device), element_size
-
-    def element_size(self) -> int:
-        return self._size
-
-
-@pytest.mark.parametrize("cfg, device, size, want", [
-    (SkinnyConfig(block_n=64, block_k=128, prefetch=4), "cuda", 2, (8, 64)),    # 4 x 128 bf16 = 8 lines
-    (SkinnyConfig(block_n=64, block_k=128, prefetch=4), "cuda", 4, (16, 32)),   # fp32: 32 per line
-    (SkinnyConfig(block_n=4, block_k=16, prefetch=1), "cuda", 2, (1, 64)),      # under a line: one
-    (SkinnyConfig(block_n=64, block_k=128, prefetch=3), "cuda", 2, (8, 64)),    # 6 lines: a power of two
-    (SkinnyConfig(block_n=64, block_k=128), "cuda", 2, (0, 64)),                # off by default
-    (SkinnyConfig(block_n=64, block_k=128, prefetch=4), "cpu", 2, (0, 64)),     # no inline asm there
-])
-def test_prefetch_plan(cfg: SkinnyConfig, device: str, size: int, want: tuple[int, int]) -> None:
-    assert prefetch_plan(cfg, _Weight(device, size)) == want
-
-
-@pytest.mark.parametrize("M, cfg", [(1, SkinnyConfig(block_n=4, block_k=64, gemv=True, prefetch=2)),
-                                    (3, SkinnyConfig(block_n=64, block_k=64, swap_ab=True, prefetch=2))],
-                         ids=["gemv", "tile"])
-def test_launcher_passes_the_prefetch_plan(monkeypatch: pytest.MonkeyPatch, M: int, cfg: SkinnyConfig) -> None:
-    from lfmspark.ops import skinny_linear
-
-    seen = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((kwargs["PREFETCH_LINES"], kwargs["LINE"]))
-
-    monkeypatch.setattr(skinny_linear, "prefetch_plan", lambda c, w: (c.prefetch * 3, 7))
-    monkeypatch.setattr(skinny_linear, "_gemv_kernel", Recorder())
-    monkeypatch.setattr(skinny_linear, "_skinny_linear_kernel", Recorder())
-    skinny_linear_triton(torch.ones(M, 256), torch.ones(64, 256), cfg)
-    assert seen == [(6, 7)]
-
-
-def test_prefetch_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="prefetch must be >= 0"):
-        skinny_linear_triton(torch.ones(3, 256), torch.ones(64, 256), SkinnyConfig(block_n=64, block_k=64, prefetch=-1))
 
 
 def test_swap_ab_heuristic_config_and_strided_x(triton_device: str) -> None:
@@ -595,31 +548,6 @@ def test_gpu_split_k_chain_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not _split_counters(x.device).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("prefetch", [1, 4, 64])
-def test_gpu_l2_prefetch_changes_no_value(dtype: torch.dtype, prefetch: int) -> None:
-    """``prefetch`` only hints weights into L2 (``prefetch.global.L2``): every product (one-row GEMV,
-    split and unsplit swap-AB tiles, K tails, SwiGLU) is bit-identical to the same launch without it,
-    including prefetch ranges past a split's end (64 K blocks)."""
-    from lfmspark.ops.skinny_linear import skinny_swiglu_triton
-
-    cases = [(1, 2048, 8192, SkinnyConfig(block_n=4, block_k=2048, gemv=True)),
-             (1, 300, 1000, SkinnyConfig(block_n=4, block_k=256, split_k=2, gemv=True)),
-             (10, 6144, 2048, SkinnyConfig(block_n=64, block_k=128, num_stages=3, swap_ab=True)),
-             (10, 2048, 8192, SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4, swap_ab=True)),
-             (9, 200, 1000, SkinnyConfig(block_n=64, block_k=64, split_k=3, num_stages=3, swap_ab=True))]
-    for M, N, K, cfg in cases:
-        x, w = _inputs("cuda", dtype, M, N, K, seed=N + K)
-        want = skinny_linear_triton(x, w, cfg)
-        _check(want, x, w)
-        assert torch.equal(skinny_linear_triton(x, w, dataclasses.replace(cfg, prefetch=prefetch)), want)
-    x, w13 = _inputs("cuda", dtype, 10, 2 * 1024, 2048, seed=1)
-    cfg = SkinnyConfig(block_n=64, block_k=128, split_k=2, num_stages=3, swap_ab=True)
-    assert torch.equal(skinny_swiglu_triton(x, w13, dataclasses.replace(cfg, prefetch=prefetch)),
-                       skinny_swiglu_triton(x, w13, cfg))
 
 
 @pytest.mark.gpu

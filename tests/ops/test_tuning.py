@@ -19,19 +19,19 @@ def test_unset_keeps_the_heuristics(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_each_kind_reads_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024, gemv.num_warps=8,tile.num_stages=2,tile.prefetch=4,"
+    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024, gemv.num_warps=8,tile.num_stages=2,tile.split_k=3,"
                                         "tile_swiglu.block_n=32,norm_gemv.block_n=4,norm_swiglu.num_warps=4,"
-                                        "walk.block_v=128,walk.zigzag=1,gemv.prefetch=2")
+                                        "walk.block_v=128")
     gemv = skinny_linear.skinny_config(1, 2048, 8192, 2, SMS)
-    assert (gemv.block_n, gemv.block_k, gemv.num_warps, gemv.prefetch) == (4, 1024, 8, 2)
+    assert (gemv.block_n, gemv.block_k, gemv.num_warps) == (4, 1024, 8)
     tile = skinny_linear.skinny_config(10, 6144, 2048, 2, SMS)
-    assert (tile.block_n, tile.num_stages, tile.prefetch) == (64, 2, 4)   # block_n from the heuristic
+    assert (tile.block_n, tile.num_stages, tile.split_k) == (64, 2, 3)   # block_n from the heuristic
     swiglu = skinny_linear.swiglu_config(10, 8192, 2048, 2, SMS)
-    assert (swiglu.block_n, swiglu.num_stages, swiglu.prefetch) == (32, 3, 0)   # the tile keys are not the SwiGLU's
+    assert (swiglu.block_n, swiglu.num_stages, swiglu.split_k) == (32, 3, 1)   # the tile keys are not the SwiGLU's
     assert add_rmsnorm_gemv.launch_params(2048, swiglu=False)[0] == 4
     assert add_rmsnorm_gemv.launch_params(2048, swiglu=True) == (4, 2048, 4)
     walk = markov_walk.walk_config(1, 65536, 256)
-    assert (walk.block_v, walk.block_r, walk.num_warps, walk.zigzag) == (128, 64, 8, 1)
+    assert (walk.block_v, walk.block_r, walk.num_warps) == (128, 64, 8)
 
 
 def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,11 +46,6 @@ def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.split_k=3")
     split = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     assert split.split_k == skinny_linear.split_k_plan(2048, split.block_k, 3)[1] == 3
-
-
-def test_prefetch_and_zigzag_may_be_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TUNE", "tile.prefetch=0,walk.zigzag=0")
-    assert (tuned("tile", "prefetch", 8), tuned("walk", "zigzag", 1)) == (0, 0)
 
 
 def test_spaces_around_items_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,10 +71,6 @@ def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatc
     ("tile.block_k=x", "tile.block_k needs an integer, got 'x'"),
     ("tile.block_k=96", "power of two, got 96"),
     ("tile.num_stages=0", "positive integer, got 0"),
-    ("walk.zigzag=2", "takes 0 or 1"),
-    ("tile.prefetch=3", "power of two, got 3"),
-    ("gemv.prefetch=-1", "non-negative integer and a power of two, got -1"),
-    ("walk.zigzag=-1", "takes 0 or 1"),
     ("gemv.block_k=1024,gemv.block_k=2048", "given twice"),
 ])
 def test_malformed_values_name_the_problem(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
