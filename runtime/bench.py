@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_t
 from ..ops._dispatch import use_pdl
 from .engine import Engine
 from .sampling import SamplingParams
-from .timeline import cuda_kernel_intervals, timeline_lines
+from .timeline import cuda_kernel_intervals, launch_lines, timeline_lines, trace_kernel_launches
 
 log = logging.getLogger("lfmspark")
 
@@ -211,7 +212,9 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
     engine.runner.run(engine.step_kind, slots, False)
     _sync(engine.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # the device's kernels; on CPU (tests) the host ops, which leave every table empty
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
         for _ in range(iters):
             engine.runner.run(engine.step_kind, slots, False)
         _sync(engine.device)
@@ -227,6 +230,10 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     # under PDL the durations above include waiting; the timeline table says what each kernel costs the replay
     intervals = cuda_kernel_intervals(prof.events())
     lines += [""] + (timeline_lines(intervals, iters) if intervals else ["(no device-side kernel events to lay out)"])
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        launches = trace_kernel_launches(json.loads(Path(f"{tmp}/trace.json").read_text()))
+    lines += [""] + (launch_lines(launches, iters) if launches else ["(no kernel launches in the trace)"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)

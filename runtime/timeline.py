@@ -44,6 +44,20 @@ def split_replays(intervals: list[tuple[str, float, float]], replays: int) -> li
     return [ordered[i * per:(i + 1) * per] for i in range(replays)]
 
 
+def replay_marginals(kernels: list[tuple]) -> tuple[list[float], float, float]:
+    """One replay's kernels (start order; ``[1]``, ``[2]`` = start, end) -> each one's marginal share
+    (the module doc), the idle time and the span."""
+    if not kernels:
+        return [], 0.0, 0.0
+    frontier, idle, shares = kernels[0][1], 0.0, []
+    for kernel in kernels:
+        start, end = kernel[1], kernel[2]
+        idle += max(0.0, start - frontier)
+        shares.append(max(0.0, end - max(frontier, start)))
+        frontier = max(frontier, end)
+    return shares, idle, frontier - kernels[0][1]
+
+
 def critical_path(replays: list[list[tuple[str, float, float]]]) -> Timeline:
     """Each kernel's share of its replay's span (the module doc), summed per name over ``replays``."""
     shares: dict[str, KernelShare] = {}
@@ -52,18 +66,17 @@ def critical_path(replays: list[list[tuple[str, float, float]]]) -> Timeline:
     for kernels in replays:
         if not kernels:
             continue
-        frontier = kernels[0][1]
         if previous_end is not None:
-            between += max(0.0, frontier - previous_end)
-        for name, start, end in kernels:
+            between += max(0.0, kernels[0][1] - previous_end)
+        marginals, replay_idle, replay_span = replay_marginals(kernels)
+        for (name, start, end, *_), marginal in zip(kernels, marginals):
             share = shares.setdefault(name, KernelShare(name, 0.0, 0.0, 0))
             share.own_us += end - start
             share.launches += 1
-            idle += max(0.0, start - frontier)
-            share.marginal_us += max(0.0, end - max(frontier, start))
-            frontier = max(frontier, end)
-        span += frontier - kernels[0][1]
-        previous_end = frontier
+            share.marginal_us += marginal
+        idle += replay_idle
+        span += replay_span
+        previous_end = max(end for _, _, end, *_ in kernels)
     return Timeline(sorted(shares.values(), key=lambda s: -s.marginal_us), idle, span, between)
 
 
@@ -81,6 +94,39 @@ def timeline_lines(intervals: list[tuple[str, float, float]], replays: int, name
     lines += [f"{s.marginal_us / replays:10.1f} {s.own_us / replays:10.1f} {s.launches / replays:8.1f}  "
               f"{s.name[:name_width]}" for s in t.shares]
     return lines
+
+
+def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, name_width: int = 90) -> list[str]:
+    """Every launch of a replay in order with its marginal and own time averaged over ``replays``
+    and its launch shape (``tag``, e.g. grid and shared memory from :func:`trace_kernel_launches`):
+    which product of which layer costs what inside the chain, where the per-name table sums them."""
+    try:
+        split = split_replays(launches, replays)
+    except ValueError as err:
+        return [f"(no per-launch table: {err})"]
+    per_replay = [replay_marginals(kernels)[0] for kernels in split]
+    lines = ["per launch, in replay order (us, mean over replays)",
+             f"{'#':>4} {'marginal':>9} {'own':>8}  {'launch':<28} kernel"]
+    for i, (name, _, _, tag) in enumerate(split[0]):
+        marginal = sum(m[i] for m in per_replay) / replays
+        own = sum(kernels[i][2] - kernels[i][1] for kernels in split) / replays
+        lines.append(f"{i:4d} {marginal:9.2f} {own:8.2f}  {tag:<28} {name[:name_width]}")
+    return lines
+
+
+def trace_kernel_launches(trace: dict) -> list[tuple[str, float, float, str]]:
+    """``(name, start_us, end_us, tag)`` of the kernels in a ``torch.profiler`` Chrome trace
+    (``export_chrome_trace``), the tag naming the grid and the dynamic + static shared memory."""
+    launches = []
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel":
+            continue
+        args = event.get("args", {})
+        grid = "x".join(str(g) for g in args.get("grid", ()))
+        smem = args.get("shared memory")
+        tag = f"grid {grid}" + (f" smem {smem / 1024:.0f}K" if isinstance(smem, (int, float)) else "")
+        launches.append((event["name"], float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)), tag))
+    return launches
 
 
 def cuda_kernel_intervals(events) -> list[tuple[str, float, float]]:

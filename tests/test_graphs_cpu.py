@@ -82,3 +82,17 @@ def test_compiled_regions_keep_eager_bf16_roundings():
     got = torch.compile(swiglu_and_add_norm, fullgraph=True, dynamic=False)(*args)
     for a, b in zip(got, swiglu_and_add_norm(*args), strict=True):
         assert torch.equal(a, b)
+
+
+def test_profile_replays_writes_its_tables_without_a_gpu(tmp_path):
+    """The per-kernel profile of ``lfmspark bench --profile-dir`` on CPU: no device kernels to list,
+    each table says so, and the file is written (the profiler export and its parsing run)."""
+    from lfmspark.runtime.bench import profile_replays
+
+    engine = Engine(random_tiny_target(seed=3), None, max_batch=1, max_seq_len=64)
+    engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=2))
+    path = tmp_path / "profile.txt"
+    profile_replays(engine, 1, path, iters=2)
+    text = path.read_text()
+    assert text.startswith("decode replay, batch 1: 0.0 us of kernel time per replay")
+    assert "(no device-side kernel events to lay out)" in text and "(no kernel launches in the trace)" in text

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from lfmspark.runtime.timeline import critical_path, cuda_kernel_intervals, split_replays, timeline_lines
+from lfmspark.runtime.timeline import (critical_path, cuda_kernel_intervals, launch_lines, split_replays, timeline_lines,
+                                       trace_kernel_launches)
 
 # one replay: gemv runs 0-10; attn starts early at 4 (PDL) and ends at 13: it adds 3; norm starts at
 # 5 and ends at 12, inside the frontier: adds 0; gemv again after 2 us of idle, 15-25: adds 10
@@ -55,3 +56,28 @@ def test_empty_and_zero_length() -> None:
     assert critical_path([]).shares == [] and critical_path([[]]).span_us == 0
     t = critical_path([[("k", 1.0, 1.0)]])
     assert [(s.launches, s.own_us, s.marginal_us) for s in t.shares] == [(1, 0.0, 0.0)] and t.idle_us == 0
+
+
+def test_launch_lines_list_each_position_of_the_replay() -> None:
+    """Position by position, averaged over replays: the second replay's attn ends 2 us later (adds 5)."""
+    first = [(n, s, e, f"grid {i}") for i, (n, s, e) in enumerate(REPLAY)]
+    second = [(n, s + 40, e + 40 + (2 if n == "attn" else 0), t) for n, s, e, t in first]
+    lines = launch_lines(second + first, replays=2)
+    assert lines[0].startswith("per launch, in replay order")
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"] and [r[-1] for r in rows] == ["gemv", "attn", "norm", "gemv"]
+    assert [(float(r[1]), float(r[2])) for r in rows] == [(10.0, 10.0), (4.0, 10.0), (0.0, 7.0), (10.0, 10.0)]
+    assert [r[3:5] for r in rows] == [["grid", "0"], ["grid", "1"], ["grid", "2"], ["grid", "3"]]
+    assert launch_lines(first, replays=3)[0].startswith("(no per-launch table: 4 kernels do not split")
+
+
+def test_trace_kernel_launches_read_kernels_with_grid_and_shared_memory() -> None:
+    trace = {"traceEvents": [
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 3},
+        {"cat": "kernel", "name": "_skinny_linear_kernel", "ts": 10.5, "dur": 4.25,
+         "args": {"grid": [32, 4, 1], "shared memory": 122880}},
+        {"cat": "kernel", "name": "triton_red_fused", "ts": 12, "dur": 1, "args": {"grid": [10, 1, 1]}},
+    ]}
+    assert trace_kernel_launches(trace) == [("_skinny_linear_kernel", 10.5, 14.75, "grid 32x4x1 smem 120K"),
+                                            ("triton_red_fused", 12.0, 13.0, "grid 10x1x1")]
+    assert trace_kernel_launches({}) == []
