@@ -356,10 +356,11 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
         # K = 2048 program (out_proj) requests its whole weight tile before it waits for its
         # predecessor (the first K step is peeled), and w2 (K = 8192) takes 4 steps instead of 8; the
         # run did not separate the two. No split: N / 4 programs already oversubscribe the SMs at N >= 2048
-        return SkinnyConfig(block_n=tuned("gemv", "block_n", 4),
-                            block_k=min(tuned("gemv", "block_k", 2048), max(16, triton.next_power_of_2(K))),
-                            split_k=1, num_warps=tuned("gemv", "num_warps", 4),
-                            num_stages=tuned("gemv", "num_stages", 2), gemv=True)
+        shape = (N, K)
+        return SkinnyConfig(block_n=tuned("gemv", "block_n", 4, shape),
+                            block_k=min(tuned("gemv", "block_k", 2048, shape), max(16, triton.next_power_of_2(K))),
+                            split_k=1, num_warps=tuned("gemv", "num_warps", 4, shape),
+                            num_stages=tuned("gemv", "num_stages", 2, shape), gemv=True)
     return swap_ab_config(M, N, K, elem_size, sms)
 
 
@@ -416,25 +417,28 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
       separate reduce kernel);
     - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup).
 
-    ``LFMSPARK_TUNE`` (ops/tuning.py, ``kind`` ``tile``) may replace each choice; the later ones follow.
+    ``LFMSPARK_TUNE`` (ops/tuning.py, ``kind`` ``tile``, also per ``(N, K)``) may replace each choice; the later
+    ones follow.
     """
     block_m = _block_m(M)
-    block_n = tuned(kind, "block_n", 128 if triton.cdiv(N, 128) >= 2 * sms else 64)
+    shape = (N, K)
+    block_n = tuned(kind, "block_n", 128 if triton.cdiv(N, 128) >= 2 * sms else 64, shape)
     block_k = 64 if block_n >= 128 else 128
     if K % 64 == 0:
         while K % block_k:
             block_k //= 2
-    block_k = min(tuned(kind, "block_k", block_k), max(16, triton.next_power_of_2(K)))
+    block_k = min(tuned(kind, "block_k", block_k, shape), max(16, triton.next_power_of_2(K)))
     n_blocks = triton.cdiv(N, block_n)
     split_k = 1
     if n_blocks < sms:
         split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
-    split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k))[1]
+    split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))[1]
     num_stages = 5 if split_k > 1 else (4 if block_n >= 128 else 3)
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=tuned(kind, "num_warps", 4),
-                        num_stages=tuned(kind, "num_stages", num_stages), swap_ab=True)
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
+                        num_warps=tuned(kind, "num_warps", 4, shape),
+                        num_stages=tuned(kind, "num_stages", num_stages, shape), swap_ab=True)
 
 
 def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
@@ -458,7 +462,7 @@ def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     stages = cfg.num_stages
     while stages > 2 and stages * (2 * cfg.block_n + _block_m(M)) * cfg.block_k * elem_size > _SWAP_SMEM_BYTES:
         stages -= 1
-    return replace(cfg, num_stages=tuned("tile_swiglu", "num_stages", stages))
+    return replace(cfg, num_stages=tuned("tile_swiglu", "num_stages", stages, (F, K)))
 
 
 def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:

@@ -14,7 +14,14 @@ would choose for every launch of that kind (the heuristic's later choices, e.g. 
 that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
-prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py). Parameters
+prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py).
+
+The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
+it applies only to products with ``N`` output columns (gate columns for ``tile_swiglu``) and
+reduction length ``K``, at any row count, and wins over the kind-wide key. Why: inside the
+speculative round the products' distance from their bandwidth floor ranges from 40% to 97% of the
+copy bandwidth by shape (docs/benchmarks.md, session 8), and a kind-wide override that helps the
+small products hurts the large ones, so they are tuned one shape at a time. Parameters
 are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
 resources: too many stages fail at launch with Triton's out-of-resources error. K steps are capped
 at the next power of two of K, like the heuristics' own. The benchmark's JSON records the variable
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 _POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
@@ -38,6 +46,10 @@ KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 
+SHAPED_KINDS = ("gemv", "tile", "tile_swiglu")   # kinds whose launchers know the product's N and K
+_SHAPE = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
+
+
 @functools.lru_cache(maxsize=8)
 def _parse(value: str) -> dict[str, int]:
     valid = ", ".join(f"{kind}.{p}" for kind, params in KNOBS.items() for p in params)
@@ -45,10 +57,14 @@ def _parse(value: str) -> dict[str, int]:
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, sep, number = item.partition("=")
         key = key.strip()
-        kind, _, param = key.partition(".")
+        scope, _, param = key.partition(".")
+        kind, at, shape = scope.partition("@")
         if not sep or param not in KNOBS.get(kind, ()):
             raise ValueError(f"LFMSPARK_TUNE: {item!r} is not kind.parameter=integer with a known key; valid keys: "
-                             f"{valid}")
+                             f"{valid} (the product kinds {', '.join(SHAPED_KINDS)} also as kind@NxK.parameter)")
+        if at and (kind not in SHAPED_KINDS or not _SHAPE.fullmatch(shape)):
+            raise ValueError(f"LFMSPARK_TUNE: {key!r}: a shape-scoped key is kind@NxK.parameter with positive "
+                             f"integers N and K, for the kinds {', '.join(SHAPED_KINDS)}")
         try:
             n = int(number)
         except ValueError:
@@ -67,7 +83,11 @@ def tuning_overrides() -> dict[str, int]:
     return dict(_parse(os.environ.get("LFMSPARK_TUNE", "")))
 
 
-def tuned(kind: str, param: str, default: int) -> int:
-    """``default`` unless ``LFMSPARK_TUNE`` overrides ``kind.param``."""
+def tuned(kind: str, param: str, default: int, shape: tuple[int, int] | None = None) -> int:
+    """``default`` unless ``LFMSPARK_TUNE`` overrides ``kind.param``, or, for a product of ``shape =
+    (N, K)``, ``kind@NxK.param`` (which wins)."""
     assert param in KNOBS[kind], (kind, param)
-    return _parse(os.environ.get("LFMSPARK_TUNE", "")).get(f"{kind}.{param}", default)
+    overrides = _parse(os.environ.get("LFMSPARK_TUNE", ""))
+    if shape is not None and (scoped := f"{kind}@{shape[0]}x{shape[1]}.{param}") in overrides:
+        return overrides[scoped]
+    return overrides.get(f"{kind}.{param}", default)

@@ -48,6 +48,26 @@ def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) ->
     assert split.split_k == skinny_linear.split_k_plan(2048, split.block_k, 3)[1] == 3
 
 
+def test_shape_scoped_keys_win_for_their_shape_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tile@2048x2048`` retunes the 10-row out_proj (N = K = 2048) and nothing else; the kind-wide
+    key still applies to the other shapes, and the scoped one wins where both match."""
+    monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
+    base = {shape: skinny_linear.swap_ab_config(10, *shape, 2, SMS) for shape in ((2048, 2048), (6144, 2048))}
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16,tile@2048x2048.split_k=4,tile.num_stages=3,"
+                                        "tile@2048x2048.num_stages=1,gemv@2048x8192.block_k=1024,"
+                                        "tile_swiglu@8192x2048.num_stages=2")
+    small = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    assert (small.block_n, small.split_k, small.num_stages) == (16, 4, 1)
+    assert small.block_k == base[(2048, 2048)].block_k                     # not scoped: the heuristic's
+    in_proj = skinny_linear.swap_ab_config(10, 6144, 2048, 2, SMS)
+    assert (in_proj.block_n, in_proj.split_k, in_proj.num_stages) == (base[(6144, 2048)].block_n,
+                                                                       base[(6144, 2048)].split_k, 3)
+    assert skinny_linear.skinny_config(1, 2048, 8192, 2, SMS).block_k == 1024
+    assert skinny_linear.skinny_config(1, 2048, 2048, 2, SMS).block_k == 2048
+    assert skinny_linear.swiglu_config(10, 8192, 2048, 2, SMS).num_stages == 2
+    assert skinny_linear.swiglu_config(10, 6144, 2048, 2, SMS).num_stages == 3
+
+
 def test_spaces_around_items_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LFMSPARK_TUNE", " gemv.block_k = 1024 , walk.num_warps=4")
     assert (tuned("gemv", "block_k", 2048), tuned("walk", "num_warps", 8)) == (1024, 4)
@@ -72,6 +92,11 @@ def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatc
     ("tile.block_k=96", "power of two, got 96"),
     ("tile.num_stages=0", "positive integer, got 0"),
     ("gemv.block_k=1024,gemv.block_k=2048", "given twice"),
+    ("tile@2048x2048.block_n=16,tile@2048x2048.block_n=32", "given twice"),
+    ("walk@65536x256.block_v=128", "for the kinds gemv, tile, tile_swiglu"),
+    ("tile@2048.block_n=16", "kind@NxK.parameter with positive integers"),
+    ("tile@0x2048.block_n=16", "kind@NxK.parameter with positive integers"),
+    ("tile@2048x2048.bogus=1", "also as kind@NxK.parameter"),
 ])
 def test_malformed_values_name_the_problem(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
     monkeypatch.setenv("LFMSPARK_TUNE", value)
