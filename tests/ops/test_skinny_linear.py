@@ -210,7 +210,11 @@ def test_split_k_tile_limit(triton_device: str, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("N, K, cfg", [
     (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True)),               # N and K tails, one split
     (130, 300, SkinnyConfig(block_n=128, block_k=64, split_k=3, swap_ab=True)),   # N tail, K tail in the last split
-], ids=["one_split", "split_k"])
+    # one K block per split, no pipelining: the whole weight slice is the pre-wait load (the
+    # candidate 2048 x 2048 launches of docs/benchmarks.md, session 8, scaled down)
+    (100, 512, SkinnyConfig(block_n=16, block_k=256, split_k=2, num_stages=1, swap_ab=True)),
+    (100, 512, SkinnyConfig(block_n=32, block_k=128, split_k=4, num_stages=1, swap_ab=True)),
+], ids=["one_split", "split_k", "block_per_split_16", "block_per_split_32"])
 def test_swap_ab_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int,
                                           cfg: SkinnyConfig) -> None:
     x, w = _inputs(triton_device, dtype, M, N, K, seed=M + K)
