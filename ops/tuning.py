@@ -32,8 +32,11 @@ with every other ``LFMSPARK_*`` switch; the kernel microbenchmarks' "default" ro
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+
+log = logging.getLogger(__name__)
 
 _POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
@@ -79,7 +82,8 @@ def _parse(value: str) -> dict[str, int]:
 
 
 def tuning_overrides() -> dict[str, int]:
-    """``LFMSPARK_TUNE`` parsed: ``{"kind.param": value}`` (raises ``ValueError`` naming a bad item)."""
+    """``LFMSPARK_TUNE`` parsed: ``{"kind.param" or "kind@NxK.param": value}`` (raises ``ValueError``
+    naming a bad item)."""
     return dict(_parse(os.environ.get("LFMSPARK_TUNE", "")))
 
 
@@ -89,5 +93,12 @@ def tuned(kind: str, param: str, default: int, shape: tuple[int, int] | None = N
     assert param in KNOBS[kind], (kind, param)
     overrides = _parse(os.environ.get("LFMSPARK_TUNE", ""))
     if shape is not None and (scoped := f"{kind}@{shape[0]}x{shape[1]}.{param}") in overrides:
+        _log_applied(scoped, overrides[scoped])
         return overrides[scoped]
     return overrides.get(f"{kind}.{param}", default)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_applied(key: str, value: int) -> None:
+    # once per key: a shape-scoped key that never shows up here matched no launch (e.g. N and K swapped)
+    log.info("LFMSPARK_TUNE: %s=%d applied", key, value)

@@ -204,8 +204,9 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
 
 def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> None:
-    """Write a per-kernel table of ``iters`` step replays (GPU time per replay, launches per
-    replay): the breakdown behind a step's distance from its bandwidth floor."""
+    """Write the tables of ``iters`` step replays: per kernel (GPU time and launches per replay), the
+    timeline (what each kernel costs the replay under PDL) and per launch (runtime/timeline.py):
+    the breakdown behind a step's distance from its bandwidth floor."""
     from torch.profiler import ProfilerActivity, profile
 
     slots = list(range(batch))
@@ -230,13 +231,20 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     # under PDL the durations above include waiting; the timeline table says what each kernel costs the replay
     intervals = cuda_kernel_intervals(prof.events())
     lines += [""] + (timeline_lines(intervals, iters) if intervals else ["(no device-side kernel events to lay out)"])
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(f"{tmp}/trace.json")
-        launches = trace_kernel_launches(json.loads(Path(f"{tmp}/trace.json").read_text()))
-    lines += [""] + (launch_lines(launches, iters) if launches else ["(no kernel launches in the trace)"])
+    lines += [""] + _launch_table(prof, iters)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
+
+
+def _launch_table(prof, replays: int) -> list[str]:
+    """The per-launch table of a finished profiler run, from its Chrome trace (the only export that
+    carries each launch's grid and shared memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        launches = trace_kernel_launches(json.loads(trace.read_text()))
+    return launch_lines(launches, replays) if launches else ["(no kernel launches in the trace)"]
 
 
 def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:

@@ -15,6 +15,7 @@ are reported apart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -44,7 +45,7 @@ def split_replays(intervals: list[tuple[str, float, float]], replays: int) -> li
     return [ordered[i * per:(i + 1) * per] for i in range(replays)]
 
 
-def replay_marginals(kernels: list[tuple]) -> tuple[list[float], float, float]:
+def replay_marginals(kernels: Sequence[tuple]) -> tuple[list[float], float, float]:
     """One replay's kernels (start order; ``[1]``, ``[2]`` = start, end) -> each one's marginal share
     (the module doc), the idle time and the span."""
     if not kernels:
@@ -76,7 +77,7 @@ def critical_path(replays: list[list[tuple[str, float, float]]]) -> Timeline:
             share.marginal_us += marginal
         idle += replay_idle
         span += replay_span
-        previous_end = max(end for _, _, end, *_ in kernels)
+        previous_end = kernels[0][1] + replay_span
     return Timeline(sorted(shares.values(), key=lambda s: -s.marginal_us), idle, span, between)
 
 
@@ -99,11 +100,15 @@ def timeline_lines(intervals: list[tuple[str, float, float]], replays: int, name
 def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, name_width: int = 90) -> list[str]:
     """Every launch of a replay in order with its marginal and own time averaged over ``replays``
     and its launch shape (``tag``, e.g. grid and shared memory from :func:`trace_kernel_launches`):
-    which product of which layer costs what inside the chain, where the per-name table sums them."""
+    which product of which layer costs what inside the chain, where the per-name table sums them.
+    Launches are matched across replays by position, so replays whose launch order differs (a
+    tie in start times) give no table rather than rows that mix two kernels."""
     try:
         split = split_replays(launches, replays)
     except ValueError as err:
         return [f"(no per-launch table: {err})"]
+    if any(k[0] != first[0] for kernels in split[1:] for k, first in zip(kernels, split[0])):
+        return ["(no per-launch table: the launch order differs between replays)"]
     per_replay = [replay_marginals(kernels)[0] for kernels in split]
     lines = ["per launch, in replay order (us, mean over replays)",
              f"{'#':>4} {'marginal':>9} {'own':>8}  {'launch':<28} kernel"]
@@ -116,16 +121,19 @@ def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, na
 
 def trace_kernel_launches(trace: dict) -> list[tuple[str, float, float, str]]:
     """``(name, start_us, end_us, tag)`` of the kernels in a ``torch.profiler`` Chrome trace
-    (``export_chrome_trace``), the tag naming the grid and the dynamic + static shared memory."""
+    (``export_chrome_trace``), the tag naming the grid and the dynamic + static shared memory when
+    the trace gives them. Kernels only: device copies and memsets, which the per-name tables count,
+    are left out (the steps' graphs launch none). Events without a duration are skipped."""
     launches = []
     for event in trace.get("traceEvents", []):
-        if event.get("cat") != "kernel":
+        if event.get("cat") != "kernel" or "dur" not in event:
             continue
-        args = event.get("args", {})
-        grid = "x".join(str(g) for g in args.get("grid", ()))
-        smem = args.get("shared memory")
-        tag = f"grid {grid}" + (f" smem {smem / 1024:.0f}K" if isinstance(smem, (int, float)) else "")
-        launches.append((event["name"], float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)), tag))
+        args = event.get("args") or {}
+        grid, smem = args.get("grid"), args.get("shared memory")
+        tag = " ".join(([f"grid {'x'.join(str(g) for g in grid)}"] if grid else [])
+                       + ([f"smem {smem / 1024:.0f}K"] if isinstance(smem, (int, float)) else []))
+        start = float(event["ts"])
+        launches.append((event["name"], start, start + float(event["dur"]), tag))
     return launches
 
 

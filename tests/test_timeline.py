@@ -69,6 +69,10 @@ def test_launch_lines_list_each_position_of_the_replay() -> None:
     assert [(float(r[1]), float(r[2])) for r in rows] == [(10.0, 10.0), (4.0, 10.0), (0.0, 7.0), (10.0, 10.0)]
     assert [r[3:5] for r in rows] == [["grid", "0"], ["grid", "1"], ["grid", "2"], ["grid", "3"]]
     assert launch_lines(first, replays=3)[0].startswith("(no per-launch table: 4 kernels do not split")
+    swapped = [second[0], (second[1][0], 43.0, 44.0, "grid 1"), (second[2][0], 46.0, 47.0, "grid 2"), second[3]]
+    swapped[1], swapped[2] = ("norm", *swapped[1][1:]), ("attn", *swapped[2][1:])   # order differs
+    assert launch_lines(swapped + first, replays=2) == ["(no per-launch table: the launch order differs between "
+                                                        "replays)"]
 
 
 def test_trace_kernel_launches_read_kernels_with_grid_and_shared_memory() -> None:
@@ -81,3 +85,7 @@ def test_trace_kernel_launches_read_kernels_with_grid_and_shared_memory() -> Non
     assert trace_kernel_launches(trace) == [("_skinny_linear_kernel", 10.5, 14.75, "grid 32x4x1 smem 120K"),
                                             ("triton_red_fused", 12.0, 13.0, "grid 10x1x1")]
     assert trace_kernel_launches({}) == []
+    odd = {"traceEvents": [{"cat": "kernel", "name": "k", "ts": 1, "dur": 2, "args": None},
+                           {"cat": "kernel", "name": "no_dur", "ts": 1},
+                           {"cat": "kernel", "name": "smem_only", "ts": 5, "dur": 1, "args": {"shared memory": 2048}}]}
+    assert trace_kernel_launches(odd) == [("k", 1.0, 3.0, ""), ("smem_only", 5.0, 6.0, "smem 2K")]

@@ -11,7 +11,6 @@ rounding, still about 3e-3 at these sizes).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import sys
 from pathlib import Path

@@ -11,7 +11,6 @@ points (the interpreter truncates instead of rounding), so results agree to a fe
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

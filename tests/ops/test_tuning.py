@@ -53,19 +53,29 @@ def test_shape_scoped_keys_win_for_their_shape_only(monkeypatch: pytest.MonkeyPa
     key still applies to the other shapes, and the scoped one wins where both match."""
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
     base = {shape: skinny_linear.swap_ab_config(10, *shape, 2, SMS) for shape in ((2048, 2048), (6144, 2048))}
-    monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16,tile@2048x2048.split_k=4,tile.num_stages=3,"
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16,tile@2048x2048.split_k=4,tile.num_stages=2,"
                                         "tile@2048x2048.num_stages=1,gemv@2048x8192.block_k=1024,"
                                         "tile_swiglu@8192x2048.num_stages=2")
     small = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     assert (small.block_n, small.split_k, small.num_stages) == (16, 4, 1)
     assert small.block_k == base[(2048, 2048)].block_k                     # not scoped: the heuristic's
     in_proj = skinny_linear.swap_ab_config(10, 6144, 2048, 2, SMS)
+    assert base[(6144, 2048)].num_stages != 2                              # so the kind-wide key shows
     assert (in_proj.block_n, in_proj.split_k, in_proj.num_stages) == (base[(6144, 2048)].block_n,
-                                                                       base[(6144, 2048)].split_k, 3)
+                                                                       base[(6144, 2048)].split_k, 2)
     assert skinny_linear.skinny_config(1, 2048, 8192, 2, SMS).block_k == 1024
     assert skinny_linear.skinny_config(1, 2048, 2048, 2, SMS).block_k == 2048
     assert skinny_linear.swiglu_config(10, 8192, 2048, 2, SMS).num_stages == 2
     assert skinny_linear.swiglu_config(10, 6144, 2048, 2, SMS).num_stages == 3
+
+
+def test_an_applied_shape_scoped_key_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile@4096x1024.num_warps=2")
+    with caplog.at_level("INFO", logger="lfmspark.ops.tuning"):
+        for _ in range(3):
+            assert tuned("tile", "num_warps", 4, (4096, 1024)) == 2
+        assert tuned("tile", "num_warps", 4, (1024, 4096)) == 4              # N and K swapped: no match
+    assert [r.getMessage() for r in caplog.records] == ["LFMSPARK_TUNE: tile@4096x1024.num_warps=2 applied"]
 
 
 def test_spaces_around_items_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
