@@ -97,25 +97,49 @@ def timeline_lines(intervals: list[tuple[str, float, float]], replays: int, name
     return lines
 
 
+@dataclass
+class Launch:
+    name: str
+    tag: str             # launch shape, e.g. grid and shared memory
+    marginal_us: float   # mean over replays
+    own_us: float        # mean over replays
+
+
+def mean_launches(launches: list[tuple[str, float, float, str]], replays: int) -> list[Launch]:
+    """The launches of one replay, in order, with their marginal and own times averaged over
+    ``replays`` (``(name, start_us, end_us, tag)`` in, any order). Launches are matched across
+    replays by position, so ``ValueError`` when the count does not split or the launch order
+    differs between replays (a tie in start times) rather than rows that mix two kernels."""
+    split = split_replays(launches, replays)
+    if any(k[0] != first[0] for kernels in split[1:] for k, first in zip(kernels, split[0])):
+        raise ValueError("the launch order differs between replays")
+    per_replay = [replay_marginals(kernels)[0] for kernels in split]
+    return [Launch(name, tag, sum(m[i] for m in per_replay) / replays,
+                   sum(kernels[i][2] - kernels[i][1] for kernels in split) / replays)
+            for i, (name, _, _, tag) in enumerate(split[0])]
+
+
 def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, name_width: int = 90) -> list[str]:
-    """Every launch of a replay in order with its marginal and own time averaged over ``replays``
-    and its launch shape (``tag``, e.g. grid and shared memory from :func:`trace_kernel_launches`):
-    which product of which layer costs what inside the chain, where the per-name table sums them.
-    Launches are matched across replays by position, so replays whose launch order differs (a
-    tie in start times) give no table rather than rows that mix two kernels."""
+    """Two tables from :func:`mean_launches`: per launch shape (kernel and tag, largest total
+    marginal first: which product shapes are worth speeding up), then every launch of a replay in
+    order (which product of which layer costs what inside the chain)."""
     try:
-        split = split_replays(launches, replays)
+        means = mean_launches(launches, replays)
     except ValueError as err:
         return [f"(no per-launch table: {err})"]
-    if any(k[0] != first[0] for kernels in split[1:] for k, first in zip(kernels, split[0])):
-        return ["(no per-launch table: the launch order differs between replays)"]
-    per_replay = [replay_marginals(kernels)[0] for kernels in split]
-    lines = ["per launch, in replay order (us, mean over replays)",
-             f"{'#':>4} {'marginal':>9} {'own':>8}  {'launch':<28} kernel"]
-    for i, (name, _, _, tag) in enumerate(split[0]):
-        marginal = sum(m[i] for m in per_replay) / replays
-        own = sum(kernels[i][2] - kernels[i][1] for kernels in split) / replays
-        lines.append(f"{i:4d} {marginal:9.2f} {own:8.2f}  {tag:<28} {name[:name_width]}")
+    groups: dict[tuple[str, str], list[Launch]] = {}
+    for launch in means:
+        groups.setdefault((launch.name, launch.tag), []).append(launch)
+    lines = ["per launch shape (us per replay; mean: per launch)",
+             f"{'marginal':>9} {'n':>4} {'mean':>7} {'own mean':>8}  {'launch':<28} kernel"]
+    for (name, tag), group in sorted(groups.items(), key=lambda kv: -sum(g.marginal_us for g in kv[1])):
+        total, n = sum(g.marginal_us for g in group), len(group)
+        own = sum(g.own_us for g in group) / n
+        lines.append(f"{total:9.2f} {n:4d} {total / n:7.2f} {own:8.2f}  {tag:<28} {name[:name_width]}")
+    lines += ["", "per launch, in replay order (us, mean over replays)",
+              f"{'#':>4} {'marginal':>9} {'own':>8}  {'launch':<28} kernel"]
+    lines += [f"{i:4d} {m.marginal_us:9.2f} {m.own_us:8.2f}  {m.tag:<28} {m.name[:name_width]}"
+              for i, m in enumerate(means)]
     return lines
 
 

@@ -63,8 +63,8 @@ def test_launch_lines_list_each_position_of_the_replay() -> None:
     first = [(n, s, e, f"grid {i}") for i, (n, s, e) in enumerate(REPLAY)]
     second = [(n, s + 40, e + 40 + (2 if n == "attn" else 0), t) for n, s, e, t in first]
     lines = launch_lines(second + first, replays=2)
-    assert lines[0].startswith("per launch, in replay order")
-    rows = [line.split() for line in lines[2:]]
+    at = lines.index("per launch, in replay order (us, mean over replays)")
+    rows = [line.split() for line in lines[at + 2:]]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"] and [r[-1] for r in rows] == ["gemv", "attn", "norm", "gemv"]
     assert [(float(r[1]), float(r[2])) for r in rows] == [(10.0, 10.0), (4.0, 10.0), (0.0, 7.0), (10.0, 10.0)]
     assert [r[3:5] for r in rows] == [["grid", "0"], ["grid", "1"], ["grid", "2"], ["grid", "3"]]
@@ -89,3 +89,14 @@ def test_trace_kernel_launches_read_kernels_with_grid_and_shared_memory() -> Non
                            {"cat": "kernel", "name": "no_dur", "ts": 1},
                            {"cat": "kernel", "name": "smem_only", "ts": 5, "dur": 1, "args": {"shared memory": 2048}}]}
     assert trace_kernel_launches(odd) == [("k", 1.0, 3.0, ""), ("smem_only", 5.0, 6.0, "smem 2K")]
+
+
+def test_launch_shapes_sum_the_launches_of_each_kernel_and_tag() -> None:
+    """Per (kernel, tag), largest total first: the two gemv launches share a tag here, so they sum."""
+    replay = [("gemv", 0, 10, "grid 4"), ("attn", 4, 13, "grid 1"), ("norm", 5, 12, "grid 2"),
+              ("gemv", 15, 25, "grid 4")]
+    lines = launch_lines(replay, replays=1)
+    assert lines[0].startswith("per launch shape")
+    rows = [line.split() for line in lines[2:lines.index("")]]
+    assert [(r[-1], float(r[0]), int(r[1]), float(r[2]), float(r[3])) for r in rows] == [
+        ("gemv", 20.0, 2, 10.0, 10.0), ("attn", 3.0, 1, 3.0, 9.0), ("norm", 0.0, 1, 0.0, 7.0)]
