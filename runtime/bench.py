@@ -31,7 +31,7 @@ from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_t
 from ..ops._dispatch import use_pdl
 from .engine import Engine
 from .sampling import SamplingParams
-from .timeline import cuda_kernel_intervals, launch_lines, timeline_lines, trace_kernel_launches
+from .timeline import launch_lines, timeline_lines, trace_kernel_launches
 
 log = logging.getLogger("lfmspark")
 
@@ -228,23 +228,24 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
              f"{sum(e.count for e in kernels) / iters:.0f} kernels per replay",
              f"{'us/replay':>10} {'n/replay':>8}  kernel"]
     lines += [f"{e.device_time_total / iters:10.1f} {e.count / iters:8.1f}  {e.key[:150]}" for e in kernels]
-    # under PDL the durations above include waiting; the timeline table says what each kernel costs the replay
-    intervals = cuda_kernel_intervals(prof.events())
-    lines += [""] + (timeline_lines(intervals, iters) if intervals else ["(no device-side kernel events to lay out)"])
-    lines += [""] + _launch_table(prof, iters)
+    # under PDL the durations above include waiting; the timeline tables say what each kernel costs the replay
+    launches = _traced_launches(prof)
+    if launches:
+        lines += [""] + timeline_lines(launches, iters) + [""] + launch_lines(launches, iters)
+    else:
+        lines += ["", "(no kernel launches in the trace)"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log.info("kernel profile written to %s (%.1f us of kernels per replay)", path, total)
 
 
-def _launch_table(prof, replays: int) -> list[str]:
-    """The per-launch table of a finished profiler run, from its Chrome trace (the only export that
+def _traced_launches(prof) -> list[tuple[str, float, float, str]]:
+    """The kernel launches of a finished profiler run, from its Chrome trace (the export that also
     carries each launch's grid and shared memory)."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        launches = trace_kernel_launches(json.loads(trace.read_text()))
-    return launch_lines(launches, replays) if launches else ["(no kernel launches in the trace)"]
+        return trace_kernel_launches(json.loads(trace.read_text()))
 
 
 def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:

@@ -81,7 +81,7 @@ def critical_path(replays: list[list[tuple[str, float, float]]]) -> Timeline:
     return Timeline(sorted(shares.values(), key=lambda s: -s.marginal_us), idle, span, between)
 
 
-def timeline_lines(intervals: list[tuple[str, float, float]], replays: int, name_width: int = 150) -> list[str]:
+def timeline_lines(intervals: Sequence[tuple], replays: int, name_width: int = 150) -> list[str]:
     """The table written under each per-kernel profile (runtime/bench.py ``profile_replays``)."""
     try:
         t = critical_path(split_replays(intervals, replays))
@@ -146,8 +146,8 @@ def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, na
 def trace_kernel_launches(trace: dict) -> list[tuple[str, float, float, str]]:
     """``(name, start_us, end_us, tag)`` of the kernels in a ``torch.profiler`` Chrome trace
     (``export_chrome_trace``), the tag naming the grid and the dynamic + static shared memory when
-    the trace gives them. Kernels only: device copies and memsets, which the per-name tables count,
-    are left out (the steps' graphs launch none). Events without a duration are skipped."""
+    the trace gives them. Kernels only: device copies and memsets, which the per-kernel table of
+    ``profile_replays`` counts, are left out (the steps' graphs launch none). Events without a duration are skipped."""
     launches = []
     for event in trace.get("traceEvents", []):
         if event.get("cat") != "kernel" or "dur" not in event:
@@ -159,10 +159,3 @@ def trace_kernel_launches(trace: dict) -> list[tuple[str, float, float, str]]:
         start = float(event["ts"])
         launches.append((event["name"], start, start + float(event["dur"]), tag))
     return launches
-
-
-def cuda_kernel_intervals(events) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of the device-side events of a ``torch.profiler`` run."""
-    from torch.autograd import DeviceType
-
-    return [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]

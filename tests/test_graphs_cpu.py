@@ -95,4 +95,4 @@ def test_profile_replays_writes_its_tables_without_a_gpu(tmp_path):
     profile_replays(engine, 1, path, iters=2)
     text = path.read_text()
     assert text.startswith("decode replay, batch 1: 0.0 us of kernel time per replay")
-    assert "(no device-side kernel events to lay out)" in text and "(no kernel launches in the trace)" in text
+    assert text.rstrip().endswith("(no kernel launches in the trace)")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-from torch.autograd import DeviceType
 
-from lfmspark.runtime.timeline import (critical_path, cuda_kernel_intervals, launch_lines, split_replays, timeline_lines,
+from lfmspark.runtime.timeline import (critical_path, launch_lines, split_replays, timeline_lines,
                                        trace_kernel_launches)
 
 # one replay: gemv runs 0-10; attn starts early at 4 (PDL) and ends at 13: it adds 3; norm starts at
@@ -42,14 +39,6 @@ def test_counts_that_do_not_split_give_no_table() -> None:
     with pytest.raises(ValueError, match="4 kernels do not split into 3 replays"):
         split_replays(REPLAY, 3)
     assert timeline_lines(REPLAY, 3) == ["(no timeline table: 4 kernels do not split into 3 replays of equal count)"]
-
-
-def test_intervals_keep_device_events_only() -> None:
-    def event(name: str, device: DeviceType, start: float, end: float) -> SimpleNamespace:
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
-
-    events = [event("aten::mm", DeviceType.CPU, 0, 5), event("_gemv_kernel", DeviceType.CUDA, 3, 9)]
-    assert cuda_kernel_intervals(events) == [("_gemv_kernel", 3, 9)]
 
 
 def test_empty_and_zero_length() -> None:
