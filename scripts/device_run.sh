@@ -2,7 +2,7 @@
 # The device-machine job (H200): install, engine benchmarks (with per-kernel profiles), GPU tests,
 # kernel microbenchmarks. Each step has its own time limit so one slow step cannot starve the rest.
 #   STEPS="bench12 tests kernels bench8" BATCH_SIZES=1,4,16 bash scripts/device_run.sh
-# The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz; Inductor's
+# The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.tgz and, when a later call carries it back as
 # .carry/inductor_cache.tgz, unpacked first (a warm-cache warm-up).
 set -u
@@ -61,6 +61,7 @@ for step in $STEPS; do
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
+  tar czf $OUT/results.tgz -C $OUT run  # after every step: a call cut short still returns what ran
 done
 echo "=== done $(date +%T)"
 tar czf $OUT/results.tgz -C $OUT run && rm -rf $RUN

@@ -38,9 +38,9 @@ def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) ->
     """A wider tile means fewer column blocks, so the heuristic splits K further; a
     replaced split count is planned over whole K blocks like the heuristic's."""
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
-    base = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    base = skinny_linear.swap_ab_config(10, 3072, 2048, 2, SMS)
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
-    wide = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
+    wide = skinny_linear.swap_ab_config(10, 3072, 2048, 2, SMS)
     assert (base.block_n, wide.block_n) == (64, 128) and wide.split_k > base.split_k
     assert wide.block_k == 64                                  # the 128-row tiles' K step
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.split_k=3")
@@ -53,12 +53,14 @@ def test_shape_scoped_keys_win_for_their_shape_only(monkeypatch: pytest.MonkeyPa
     key still applies to the other shapes, and the scoped one wins where both match."""
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
     base = {shape: skinny_linear.swap_ab_config(10, *shape, 2, SMS) for shape in ((2048, 2048), (6144, 2048))}
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16")
+    narrow = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16,tile@2048x2048.split_k=4,tile.num_stages=2,"
                                         "tile@2048x2048.num_stages=1,gemv@2048x8192.block_k=1024,"
                                         "tile_swiglu@8192x2048.num_stages=2")
     small = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     assert (small.block_n, small.split_k, small.num_stages) == (16, 4, 1)
-    assert small.block_k == base[(2048, 2048)].block_k                     # not scoped: the heuristic's
+    assert small.block_k == narrow.block_k                                 # not scoped: the heuristic's
     in_proj = skinny_linear.swap_ab_config(10, 6144, 2048, 2, SMS)
     assert base[(6144, 2048)].num_stages != 2                              # so the kind-wide key shows
     assert (in_proj.block_n, in_proj.split_k, in_proj.num_stages) == (base[(6144, 2048)].block_n,
