@@ -402,7 +402,6 @@ def regular_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCo
 
 
 _SWAP_SMEM_BYTES = 200 * 1024  # swap-AB pipeline buffers: one program per SM (227 KB on the H200)
-_WHOLE_BLOCK_K = 256            # K block of the small products' one-block programs (swap_ab_config)
 
 
 def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str = "tile") -> SkinnyConfig:
@@ -416,15 +415,7 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
       split): the winners ran 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
       splitting further lost to the extra partial traffic and reduction (measured with the former
       separate reduce kernel);
-    - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup);
-    - except for small products (``kind`` ``tile``, up to 16 rows, 64-row tiles whose K range cut in
-      ``_WHOLE_BLOCK_K``-wide blocks gives at most two programs per SM, e.g. the 2048 x 2048 o/out
-      projections and the draft's q/o and block k/v): one K block per program (``K / 256`` splits,
-      one stage), so each program requests its whole weight share at once, before its PDL wait,
-      as the one-row GEMV does. Timed alone this lost to the 4-split tiles; inside the speculative
-      round it won: 2048 x 2048 at 3.75 against 5.07 us per launch, the round 1.397 -> 1.385 ms
-      (docs/benchmarks.md, session 9). Longer products lost with it (2048 x 8192: 16.8 against
-      10.1 us; the 6144-row in_proj 14.3 against 10.7 us).
+    - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup).
 
     ``LFMSPARK_TUNE`` (ops/tuning.py, ``kind`` ``tile``, also per ``(N, K)``) may replace each choice; the later
     ones follow.
@@ -432,26 +423,17 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     block_m = _block_m(M)
     shape = (N, K)
     block_n = tuned(kind, "block_n", 128 if triton.cdiv(N, 128) >= 2 * sms else 64, shape)
-    n_blocks = triton.cdiv(N, block_n)
-    whole_blocks = (kind == "tile" and M <= 16 and block_n == 64 and K % _WHOLE_BLOCK_K == 0
-                    and n_blocks * (K // _WHOLE_BLOCK_K) <= 2 * sms)
-    if whole_blocks:
-        block_k, split_k = _WHOLE_BLOCK_K, K // _WHOLE_BLOCK_K
-    else:
-        block_k = 64 if block_n >= 128 else 128
-        if K % 64 == 0:
-            while K % block_k:
-                block_k //= 2
+    block_k = 64 if block_n >= 128 else 128
+    if K % 64 == 0:
+        while K % block_k:
+            block_k //= 2
     block_k = min(tuned(kind, "block_k", block_k, shape), max(16, triton.next_power_of_2(K)))
-    if not whole_blocks:
-        split_k = 1
-        if n_blocks < sms:
-            split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
-    k_split, split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))
-    if split_k > 1 and k_split == block_k:
-        num_stages = 1  # one K block per program: nothing to pipeline, the whole block is one request
-    else:
-        num_stages = 5 if split_k > 1 else (4 if block_n >= 128 else 3)
+    n_blocks = triton.cdiv(N, block_n)
+    split_k = 1
+    if n_blocks < sms:
+        split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
+    split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))[1]
+    num_stages = 5 if split_k > 1 else (4 if block_n >= 128 else 3)
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,

@@ -3,6 +3,8 @@ later heuristic choices follow them, and malformed values are rejected with the 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -38,9 +40,9 @@ def test_later_choices_follow_a_replaced_one(monkeypatch: pytest.MonkeyPatch) ->
     """A wider tile means fewer column blocks, so the heuristic splits K further; a
     replaced split count is planned over whole K blocks like the heuristic's."""
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
-    base = skinny_linear.swap_ab_config(10, 3072, 2048, 2, SMS)
+    base = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
-    wide = skinny_linear.swap_ab_config(10, 3072, 2048, 2, SMS)
+    wide = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     assert (base.block_n, wide.block_n) == (64, 128) and wide.split_k > base.split_k
     assert wide.block_k == 64                                  # the 128-row tiles' K step
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.split_k=3")
@@ -53,14 +55,12 @@ def test_shape_scoped_keys_win_for_their_shape_only(monkeypatch: pytest.MonkeyPa
     key still applies to the other shapes, and the scoped one wins where both match."""
     monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
     base = {shape: skinny_linear.swap_ab_config(10, *shape, 2, SMS) for shape in ((2048, 2048), (6144, 2048))}
-    monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16")
-    narrow = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x2048.block_n=16,tile@2048x2048.split_k=4,tile.num_stages=2,"
                                         "tile@2048x2048.num_stages=1,gemv@2048x8192.block_k=1024,"
                                         "tile_swiglu@8192x2048.num_stages=2")
     small = skinny_linear.swap_ab_config(10, 2048, 2048, 2, SMS)
     assert (small.block_n, small.split_k, small.num_stages) == (16, 4, 1)
-    assert small.block_k == narrow.block_k                                 # not scoped: the heuristic's
+    assert small.block_k == base[(2048, 2048)].block_k                     # not scoped: the heuristic's
     in_proj = skinny_linear.swap_ab_config(10, 6144, 2048, 2, SMS)
     assert base[(6144, 2048)].num_stages != 2                              # so the kind-wide key shows
     assert (in_proj.block_n, in_proj.split_k, in_proj.num_stages) == (base[(6144, 2048)].block_n,
@@ -71,13 +71,30 @@ def test_shape_scoped_keys_win_for_their_shape_only(monkeypatch: pytest.MonkeyPa
     assert skinny_linear.swiglu_config(10, 6144, 2048, 2, SMS).num_stages == 3
 
 
-def test_an_applied_shape_scoped_key_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_applied_shape_scoped_key_is_logged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a handler of its own rather than pytest's caplog, which `-p no:logging` (scripts/device_run.sh) removes
     monkeypatch.setenv("LFMSPARK_TUNE", "tile@4096x1024.num_warps=2")
-    with caplog.at_level("INFO", logger="lfmspark.ops.tuning"):
+    logger, records = logging.getLogger("lfmspark.ops.tuning"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)   # setLevel, not an attribute patch: it clears the logger's enabled-for cache
+    logger.addHandler(records)
+    try:
         for _ in range(3):
             assert tuned("tile", "num_warps", 4, (4096, 1024)) == 2
         assert tuned("tile", "num_warps", 4, (1024, 4096)) == 4              # N and K swapped: no match
-    assert [r.getMessage() for r in caplog.records] == ["LFMSPARK_TUNE: tile@4096x1024.num_warps=2 applied"]
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert records.messages == ["LFMSPARK_TUNE: tile@4096x1024.num_warps=2 applied"]
 
 
 def test_spaces_around_items_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
