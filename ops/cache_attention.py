@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
+from .tuning import tuned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,12 +227,15 @@ class AttentionLaunch:
 def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int,
                 num_splits: int | None = None) -> AttentionLaunch:
     """The launch of a ``[B, T, H, hd]`` query window over a cache of length ``S`` on ``sms`` SMs;
-    ``num_splits`` overrides the occupancy heuristic."""
+    ``num_splits`` overrides the occupancy heuristic, and so does ``LFMSPARK_TUNE``'s
+    ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits."""
     n_rows = T * (H // n_kv)
     block_m = _block_m(n_rows, hd)
     n_tiles = triton.cdiv(n_rows, block_m)
     if num_splits is None:
         num_splits = _pick_splits(B * n_kv * n_tiles, S, _SPLIT_BLOCK_N, sms)
+        if num_splits > 1:
+            num_splits = tuned("attention", "num_splits", num_splits)
     num_splits = min(max(1, int(num_splits)), _MAX_SPLITS)   # the combine kernel's padding
     block_n, num_warps, num_stages = _key_config(n_rows, hd, elem_size, num_splits > 1)
     return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages)

@@ -14,7 +14,9 @@ would choose for every launch of that kind (the heuristic's later choices, e.g. 
 that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
-prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py).
+prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py),
+``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
+i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
 
 The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
 it applies only to products with ``N`` output columns (gate columns for ``tile_swiglu``) and
@@ -46,6 +48,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),
+    "attention": ("num_splits",),
 }
 
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lfmspark.ops import add_rmsnorm_gemv, markov_walk, skinny_linear
+from lfmspark.ops import add_rmsnorm_gemv, cache_attention, markov_walk, skinny_linear
 from lfmspark.ops.tuning import tuned
 
 SMS = 132
@@ -131,3 +131,18 @@ def test_malformed_values_name_the_problem(monkeypatch: pytest.MonkeyPatch, valu
     monkeypatch.setenv("LFMSPARK_TUNE", value)
     with pytest.raises(ValueError, match=message):
         tuned("gemv", "block_n", 4)
+
+
+def test_attention_splits_key_reaches_only_split_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attention.num_splits`` replaces the split count of the launches the heuristic splits (a
+    batch-1 verify window: 8 kv heads, one row tile) and leaves unsplit prefill launches alone."""
+    verify, prefill = (1, 10, 32, 8, 64, 960, 2, SMS), (16, 128, 32, 8, 64, 960, 2, SMS)
+    monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
+    base = cache_attention.plan_launch(*verify)
+    assert base.num_splits > 2 and cache_attention.plan_launch(*prefill).num_splits == 1
+    monkeypatch.setenv("LFMSPARK_TUNE", "attention.num_splits=2")
+    assert cache_attention.plan_launch(*verify).num_splits == 2
+    assert cache_attention.plan_launch(*prefill).num_splits == 1
+    monkeypatch.setenv("LFMSPARK_TUNE", "attention.num_splits=1")
+    unsplit = cache_attention.plan_launch(*verify)
+    assert not unsplit.split and unsplit.variant != base.variant
