@@ -415,7 +415,13 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
       split): the winners ran 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
       splitting further lost to the extra partial traffic and reduction (measured with the former
       separate reduce kernel);
-    - 5 pipeline stages when split (short loops), 3-4 otherwise; 4 warps (one warpgroup).
+    - 5 pipeline stages when split (short loops) or when the column tiles are fewer than the SMs
+      (up to the budget; 4-5 for the fused SwiGLU), 3-4 otherwise; 4 warps (one warpgroup). The sweep
+      timed alone favoured 3 stages for the unsplit under-filled launches, but inside the
+      speculative round (docs/benchmarks.md, session 9) the 96-program in_proj ``[6144, 2048]`` went
+      from 10.77 to 8.96 us per launch at 5 stages and the draft's 96-program SwiGLU ``[2 x 6144,
+      2048]`` from 16.62 to 16.09 us (round 1.375 -> 1.345 ms for the in_proj alone), with no
+      other launch slower.
 
     ``LFMSPARK_TUNE`` (ops/tuning.py, ``kind`` ``tile``, also per ``(N, K)``) may replace each choice; the later
     ones follow.
@@ -433,7 +439,9 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     if n_blocks < sms:
         split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
     split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))[1]
-    num_stages = 5 if split_k > 1 else (4 if block_n >= 128 else 3)
+    # 5 stages (as many as the budget holds) also when the programs leave SMs idle: fewer SMs must
+    # each keep more bytes in flight (found inside the round, session 9; the sweep timed alone favoured 3)
+    num_stages = 5 if split_k > 1 or n_blocks < sms else (4 if block_n >= 128 else 3)
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
@@ -454,8 +462,8 @@ def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     wgmma's 64-row A operand. The cost is shared memory: a stage holds ``(2 * BLOCK_N + BLOCK_M) *
     BLOCK_K`` elements, so stages are dropped (down to 2) to stay within the swap-AB budget. At the
     served shapes (bf16, M = 9/10): LFM2.5-1.2B ``w13 [16384, 2048]``: 128 programs of 64 + 64 rows,
-    K steps of 128, no split, 3 stages (108 KB); LFM2-8B-A1B dense ``[14336, 2048]``: 112 programs,
-    otherwise the same. Untuned: ``benchmarks/kernels/skinny_linear.py --swiglu --sweep`` times the
+    K steps of 128, no split, 5 stages (fewer programs than SMs; 180 KB); LFM2-8B-A1B dense
+    ``[14336, 2048]``: 112 programs, otherwise the same. Untuned: ``benchmarks/kernels/skinny_linear.py --swiglu --sweep`` times the
     alternatives on the GPU.
     """
     cfg = swap_ab_config(M, F, K, elem_size, sms, kind="tile_swiglu")

@@ -260,6 +260,17 @@ def test_swap_ab_heuristic_reproduces_the_sweep(N: int, K: int) -> None:
     assert (cfg.block_n, cfg.block_k, cfg.split_k) == H200_SWEEP_WINNERS[N, K]
 
 
+@pytest.mark.parametrize("N, K, stages", [(6144, 2048, 5), (5120, 2048, 5), (16384, 2048, 3), (65536, 2048, 4),
+                                           (2048, 8192, 5)])
+def test_swap_ab_stages_follow_the_programs(N: int, K: int, stages: int) -> None:
+    """At M = 10 on 132 SMs: unsplit launches with fewer column tiles than SMs (the 96-program
+    in_proj, the 80-program context K/V) take 5 stages, as split ones do; a full wave keeps 3 (64-row
+    tiles) or 4 (128-row tiles)."""
+    cfg = swap_ab_config(10, N, K, 2, 132)
+    assert cfg.num_stages == stages
+    assert (cfg.split_k > 1 or -(-N // cfg.block_n) < 132) == (stages == 5)
+
+
 @pytest.mark.parametrize("K, block_k, split_k, want", [
     (256, 64, 4, (64, 4)), (300, 64, 3, (128, 3)), (192, 64, 5, (64, 3)), (100, 64, 1, (128, 1)), (64, 64, 8, (64, 1)),
 ])
