@@ -463,8 +463,8 @@ def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     BLOCK_K`` elements, so stages are dropped (down to 2) to stay within the swap-AB budget. At the
     served shapes (bf16, M = 9/10): LFM2.5-1.2B ``w13 [16384, 2048]``: 128 programs of 64 + 64 rows,
     K steps of 128, no split, 5 stages (fewer programs than SMs; 180 KB); LFM2-8B-A1B dense
-    ``[14336, 2048]``: 112 programs, otherwise the same. Untuned: ``benchmarks/kernels/skinny_linear.py --swiglu --sweep`` times the
-    alternatives on the GPU.
+    ``[14336, 2048]``: 112 programs, otherwise the same. Untuned:
+    ``benchmarks/kernels/skinny_linear.py --swiglu --sweep`` times the alternatives on the GPU.
     """
     cfg = swap_ab_config(M, F, K, elem_size, sms, kind="tile_swiglu")
     stages = cfg.num_stages
