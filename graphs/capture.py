@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import torch
 
 from .compile import compile_regions
-from .l2_window import l2_persist_requested, persisting
 from .runner import StepKind, WarmupEntry, WarmupReport
 
 log = logging.getLogger("lfmspark")
@@ -71,14 +70,6 @@ class CudaGraphRunner:
         return out.tokens, out.n_new
 
     # -- capture ----------------------------------------------------------------------------
-    def _l2_resident(self, kind: StepKind) -> torch.Tensor | None:
-        """The tensor a round graph keeps in L2 (graphs/l2_window.py): the Markov head's
-        ``markov_w2``, read once per block slot, when ``LFMSPARK_L2_PERSIST=1``."""
-        draft = self.steps.draft
-        if kind is not StepKind.ROUND or draft is None or draft.markov_head is None or not l2_persist_requested():
-            return None
-        return draft.markov_head.markov_w2.weight
-
     def _capture(self, kind: StepKind, sampling: bool, bs: int) -> WarmupEntry:
         fn, slots = self._fns[kind], self._slots[bs]
         slots.fill_(-1)
@@ -95,8 +86,7 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with persisting(self._stream, self._l2_resident(kind)), \
-                torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             outputs = fn(slots, sampling)
         torch.cuda.synchronize()
         t2 = time.perf_counter()

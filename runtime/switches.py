@@ -9,7 +9,6 @@ valid values before any compile or request. The README lists them.
 from __future__ import annotations
 
 from ..graphs.compile import inductor_pdl_requested
-from ..graphs.l2_window import l2_persist_requested
 from ..models.layers import fused_norm_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.tuning import tuning_overrides
@@ -23,4 +22,3 @@ def check_switches() -> None:
     skinny_rows()
     fused_norm_requested()
     tuning_overrides()
-    l2_persist_requested()
