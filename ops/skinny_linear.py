@@ -69,6 +69,22 @@ no separate kernel. Numerics: those of the unfused module in ``x``'s dtype, as
 ``lfmspark::swiglu_gemv``: gate and up are each an fp32 sum rounded once to the dtype (as
 ``F.linear`` rounds its output), ``silu(gate)`` is rounded, and so is the product.
 
+Pair (``lfmspark::skinny_linear_pair``, the DSpark draft's block q and K/V projections): ``x @ [w_a;
+w_b]^T`` from two separate weights, as if stacked along N, in one launch. Why: the draft's K/V
+weights stay stacked across layers (``DSparkDraft.kv_proj [L, 2 KV, H]``, so the context injection
+projects every layer in one product) and its q weights per layer: a stacked ``[q; k; v]`` weight,
+as the target has, would either copy the K/V weights (4 MB a layer in bf16) or change the parameter
+layout the checkpoint loader and the context injection rely on, and two products cost a launch (~3
+us in the batch-1 round) more than one. The kernel with ``TWO_WEIGHTS``: output columns ``[0,
+N_A)`` are rows of ``w_a``, ``[N_A, N)`` rows ``c - N_A`` of ``w_b``; a column tile never straddles
+the two (``N_A % BLOCK_N == 0``, ``N_A`` a multiple of 16 by contract, :func:`pair_config` narrows the
+tiles when needed), so each program picks its weight's base pointer and rows once, before the K
+loop, which is the one-weight loop unchanged (same loads, same sums: each half of the output is
+bit-identical to the one-weight kernel on that weight with the same launch parameters). Both
+weights must share K, dtype and row stride (one ``stride_wn``). With the constexpr off the
+kernel's code is what it was (only the two unused arguments are new); split-K, its counters and the
+PDL contract are the plain product's. No GEMV variant: one row also runs on the tile kernel.
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -89,6 +105,7 @@ from .tuning import tuned
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
+PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of the narrowest (16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,19 +113,22 @@ SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, k_split,
+    x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
     # = w @ x^T, stored transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T. SWIGLU: N = F,
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
-    # partials from column F on), the tile's last program sums them (see the module doc)
+    # partials from column F on), the tile's last program sums them (see the module doc).
+    # TWO_WEIGHTS: columns [0, N_A) are rows of w, columns [N_A, N) rows c - N_A of wb (same K and
+    # row stride), as if the two were stacked (lfmspark::skinny_linear_pair; not with SWIGLU)
+    tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
     if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -122,7 +142,14 @@ def _skinny_linear_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     # columns past N read row `c % N` instead of being masked, so the weight loads of the fast path
     # carry no mask at all (full-width vector loads); those columns are never stored
-    w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    if TWO_WEIGHTS:
+        # a program's BLOCK_N columns lie in one weight (N_A % BLOCK_N == 0): its base pointer and
+        # rows are chosen once, here, and the K loop below is the one-weight loop unchanged
+        in_b = pid_n * BLOCK_N >= N_A
+        w_rows = (cols - tl.where(in_b, N_A, 0)) % tl.where(in_b, N - N_A, N_A)
+        w_ptrs = tl.where(in_b, wb_ptr, w_ptr) + w_rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    else:
+        w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
@@ -499,23 +526,31 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool) -> None:
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
+            weight_b: torch.Tensor | None = None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
-    kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``);
-    with split-K, the fp32 workspace and the device's arrival counters."""
+    kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
+    ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
+    the fp32 workspace and the device's arrival counters."""
     (M, K), N = x.shape, out.shape[1]
+    n_a = N
+    if weight_b is not None:
+        n_a = weight.shape[0]
+        if n_a % cfg.block_n:  # the kernel picks one weight per column tile
+            raise ValueError(f"skinny_linear_pair: the first weight's {n_a} rows must be whole column tiles "
+                             f"(block_n = {cfg.block_n})")
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)  # recounting the splits drops empty ones
     n_tiles = triton.cdiv(N, cfg.block_n)
     if splits > 1:
         if n_tiles > MAX_SPLIT_TILES:
             raise ValueError(f"split-K over {n_tiles} column tiles: at most {MAX_SPLIT_TILES} (one arrival counter "
                              f"each); use wider tiles (block_n) or no split")
-        ws = torch.empty((splits, M, weight.shape[0]), dtype=torch.float32, device=x.device)
+        ws = torch.empty((splits, M, 2 * N if swiglu else N), dtype=torch.float32, device=x.device)
         counters, stride_ws, stride_wsm = _split_counters(x.device), ws.stride(0), ws.stride(1)
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if M == 1 and cfg.gemv and not swiglu:
+    if M == 1 and cfg.gemv and not swiglu and weight_b is None:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
@@ -523,11 +558,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
         )
     else:
         _skinny_linear_kernel[grid](
-            x, weight, out, ws, counters,
-            M, N, K, k_split,
+            x, weight, weight if weight_b is None else weight_b, out, ws, counters,
+            M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
@@ -545,11 +580,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight must be row-major (stride(1) == 1)")
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool
-             ) -> torch.Tensor:
-    """``out [M, n_out]`` of either op on checked inputs: empty shapes and ``K = 0`` (a zero product;
+def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool,
+             weight_b: torch.Tensor | None = None) -> torch.Tensor:
+    """``out [M, n_out]`` of the ops on checked inputs: empty shapes and ``K = 0`` (a zero product;
     for SwiGLU ``silu(0) * 0``) handled on the host, else one :func:`_launch` with ``config`` or the
-    default configuration (:func:`skinny_config` / :func:`swiglu_config`)."""
+    default configuration (:func:`skinny_config` / :func:`swiglu_config` / :func:`pair_config`)."""
     M, K = x.shape
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -557,8 +592,13 @@ def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    default = swiglu_config if swiglu else skinny_config
-    _launch(x, weight, out, config or default(M, n_out, K, x.element_size(), _sm_count(x.device)), swiglu=swiglu)
+    if config is None:
+        elem, sms = x.element_size(), _sm_count(x.device)
+        if weight_b is not None:
+            config = pair_config(M, weight.shape[0], weight_b.shape[0], K, elem, sms)
+        else:
+            config = (swiglu_config if swiglu else skinny_config)(M, n_out, K, elem, sms)
+    _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b)
     return out
 
 
@@ -587,11 +627,53 @@ def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfi
     return _product(x, w13, w13.shape[0] // 2, config, swiglu=True)
 
 
+def _check_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> None:
+    for w in (w_a, w_b):
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"expected x [M, K], w_a [N_A, K] and w_b [N_B, K], got {tuple(x.shape)}, "
+                             f"{tuple(w_a.shape)} and {tuple(w_b.shape)}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"skinny_linear_pair supports at most {MAX_M} rows, got M = {x.shape[0]}")
+    if not x.dtype == w_a.dtype == w_b.dtype:
+        raise ValueError(f"x, w_a and w_b must share a dtype, got {x.dtype}, {w_a.dtype} and {w_b.dtype}")
+    if w_a.stride(1) != 1 or w_b.stride(1) != 1:
+        raise ValueError("w_a and w_b must be row-major (stride(1) == 1)")
+    if w_a.stride(0) != w_b.stride(0):
+        raise ValueError(f"w_a and w_b must share a row stride (one stride_wn), got {w_a.stride(0)} and "
+                         f"{w_b.stride(0)}")
+    if w_a.shape[0] % PAIR_ROWS_ALIGN:
+        raise ValueError(f"w_a's rows must be a multiple of {PAIR_ROWS_ALIGN} (whole column tiles), "
+                         f"got {w_a.shape[0]}")
+
+
+def pair_config(M: int, N_A: int, N_B: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
+    """Launch parameters of ``skinny_linear_pair``: :func:`swap_ab_config` for the ``N_A + N_B``
+    columns (so ``LFMSPARK_TUNE``'s ``tile@NxK`` keys name the total), with column tiles halved
+    until ``N_A`` is a whole number of them (no change at the served draft shape, ``N_A = 2048``)."""
+    cfg = swap_ab_config(M, N_A + N_B, K, elem_size, sms)
+    block_n = cfg.block_n
+    while N_A % block_n:
+        block_n //= 2
+    return replace(cfg, block_n=block_n)
+
+
+def skinny_linear_pair_triton(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor,
+                              config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``skinny_linear_pair`` on the ``tl.dot`` kernel (``config``: launch override, its ``block_n``
+    dividing ``N_A``; ``gemv`` is ignored)."""
+    _check_pair(x, w_a, w_b)
+    return _product(x, w_a, w_a.shape[0] + w_b.shape[0], config, swiglu=False, weight_b=w_b)
+
+
 # ---------------------------------------------------------------------------------------------
 # references
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
+
+
+def skinny_linear_pair_reference(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([F.linear(x, w_a), F.linear(x, w_b)], dim=-1)
 
 
 def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
@@ -650,3 +732,24 @@ def _skinny_swiglu_cuda(x, w13):
 def _skinny_swiglu_fake(x, w13):
     _check_swiglu(x, w13)
     return x.new_empty((x.shape[0], w13.shape[0] // 2))
+
+
+@torch.library.custom_op("lfmspark::skinny_linear_pair", mutates_args=())
+def skinny_linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ [w_a; w_b]^T`` -> ``[M, N_A + N_B]`` in ``x``'s dtype, for ``M <= 64``, in one
+    launch and without stacking the weights (``N_A`` a multiple of 16, one row stride)."""
+    if use_triton(x):
+        return skinny_linear_pair_triton(x, w_a, w_b)
+    _check_pair(x, w_a, w_b)
+    return skinny_linear_pair_reference(x, w_a, w_b)
+
+
+@skinny_linear_pair.register_kernel("cuda")
+def _skinny_linear_pair_cuda(x, w_a, w_b):
+    return skinny_linear_pair_triton(x, w_a, w_b)
+
+
+@skinny_linear_pair.register_fake
+def _skinny_linear_pair_fake(x, w_a, w_b):
+    _check_pair(x, w_a, w_b)
+    return x.new_empty((x.shape[0], w_a.shape[0] + w_b.shape[0]))

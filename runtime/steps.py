@@ -167,20 +167,20 @@ class Steps:
         distribution q, the exact one its token was drawn from."""
         draft, cache = self.draft, self.dcache
         caches = draft.layer_caches(cache)
-        x, delta, s, cos, sin = self.draft_head(inp.slots, caches[0])
-        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, cos, sin, self.later_draft_layers,
-                                    first=1)
+        x, delta, s, lens, cos, sin = self.draft_head(inp.slots, caches[0])
+        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, cos, sin,
+                                    self.later_draft_layers, first=1)
         return self.finish_draft(inp, x, delta)
 
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The draft up to its second layer: the block's embeddings and RoPE cos/sin, and its first
-        layer. Returns ``(x, delta, s, cos, sin)``, what the later layers take."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft up to its second layer: the block's embeddings, lens and RoPE cos/sin, and its
+        first layer. Returns ``(x, delta, s, lens, cos, sin)``, what the later layers take."""
         row, cache = self.read_rows(slots), self.dcache
-        x, cos, sin = self.draft.block_begin(row.x0, cache.rope, row.s)
-        x, delta = self.draft.run_layers(x, None, [first_cache], cache.rope, slots, row.s, cos, sin,
+        x, lens, cos, sin = self.draft.block_begin(row.x0, cache.rope, row.s)
+        x, delta = self.draft.run_layers(x, None, [first_cache], cache.rope, slots, row.s, lens, cos, sin,
                                          self.draft.layers[:1])
-        return x, delta, row.s, cos, sin
+        return x, delta, row.s, lens, cos, sin
 
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""

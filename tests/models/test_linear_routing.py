@@ -122,3 +122,53 @@ def test_gpu_few_row_swiglu_uses_the_fused_op(monkeypatch, rows):
     monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
     plain = mlp(x)
     assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("mode, rows, routed", [
+    ("few", 1, False), ("few", 2, True), ("few", 10, True), ("few", 16, True), ("few", 17, False),
+    ("gemv", 10, False), ("off", 10, False), ("verify", 9, True), ("all", 17, False),
+], ids=lambda v: str(v))
+def test_linear_pair_routing(monkeypatch, mode, rows, routed):
+    """``linear_pair`` runs ``lfmspark::skinny_linear_pair`` for 2-16 rows on the skinny route (the
+    CUDA-only condition lifted, as above) and declines (None) otherwise: one row (the GEMV kernel
+    has no pair variant), more than 16, rows not routed."""
+    import lfmspark.models.layers as layers
+
+    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
+    lo, hi = layers.skinny_rows()
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: lo <= t.numel() // t.shape[-1] <= hi)
+    x, w_a, stack = torch.randn(1, rows, 16), torch.randn(32, 16), torch.randn(2, 24, 16)
+    out = layers.linear_pair(x, w_a, stack[1])
+    if not routed:
+        assert out is None
+        return
+    assert out.shape == (1, rows, 56)
+    assert torch.equal(out, torch.cat([F.linear(x, w_a), F.linear(x, stack[1])], dim=-1))
+
+
+def test_linear_pair_declines_weights_the_op_does_not_take(monkeypatch):
+    """A first weight that is not whole 16-row tiles, mixed dtypes, different row strides: None
+    (the caller's unfused products), never an error."""
+    import lfmspark.models.layers as layers
+
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: True)
+    x, w_b = torch.randn(10, 16), torch.randn(8, 16)
+    assert layers.linear_pair(x, torch.randn(24, 16), w_b) is None
+    assert layers.linear_pair(x, torch.randn(32, 16, dtype=torch.float64), w_b) is None
+    assert layers.linear_pair(x, torch.randn(32, 32)[:, :16], w_b) is None
+    assert layers.linear_pair(x, torch.randn(32, 16), w_b) is not None
+    monkeypatch.undo()
+    assert layers.linear_pair(x, torch.randn(32, 16), w_b) is None      # CPU: never routed
+
+
+@pytest.mark.gpu
+def test_gpu_linear_pair_uses_the_pair_op(monkeypatch):
+    import lfmspark.models.layers as layers
+
+    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+    x = torch.randn(1, 10, 2048, device="cuda", dtype=torch.bfloat16)
+    w_a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    stack = torch.randn(4, 1024, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    want = torch.ops.lfmspark.skinny_linear_pair(x.view(10, 2048), w_a, stack[2]).view(1, 10, 3072)
+    assert torch.equal(layers.linear_pair(x, w_a, stack[2]), want)
+    assert layers.linear_pair(x[:, :1], w_a, stack[2]) is None

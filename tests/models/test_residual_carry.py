@@ -116,6 +116,7 @@ def test_draft_block_matches_completed_layers_bit_for_bit():
         cos, sin = gather_cos_sin(cache.rope, window_positions(start, G))
         for i, layer in enumerate(draft.layers):
             mid, mlp = layer(h, None, draft.kv_proj[i], draft.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1],
-                             cache.rope, slots, start, cos[:, :, None, :], sin[:, :, None, :])
+                             cache.rope, slots, start, torch.full_like(start, G), cos[:, :, None, :],
+                             sin[:, :, None, :])
             h = mid + mlp
     assert torch.equal(x + delta, h)

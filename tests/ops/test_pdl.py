@@ -78,6 +78,7 @@ def test_launchers_pass_the_trigger_of_their_kind(monkeypatch: pytest.MonkeyPatc
     skinny_linear.skinny_linear_triton(x, w, skinny_linear.SkinnyConfig(block_n=16, block_k=K, gemv=True))
     skinny_linear.skinny_linear_triton(x.expand(10, K), w)
     skinny_linear.skinny_swiglu_triton(x.expand(10, K), w13)
+    skinny_linear.skinny_linear_pair_triton(x.expand(10, K), w, w13)  # the tile kernel, last: its trigger is seen
     swiglu_gemv.swiglu_gemv_triton(x, w13)
     add_rmsnorm_gemv.add_rmsnorm_gemv_triton(x, None, torch.ones(K), 1e-6, w, swiglu=False)
     assert seen == {"_gemv_kernel": one_row, "_swiglu_gemv_kernel": one_row, "_add_rmsnorm_gemv_kernel": one_row,
