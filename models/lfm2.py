@@ -282,7 +282,8 @@ class Lfm2ForCausalLM(nn.Module):
         """``(h, delta, aux)``: the last layer's output ``[B, T, H]`` (before the final norm) as its
         residual stream ``h`` and pending feed-forward output ``delta``, left unadded so that the
         caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), or the
-        output and its :class:`NormStats` (norm statistics), and the aux taps concatenated. :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
+        output and its :class:`NormStats` (norm statistics), and the aux taps concatenated.
+        :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
         fwd = self.begin(input_ids, cache.rope, slots, start, lens, aux_layer_ids)
         fwd = self.advance(fwd, cache.layer_caches(self.config), mode, self.model.layers)
         taps = self.aux_taps(fwd)
