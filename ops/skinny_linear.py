@@ -156,10 +156,9 @@ def _skinny_linear_kernel(
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if NORM:  # the statistics are the predecessor's output: after the wait
-        rstd = _row_rstd(sq_ptr, rows, row_ok, M, n_stats, K, eps, BLOCK_T)
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
-    if NORM:
+    if NORM:  # the statistics are the predecessor's output too, requested with the first x block
+        rstd = _row_rstd(sq_ptr, rows, row_ok, M, n_stats, K, eps, BLOCK_T)
         a = _rms_normalize(a, rstd, nw_ptr, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
