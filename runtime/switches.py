@@ -9,7 +9,7 @@ valid values before any compile or request. The README lists them.
 from __future__ import annotations
 
 from ..graphs.compile import inductor_pdl_requested
-from ..models.layers import fused_norm_requested, skinny_rows
+from ..models.layers import fused_norm_requested, norm_stats_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.tuning import tuning_overrides
 
@@ -21,4 +21,5 @@ def check_switches() -> None:
     inductor_pdl_requested()
     skinny_rows()
     fused_norm_requested()
+    norm_stats_requested()
     tuning_overrides()
