@@ -242,6 +242,16 @@ def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.library.opcheck(torch.ops.lfmspark.cache_attention, _op_args())
 
 
+def test_opcheck_triton_fused_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split launch (5 splits on the interpreter's 8 "SMs") merged in the attention kernel: the
+    counters it updates are left as found, so the op still declares no mutation."""
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    monkeypatch.delenv("LFMSPARK_ATTENTION_COMBINE", raising=False)
+    q, k_cache, v_cache, slots, start = _inputs("cpu", torch.float32, 1, 2, 4, 2, 16, 300, [250], [1])
+    assert plan_launch(1, 2, 4, 2, 16, 300, 4, ca._sm_count(q.device)).fused_merge
+    torch.library.opcheck(torch.ops.lfmspark.cache_attention, (q, k_cache, v_cache, LAYER, slots, start, True, 0.25))
+
+
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
     q, k_cache, v_cache, layer, slots, start, causal, scale = _op_args()
