@@ -211,7 +211,7 @@ def _skinny_linear_kernel(
         tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
         if SWIGLU:
             tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
-        if _arrives_last(cnt_ptr + pid_n):
+        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
             total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws)
             if SWIGLU:
                 total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws)
@@ -282,15 +282,16 @@ def _tile_offsets(rows, cols, row_ok, N, stride_m, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _arrives_last(counter_ptr):
-    # Split-K arrival, after the program stored its partial: true in the tile's last program. The
-    # barrier orders all threads' partial stores before the increment, which one thread issues:
+def _arrives_last(counter_ptr, arrivals):
+    # Split-K arrival, after the program stored its partial: true in the last of the ``arrivals``
+    # programs sharing the counter (the tile's splits; ops/cache_attention.py's key-range splits).
+    # The barrier orders all threads' partial stores before the increment, which one thread issues:
     # its release (gpu scope) publishes them, its acquire makes every earlier program's partial
     # visible here; Triton broadcasts the scalar result behind a barrier, so the caller's loads of
     # the partials come after the acquire in every thread (module doc, "Synchronization")
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    return arrived == tl.num_programs(1) - 1
+    return arrived == arrivals - 1
 
 
 @triton.jit
@@ -400,7 +401,7 @@ def _gemv_kernel(
     col_ok = cols < N
     if SPLIT:
         tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
-        if _arrives_last(cnt_ptr + pid_n):
+        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
             total = _sum_partials(ws_ptr + cols, col_ok, stride_ws)
             _store_out(out_ptr + cols, col_ok, total, total, False)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
@@ -588,20 +589,27 @@ def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
 MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival counter each (256 KB)
 
 
+def zeroed_counters(device: torch.device, n: int, user: str) -> torch.Tensor:
+    """``n`` int32 arrival counters on ``device``, zeroed before any stream uses them; for a cached
+    per-device buffer (:func:`_split_counters`, and ops/cache_attention.py's own) that each launch
+    leaves all-zero. ``user`` names the op in the error raised inside a CUDA-graph capture."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"lfmspark {user}: the per-device arrival counters are created (zeroed) on first use, "
+                           f"which cannot be captured in a CUDA graph; run a {user} call on this device once "
+                           "before capturing (a warm-up run does)")
+    counters = torch.zeros(n, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # zero before any stream uses them
+    return counters
+
+
 @functools.lru_cache(maxsize=None)
 def _split_counters(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once, shared by
     every split-K launch there and left all-zero by each (module doc: the last program of a tile
     resets its counter). Launches using them must be ordered on the device (one stream), which the
     PDL contract keeps for consecutive kernels (their counter accesses follow ``gdc_wait``)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("lfmspark split-K: the per-device arrival counters are created (zeroed) on first use, "
-                           "which cannot be captured in a CUDA graph; run a split-K product on this device once "
-                           "before capturing (a warm-up run does)")
-    counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # zero before any stream uses them
-    return counters
+    return zeroed_counters(device, MAX_SPLIT_TILES, "split-K product")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..graphs.compile import inductor_pdl_requested
 from ..models.layers import fused_norm_requested, norm_stats_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
+from ..ops.cache_attention import attention_combine
 from ..ops.tuning import tuning_overrides
 
 
@@ -22,4 +23,5 @@ def check_switches() -> None:
     skinny_rows()
     fused_norm_requested()
     norm_stats_requested()
+    attention_combine()
     tuning_overrides()
