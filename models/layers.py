@@ -11,17 +11,11 @@ Environment switches (read at each call; under compile, at trace time):
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
   separate (the add and norm then fuse under compile, the product is its own kernel).
-- ``LFMSPARK_NORM_STATS`` (``0`` default, ``1``): on several-row CUDA forwards (2-16 rows routed to
-  the skinny kernels), the residual stream's RMSNorm statistics come from the product that writes
-  the stream (:class:`NormStats`, :func:`residual_linear`) and the next product normalises on
-  load (:func:`norm_linear`), so no add + RMSNorm kernel runs between them (ops/skinny_linear.py,
-  "Norm statistics"; models/lfm2.py says which layers).
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +23,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
-from ..ops.skinny_linear import MAX_M, PAIR_ROWS_ALIGN, STATS_MAX_M, SWIGLU_MAX_M
+from ..ops.skinny_linear import MAX_M, PAIR_ROWS_ALIGN, SWIGLU_MAX_M
 
 lfm = torch.ops.lfmspark
 
@@ -99,81 +93,6 @@ def _fuses_norm(h: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> bool:
             and h.shape[-1] <= FUSED_NORM_MAX_K and norm.weight.dtype == h.dtype == weight.dtype)
 
 
-def norm_stats_requested() -> bool:
-    """``LFMSPARK_NORM_STATS`` (default ``0``): whether several-row forwards carry the residual
-    stream's RMSNorm statistics from producer to consumer (see the module doc); read at each call
-    (under compile, at trace time)."""
-    value = os.environ.get("LFMSPARK_NORM_STATS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_NORM_STATS={value!r}: use 1 (norm statistics from the producing product) "
-                         "or 0 (off)")
-    return value == "1"
-
-
-class NormStats(NamedTuple):
-    """What a residual stream ``s [..., H]`` carries instead of a pending ``delta`` when its writer
-    ran :func:`residual_linear`: ``s`` is already the sum, and ``sumsq [T, rows]`` fp32 holds the
-    per-column-tile sums of ``s^2`` of its rows (``lfmspark::skinny_linear_residual``), from which
-    the next product normalises ``s`` on load. Passed where ``delta`` goes (``norm_linear(s, stats,
-    ...)``), so a compiled layer takes it as its ``delta`` input and the branch is chosen at trace
-    time by its type. It stays valid while ``s``'s rows keep their order; ``None`` in its place is
-    always valid too (``s`` is then normalised by the module)."""
-    sumsq: torch.Tensor
-
-
-def _rows(t: torch.Tensor) -> int:
-    return t.numel() // t.shape[-1]
-
-
-def _stats_route(x: torch.Tensor) -> bool:
-    """Whether products over ``x [..., K]`` may run the norm-statistics ops: 2-16 rows routed to the
-    skinny kernels (one row keeps its GEMV path, ``lfmspark::add_rmsnorm_gemv``)."""
-    return 2 <= _rows(x) <= STATS_MAX_M and _routed_to_skinny(x)
-
-
-def produces_norm_stats(h: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the writers of the stream ``h`` run :func:`residual_linear` (and their consumers in the
-    same layer normalise from the statistics): the switch on, :func:`_stats_route`, and ``weights``
-    (the products' and the norms') in ``h``'s dtype."""
-    return norm_stats_requested() and _stats_route(h) and all(w.dtype == h.dtype for w in weights)
-
-
-def _takes_norm_stats(s: torch.Tensor, stats: NormStats, norm: RMSNorm, weight: torch.Tensor) -> bool:
-    """Whether the product of ``norm(s)`` with ``weight`` can normalise on load from ``stats``."""
-    return (_stats_route(s) and stats.sumsq.shape[1] == _rows(s)
-            and norm.weight.dtype == s.dtype == weight.dtype)
-
-
-def residual_linear(h: torch.Tensor, y: torch.Tensor, proj: nn.Linear) -> tuple[torch.Tensor, NormStats]:
-    """``(s, stats)``: ``s = h + proj(y)`` (the unfused add's roundings) from one
-    ``lfmspark::skinny_linear_residual``, with its rows' :class:`NormStats`."""
-    rows = _rows(y)
-    s, sumsq = lfm.skinny_linear_residual(y.reshape(rows, y.shape[-1]), proj.weight, h.reshape(rows, h.shape[-1]))
-    return s.view(h.shape), NormStats(sumsq)
-
-
-def _normed_product(s: torch.Tensor, stats: NormStats, norm: RMSNorm, weight: torch.Tensor, swiglu: bool
-                    ) -> torch.Tensor:
-    rows = _rows(s)
-    out = lfm.skinny_norm_linear(s.reshape(rows, s.shape[-1]), stats.sumsq, norm.weight, norm.eps, weight, swiglu)
-    return out.view(*s.shape[:-1], out.shape[-1])
-
-
-def layer_output(h: torch.Tensor, delta: torch.Tensor | NormStats | None) -> torch.Tensor:
-    """The stream ``h`` with its pending ``delta`` added (``h`` itself after :func:`residual_linear`)."""
-    return h if delta is None or isinstance(delta, NormStats) else h + delta
-
-
-def norm_feed_forward_residual(s: torch.Tensor, stats: NormStats, norm: RMSNorm, feed_forward: SwiGLU
-                               ) -> tuple[torch.Tensor, NormStats]:
-    """``(s + feed_forward(norm(s)), stats)`` for a dense SwiGLU on the norm-statistics path: the
-    gate/up product normalises ``s`` on load (``lfmspark::skinny_norm_linear`` with its SwiGLU
-    epilogue) and ``w2`` adds to the stream (:func:`residual_linear`). ``stats`` are those of ``s``'s
-    writer in the same layer, which :func:`produces_norm_stats` admitted with these weights."""
-    act = _normed_product(s, stats, norm, feed_forward.w13.weight, swiglu=True)
-    return residual_linear(s, act, feed_forward.w2)
-
-
 def _one_row(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, t.shape[-1]).contiguous()
 
@@ -186,20 +105,13 @@ def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
-def norm_linear(h: torch.Tensor, delta: torch.Tensor | NormStats | None, norm: RMSNorm, proj: nn.Linear,
-                fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None or
-    :class:`NormStats`).
+def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
 
-    With :class:`NormStats`, ``proj`` normalises ``h`` on load from them
-    (``lfmspark::skinny_norm_linear``) where it can (:func:`_takes_norm_stats`), else the modules
-    run on ``h``. With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV
-    route (see :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel;
-    otherwise as the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
-    if isinstance(delta, NormStats):
-        if _takes_norm_stats(h, delta, norm, proj.weight):
-            return h, _normed_product(h, delta, norm, proj.weight, swiglu=False)
-        delta = None
+    With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
+    :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
+    the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
     if fuse and _fuses_norm(h, norm, proj.weight):
         return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
     s = h if delta is None else h + delta

@@ -38,22 +38,6 @@ with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay un
 kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
 this module does, uncompiled and compiled. Prefill, verify, several rows and CPU always take the
 unfused path.
-
-Norm statistics (several rows on CUDA, ``LFMSPARK_NORM_STATS=1``, models/layers.py): in a forward
-of 2-16 rows routed to the skinny kernels, a layer with a dense :class:`SwiGLU` adds its two
-residual writes in the products themselves (``out_proj`` and ``w2`` as
-``lfmspark::skinny_linear_residual``), which also leave the new stream's RMSNorm statistics; the
-products after the norms (``in_proj`` / ``qkv_proj``, ``w13``, the LM head) normalise on load from
-them (``lfmspark::skinny_norm_linear``). The carry between layers is then ``(s, NormStats)``
-instead of ``(h, delta)``: ``s`` is already the layer's output and the statistics travel where
-``delta`` did, so the compiled layer graphs keep their inputs and outputs and choose the branch at
-trace time by the carry's type. No add + RMSNorm kernel is left between such layers. Where one side
-cannot take part the boundary converts: the first layer normalises the embeddings itself (its
-``delta`` is None) and still hands statistics on; an MoE layer's ``in_proj`` / ``qkv_proj`` reads
-incoming statistics but its own writers add as before (a tensor ``delta``); a ``NormStats`` whose
-rows are regrouped (``logits_index``) is dropped, ``s`` then normalised by the module; one row,
-more than 16 rows and CPU never produce statistics. The numbers are those of the unfused modules,
-but for the mean of squares summed in another order (bf16: an ulp here and there).
 """
 
 from __future__ import annotations
@@ -68,8 +52,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import (Linear, NormStats, RMSNorm, SwiGLU, layer_output, norm_feed_forward, norm_feed_forward_residual,
-                     norm_linear, produces_norm_stats, residual_linear)
+from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear
 
 lfm = torch.ops.lfmspark
 
@@ -95,8 +78,7 @@ class PartialForward:
     :meth:`Lfm2ForCausalLM.advance` carries on (updated in place)."""
 
     h: torch.Tensor                       # [B, T, H] residual stream (the embeddings before layer 0)
-    delta: torch.Tensor | NormStats | None  # the last layer's pending feed-forward output (None before layer 0),
-    #                                         or the statistics of h when h is already its output (norm statistics)
+    delta: torch.Tensor | None            # the last layer's pending feed-forward output (None before layer 0)
     rows: Rows
     rope: torch.Tensor                    # [P, head_dim] the cache's cos/sin table (fp32), read at rows.start + t
     aux_layer_ids: tuple[int, ...]
@@ -135,16 +117,12 @@ class Lfm2Attention(nn.Module):
         rounding; HF rounds cos/sin to the activation dtype first, a difference within bf16 noise),
         writes K and V of the first ``rows.lens`` tokens to the cache and returns the queries: three
         launches before (Inductor's q and k kernels and the K/V write)."""
-        return self.out_proj(self.heads(qkv, kv, rows, rope))
-
-    def heads(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
-        """:meth:`attend` without ``out_proj``: the heads' outputs ``[B, T, n_heads * head_dim]``."""
         B, T, _ = qkv.shape
         k_cache, v_cache = kv
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
-        return o.reshape(B, T, self.n_heads * self.head_dim)
+        return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class Lfm2ShortConv(nn.Module):
@@ -164,10 +142,6 @@ class Lfm2ShortConv(nn.Module):
     def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
         """The block after ``in_proj``, from its output ``bcx = [B | C | x]`` ``[B, T, 3H]``, which the
         decoder layer computes (fused with its norm on the one-row decode path)."""
-        return self.out_proj(self.gated_conv(bcx, state_tape, rows, mode))
-
-    def gated_conv(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
-        """:meth:`mix` without ``out_proj``: ``C * conv(B * x)`` ``[B, T, H]``."""
         # the ops take the whole in_proj output and apply both gates in the conv kernel
         conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
@@ -175,7 +149,7 @@ class Lfm2ShortConv(nn.Module):
             y = lfm.short_conv_verify(bcx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
             y = lfm.short_conv_prefill(bcx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
-        return y
+        return self.out_proj(y)
 
 
 class Lfm2DecoderLayer(nn.Module):
@@ -190,9 +164,8 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = Lfm2ShortConv(cfg)
         self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | NormStats | None, layer_cache: LayerCache, rows: Rows,
-                mode: ForwardMode, rope: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | NormStats]:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, layer_cache: LayerCache, rows: Rows,
+                mode: ForwardMode, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer over the residual stream ``h`` plus the previous layer's pending feed-forward
         output ``delta`` (None for the first layer, whose ``h`` is the embeddings; see the module doc).
 
@@ -209,30 +182,16 @@ class Lfm2DecoderLayer(nn.Module):
 
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
         ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
-        CUDA one fused kernel (see the module doc).
-
-        Norm statistics (module doc): ``delta`` may be the :class:`NormStats` of ``h``, which is
-        then the previous layer's output; a layer that produces them returns ``(h_in, s, stats)``,
-        its output ``s`` already added."""
+        CUDA one fused kernel (see the module doc)."""
         fuse = mode is ForwardMode.DECODE
         if self.is_attention:
             h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
-            y, out_proj = self.self_attn.heads(qkv, layer_cache, rows, rope), self.self_attn.out_proj
+            mixed = self.self_attn.attend(qkv, layer_cache, rows, rope)
         else:
             h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
-            y, out_proj = self.conv.gated_conv(bcx, layer_cache, rows, mode), self.conv.out_proj
-        if self._produces_norm_stats(h_in, out_proj):
-            s, stats = residual_linear(h_in, y, out_proj)
-            return (h_in, *norm_feed_forward_residual(s, stats, self.ffn_norm, self.feed_forward))
-        h, ff = norm_feed_forward(h_in, out_proj(y), self.ffn_norm, self.feed_forward, fuse)
+            mixed = self.conv.mix(bcx, layer_cache, rows, mode)
+        h, ff = norm_feed_forward(h_in, mixed, self.ffn_norm, self.feed_forward, fuse)
         return h_in, h, ff
-
-    def _produces_norm_stats(self, h: torch.Tensor, out_proj: nn.Linear) -> bool:
-        # both residual writers and the ffn_norm consumer between them take part, so only a dense
-        # SwiGLU layer does (the MoE block's experts have no residual epilogue)
-        ff = self.feed_forward
-        return isinstance(ff, SwiGLU) and produces_norm_stats(
-            h, (out_proj.weight, self.ffn_norm.weight, ff.w13.weight, ff.w2.weight))
 
 
 class Lfm2Backbone(nn.Module):
@@ -271,19 +230,16 @@ class Lfm2ForCausalLM(nn.Module):
         h, delta, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
-            # statistics are per row of h: picking regroups the rows, so they are dropped (h = s)
-            h, delta = h[picked], None if isinstance(delta, NormStats) else delta[picked]
+            h, delta = h[picked], delta[picked]
         return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
-                      aux_layer_ids: tuple[int, ...] = ()
-                      ) -> tuple[torch.Tensor, torch.Tensor | NormStats, torch.Tensor | None]:
+                      aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(h, delta, aux)``: the last layer's output ``[B, T, H]`` (before the final norm) as its
         residual stream ``h`` and pending feed-forward output ``delta``, left unadded so that the
-        caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), or the
-        output and its :class:`NormStats` (norm statistics), and the aux taps concatenated.
-        :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
+        caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), and the
+        aux taps concatenated. :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
         fwd = self.begin(input_ids, cache.rope, slots, start, lens, aux_layer_ids)
         fwd = self.advance(fwd, cache.layer_caches(self.config), mode, self.model.layers)
         taps = self.aux_taps(fwd)
@@ -314,15 +270,13 @@ class Lfm2ForCausalLM(nn.Module):
 
     def aux_taps(self, fwd: PartialForward) -> tuple[torch.Tensor, ...]:
         """The aux taps ``[B, T, H]`` of a finished forward, in ``aux_layer_ids`` order. The last layer's
-        output is completed here (``h + delta``; ``h`` itself with norm statistics): no later layer
-        adds it. Drafts never tap it (models/dspark.py refuses such drafts), so the runtime's verify
-        never runs this add."""
+        output is completed here (``h + delta``): no later layer adds it. Drafts never tap it
+        (models/dspark.py refuses such drafts), so the runtime's verify never runs this add."""
         last = len(self.model.layers) - 1
-        return tuple(layer_output(fwd.h, fwd.delta) if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
+        return tuple(fwd.h + fwd.delta if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
 
-    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor | NormStats, fuse: bool = True) -> torch.Tensor:
-        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`; with
-        :class:`NormStats` the LM head normalises ``h`` on load from them). ``fuse``: a
+    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a
         single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
         decode step's one-row case); :meth:`forward` passes it for DECODE only."""
         return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]

@@ -8,47 +8,11 @@ non-causal inside the block), both clipped to the cache length. Query head ``h``
 ``h // (n_heads // n_kv)`` (``repeat_interleave`` order). Softmax in fp32, output in ``q``'s dtype;
 rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
 ignore.
-
-Key-range splits (flash-decoding): a decode / verify / draft window has too few (row tile, kv head)
-units to fill the GPU (8 at batch 1 on LFM2.5-1.2B), so :func:`plan_launch` also splits each row's
-key range over ``num_splits`` programs (~15 at batch 1 on the H200). Each writes a partial (its
-running max ``m``, sum of exponentials ``l`` and unnormalized output ``acc``, fp32) to a
-``[splits, B * T * H]`` workspace, and the partials are merged per output row: ``m* = max_s m_s``,
-``w_s = 2^(m_s - m*)``, ``out = (sum_s w_s acc_s) / (sum_s w_s l_s)``.
-
-Merge without a second kernel (``LFMSPARK_ATTENTION_COMBINE``, read at each call; the engine checks
-it when built): ``fused`` (the default) merges in the attention kernel itself, by the serial fix-up
-of ops/skinny_linear.py's split-K: after storing its partial, each program increments its unit's
-arrival counter, and the program that finds ``splits - 1`` there arrived last; it merges the unit's
-partials (all rows of its tile), writes the output and puts the counter back to 0. ``kernel`` keeps
-the former second launch, ``_combine_splits_kernel``, one program per output row, for an A/B: each
-combine launch cost ~2.1 us on the H200 (docs/benchmarks.md, session 9), 11 per batch-1 speculative
-round (6 target attention layers in the verify, 5 draft layers). The fused merge instead runs in one
-program per unit, at the tail of the attention launch; which is faster is the GPU's to say.
-
-Numerics and determinism: both merges run :func:`_merge_splits`, which takes every element through
-the same fp32 operations in a fixed order: the max over the splits (exact in any order), then the
-weighted sums accumulated in split order ``0, 1, ..., splits - 1`` (a ``tl.sum`` over the splits
-would add them in an order set by the tile's layout, which differs between the two kernels' tiles).
-The result therefore does not depend on which program arrives last, and the two modes are
-bit-identical. Against the reference: fp32 softmax, the output rounded once to ``q``'s dtype.
-
-Synchronization (ops/skinny_linear.py's module doc, whose ``_arrives_last`` is used here): CTA barrier
-and one-thread ``acq_rel`` increment at GPU scope after the partial stores; the last program's
-partial loads bypass L1. The counters are one persistent zero-initialised int32 buffer per device
-(:func:`_merge_counters`, one counter per (row tile, batch row, kv head) unit), separate from the
-skinny products' so the two ops can never share a counter, and left all-zero by every launch: the op
-stays a pure function of its inputs and a CUDA graph replays it any number of times. As for split-K,
-launches on one device must be ordered (one stream); with PDL, every counter and workspace access
-follows the kernel's ``gdc_wait``, so consecutive launches never use the counters at the same time.
-The buffer is created on first use, which must not be inside a CUDA-graph capture (a warm-up call
-outside the capture creates it).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +20,6 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .skinny_linear import _arrives_last, zeroed_counters
 from .tuning import tuned
 
 
@@ -80,13 +43,13 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 # warm-up compiles before traffic (runtime/engine.py). The cache length S is fixed per engine.
 @triton.jit(do_not_specialize=["T", "n_rows", "n_out_rows", "num_splits"])
 def _cache_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr, slots_ptr, start_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, slots_ptr, start_ptr,
     T, S, H, n_kv, n_rows, n_out_rows, num_splits, qk_scale,
     stride_qb, stride_qt, stride_qh,
     stride_cs, stride_cp, stride_ch,
-    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    MERGE_STEP: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -94,7 +57,6 @@ def _cache_attention_kernel(
     # One program: BLOCK_M rows = flattened (token, head-in-group) pairs of one (batch row, kv head),
     # against one slice of the key range (the whole range unless SPLIT). Every K/V tile is loaded
     # once for the whole GQA group. ``kc_ptr``/``vc_ptr`` already point at the layer's cache.
-    # FUSED_MERGE (with SPLIT): the unit's last split program merges the partials (module doc).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest tiles start first
     b = tl.program_id(1) // n_kv
     kvh = tl.program_id(1) % n_kv
@@ -162,67 +124,37 @@ def _cache_attention_kernel(
         tl.store(part_m_ptr + part_rows, m_i, mask=row_ok)
         tl.store(part_l_ptr + part_rows, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part_rows[:, None] * HD + dims[None, :], acc, mask=row_ok[:, None])
-        if FUSED_MERGE:
-            unit = tl.program_id(1) * tl.num_programs(0) + tile
-            if _arrives_last(cnt_ptr + unit, num_splits):
-                out = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, row_ok, n_out_rows, num_splits,
-                                    BLOCK_M, HD, SPLITS_PAD, MERGE_STEP)
-                tl.store(out_ptr + out_rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None])
-                tl.store(cnt_ptr + unit, 0)  # reusable by the next launch
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key (padding row): zeros
         tl.store(out_ptr + out_rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
 
 
-@triton.jit
-def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, row_ok, n_out_rows, num_splits,
-                  ROWS: tl.constexpr, HD: tl.constexpr, SPLITS_PAD: tl.constexpr, STEP: tl.constexpr):
-    # The normalized outputs [ROWS, HD] of output rows ``out_rows`` from their ``num_splits`` partials
-    # (row r of split s at s * n_out_rows + r). Both merges run this, so every element goes through
-    # the same operations in the same order whatever the tile (module doc, "Numerics"): the max over
-    # all splits, then the weighted sums in split order. STEP splits' partials are requested at
-    # once (one latency per STEP splits, not per split); .cg: from L2, never a stale L1 line.
-    s = tl.arange(0, SPLITS_PAD)
-    m_all = tl.load(part_m_ptr + s[None, :] * n_out_rows + out_rows[:, None],
-                    mask=row_ok[:, None] & (s < num_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m_max = tl.max(m_all, 1)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key in any split: every weight is 0
-    dims = tl.arange(0, HD)
-    l_sum = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HD], dtype=tl.float32)
-    for s0 in range(0, num_splits, STEP):
-        for i in tl.static_range(STEP):
-            # indices past the last split load nothing (m = -inf: weight 0), so they add exact zeros
-            # (a where, not ``row_ok & scalar``, which the Triton 3.9 interpreter turns into int32)
-            ok = tl.where(s0 + i < num_splits, row_ok, False)
-            p_rows = (s0 + i) * n_out_rows + out_rows
-            m_s = tl.load(part_m_ptr + p_rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_l_ptr + p_rows, mask=ok, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(part_acc_ptr + p_rows[:, None] * HD + dims[None, :], mask=ok[:, None], other=0.0,
-                            cache_modifier=".cg")
-            w = tl.exp2(m_s - m_ref)
-            l_sum = l_sum + w * l_s
-            acc = acc + w[:, None] * acc_s
-    return acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]  # no key at all (padding row): zeros
-
-
 @triton.jit(do_not_specialize=["n_out_rows", "num_splits"])
 def _combine_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     n_out_rows, num_splits,
-    HD: tl.constexpr, SPLITS_PAD: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr,
+    HD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    # LFMSPARK_ATTENTION_COMBINE=kernel: the merge as a second launch, one program per output row
-    # (batch row, token, head)
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    rows = tl.program_id(0) + tl.arange(0, 1)
-    out = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, rows < n_out_rows, n_out_rows, num_splits,
-                        1, HD, SPLITS_PAD, STEP)
-    tl.store(out_ptr + rows[:, None] * HD + tl.arange(0, HD)[None, :], out.to(out_ptr.dtype.element_ty))
+    # one program per output row (batch row, token, head): merges all its split partials at once
+    # (a loop over the splits would serialize their load latencies)
+    row = tl.program_id(0)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    dims = tl.arange(0, HD)
+    p_rows = s * n_out_rows + row
+    m_s = tl.load(part_m_ptr + p_rows, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + p_rows, mask=s_ok, other=0.0)
+    acc_s = tl.load(part_acc_ptr + p_rows[:, None] * HD + dims[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m_s, 0)
+    w = tl.exp2(m_s - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: weight 0
+    l_sum = tl.sum(w * l_s, 0)
+    acc = tl.sum(w[:, None] * acc_s, 0)
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)  # no key at all (padding row): zeros
+    tl.store(out_ptr + row * HD + dims, out.to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,34 +162,8 @@ def _combine_splits_kernel(
 
 _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
-_MAX_SPLITS = 64  # the merges' padding (_merge_splits' SPLITS_PAD): one binary for every split count
+_MAX_SPLITS = 64
 _SPLIT_BLOCK_N = 64  # key block of the split path (_key_config)
-_MERGE_REGS = 128  # fp32 partial elements per thread a merge requests at once (MERGE_STEP splits)
-_MERGE_MAX_STEP = 16  # ... at most this many splits: the batch-1 launches' ~15 in one step
-_COMBINE_WARPS = 1  # the combine kernel's program merges one [HD] row: a warp covers it
-MAX_MERGE_UNITS = 1 << 16  # (row tile, batch row, kv head) units of a fused-merge launch: a counter each
-
-_COMBINE_MODES = ("fused", "kernel")
-
-
-def attention_combine() -> str:
-    """``LFMSPARK_ATTENTION_COMBINE`` (``fused`` default, ``kernel``): how split launches merge their
-    partials (module doc). Read at each call (under compile: when the op runs; in a CUDA graph: at
-    capture), so a process can compare modes."""
-    mode = os.environ.get("LFMSPARK_ATTENTION_COMBINE", "fused")
-    if mode not in _COMBINE_MODES:
-        raise ValueError(f"LFMSPARK_ATTENTION_COMBINE={mode!r}: use 'fused' (the default: the last split program "
-                         "of each unit merges the partials in the attention kernel) or 'kernel' (a second launch, "
-                         "_combine_splits_kernel, merges them)")
-    return mode
-
-
-@functools.lru_cache(maxsize=None)
-def _merge_counters(device: torch.device) -> torch.Tensor:
-    """The fused merge's arrival counters of ``device``: ``MAX_MERGE_UNITS`` int32, zeroed once, shared
-    by every fused-merge launch there and left all-zero by each (the unit's last program resets its
-    counter); a buffer of their own, so never one a skinny split-K product uses."""
-    return zeroed_counters(device, MAX_MERGE_UNITS, "cache_attention split")
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,13 +190,6 @@ def _key_config(n_rows: int, hd: int, elem_size: int, split: bool) -> tuple[int,
     return _SPLIT_BLOCK_N, 4, 3
 
 
-def _merge_step(rows: int, hd: int, num_warps: int) -> int:
-    """Splits whose ``[rows, hd]`` fp32 partials a merge requests at once: ``_MERGE_REGS`` registers
-    per thread, at most ``_MERGE_MAX_STEP`` (1.2B shapes: 16 for the decode's 16-row tile and for the
-    combine kernel's one row, 4 for the verify's and the draft's 64-row tile)."""
-    return max(1, min(_MERGE_MAX_STEP, _MERGE_REGS * 32 * num_warps // (rows * hd)))
-
-
 def _pick_splits(n_programs: int, S: int, block_n: int, sms: int) -> int:
     """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles) on ``sms`` SMs.
     Static information only (the actual lengths live on the device, so the cache length ``S``
@@ -304,38 +203,32 @@ def _pick_splits(n_programs: int, S: int, block_n: int, sms: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """How :func:`cache_attention_triton` launches one call. With splits, ``fused_merge`` says whether
-    the attention kernel merges them (else ``_combine_splits_kernel`` does) and ``merge_step`` how
-    many splits' partials that merge requests at once (0 without splits)."""
+    """How :func:`cache_attention_triton` launches one call."""
     block_m: int
     n_tiles: int
     num_splits: int
     block_n: int
     num_warps: int
     num_stages: int
-    fused_merge: bool = False
-    merge_step: int = 0
 
     @property
     def split(self) -> bool:
         return self.num_splits > 1
 
     @property
-    def variant(self) -> tuple[int, bool, int, int, int, bool, int]:
+    def variant(self) -> tuple[int, bool, int, int, int]:
         """The launch's compile-time choices: with the model's (causal, group, head_dim, dtype), the
-        compiled kernels a call needs. The integer arguments are not specialized, and both merges
-        pad to ``_MAX_SPLITS`` whatever the split count, so calls with equal variants share
+        compiled kernels a call needs. The integer arguments are not specialized, and the combine
+        kernel pads to ``_MAX_SPLITS`` whatever the split count, so calls with equal variants share
         binaries (what the prefill warm-up relies on)."""
-        return (self.block_m, self.split, self.block_n, self.num_warps, self.num_stages, self.fused_merge,
-                self.merge_step)
+        return self.block_m, self.split, self.block_n, self.num_warps, self.num_stages
 
 
 def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int,
                 num_splits: int | None = None) -> AttentionLaunch:
     """The launch of a ``[B, T, H, hd]`` query window over a cache of length ``S`` on ``sms`` SMs;
     ``num_splits`` overrides the occupancy heuristic, and so does ``LFMSPARK_TUNE``'s
-    ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits. A split launch
-    merges as ``LFMSPARK_ATTENTION_COMBINE`` says, ``attention.merge_step`` splits at a time."""
+    ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits."""
     n_rows = T * (H // n_kv)
     block_m = _block_m(n_rows, hd)
     n_tiles = triton.cdiv(n_rows, block_m)
@@ -343,15 +236,9 @@ def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: i
         num_splits = _pick_splits(B * n_kv * n_tiles, S, _SPLIT_BLOCK_N, sms)
         if num_splits > 1:
             num_splits = tuned("attention", "num_splits", num_splits)
-    num_splits = min(max(1, int(num_splits)), _MAX_SPLITS)   # the merges' padding
+    num_splits = min(max(1, int(num_splits)), _MAX_SPLITS)   # the combine kernel's padding
     block_n, num_warps, num_stages = _key_config(n_rows, hd, elem_size, num_splits > 1)
-    if num_splits == 1:
-        return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages)
-    fused = attention_combine() == "fused"
-    # the fused merge: one program per unit, its [block_m, hd] tile; the combine kernel: one row
-    step = _merge_step(block_m, hd, num_warps) if fused else _merge_step(1, hd, _COMBINE_WARPS)
-    step = min(max(1, tuned("attention", "merge_step", step)), _MAX_SPLITS)  # more would merge nothing
-    return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages, fused, step)
+    return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages)
 
 
 def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
@@ -377,38 +264,29 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch = plan_launch(B, T, H, n_kv, hd, S, q.element_size(), _sm_count(q.device), num_splits)
     num_splits, split = launch.num_splits, launch.split
 
-    counters = out  # not read: the counter code is compiled out
     if split:  # fp32 partial max / sum / accumulator per split and output row
         part_m = torch.empty((num_splits, B * T * H), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((num_splits, B * T * H, hd), dtype=torch.float32, device=q.device)
-        if launch.fused_merge:
-            units = launch.n_tiles * B * n_kv
-            if units > MAX_MERGE_UNITS:
-                raise ValueError(f"fused split merge over {units} (row tile, batch row, kv head) units: at most "
-                                 f"{MAX_MERGE_UNITS} (one arrival counter each); use LFMSPARK_ATTENTION_COMBINE=kernel "
-                                 "or fewer splits")
-            counters = _merge_counters(q.device)
     else:  # unused by the single-pass kernel
         part_m = part_l = part_acc = out
     kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
     _cache_attention_kernel[(launch.n_tiles, B * n_kv, num_splits)](
-        q, kc, vc, out, part_m, part_l, part_acc, counters, slots, start,
+        q, kc, vc, out, part_m, part_l, part_acc, slots, start,
         T, S, H, n_kv, T * group, B * T * H, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        CAUSAL=bool(causal), SPLIT=split, FUSED_MERGE=launch.fused_merge, SPLITS_PAD=_MAX_SPLITS,
-        MERGE_STEP=max(1, launch.merge_step), GROUP=group, HD=hd, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(q),
     )
-    if split and not launch.fused_merge:
+    if split:
         _combine_splits_kernel[(B * T * H,)](
             part_m, part_l, part_acc, out,
             B * T * H, num_splits,
-            HD=hd, SPLITS_PAD=_MAX_SPLITS, STEP=launch.merge_step,
-            num_warps=_COMBINE_WARPS, **pdl_kwargs(part_m),
+            HD=hd, SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
         )
     return out
 

@@ -85,26 +85,6 @@ weights must share K, dtype and row stride (one ``stride_wn``). With the constex
 kernel's code is what it was (only the two unused arguments are new); split-K, its counters and the
 PDL contract are the plain product's. No GEMV variant: one row also runs on the tile kernel.
 
-Norm statistics (``lfmspark::skinny_linear_residual`` and ``lfmspark::skinny_norm_linear``,
-``LFMSPARK_NORM_STATS=1`` in models/layers.py): in a several-row forward every product that writes
-into the residual stream (``out_proj``, the SwiGLU's ``w2``) is followed by the next RMSNorm and a
-product (``in_proj`` / ``qkv_proj``, ``w13``, the LM head). Inductor runs each add + RMSNorm as a
-kernel of its own (~1.7 us on the H200, 33 per verify of LFM2.5-1.2B); recomputing the row
-statistics in every consumer program instead (docs/benchmarks.md, "Add + RMSNorm as the prologue of
-the several-row product") cost ~12 us per product. So the producer computes them: with ``RESIDUAL``
-its epilogue (the unsplit one, or the split-K fix-up) writes ``s = h + product`` (the product
-rounded to the dtype, then the sum rounded: exactly the unfused ``h + F.linear(x, w)``) and, per
-column tile ``t``, each row's sum of ``float(s)^2`` over the tile's columns to ``sumsq [t, M]``
-(fp32, one row per column tile, :func:`stats_block_n` gives the tile width, so the fake and the
-reference know the shape). With ``NORM`` the consumer reads ``sumsq`` after ``gdc_wait`` (it is its
-predecessor's output), sums the ``T`` partials per row in one fixed reduction (deterministic),
-``rstd = rsqrt(total / K + eps)``, and turns every loaded block of ``s`` into the RMSNorm module's
-output before the MMA, with the module's roundings: ``(s * rstd)`` rounded to the dtype, times the
-norm weight, rounded. The mean of squares is summed in another order than torch's, so bf16 outputs
-may differ from the modules' by an ulp. The new code sits behind the ``RESIDUAL`` / ``NORM`` /
-``BLOCK_T`` constexprs (default off): the plain and SwiGLU launches compile as before, with three
-more pointer arguments that they never read.
-
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -126,7 +106,6 @@ from .tuning import tuned
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
 PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of the narrowest (16)
-STATS_MAX_M = 16  # rows of the norm-statistics ops (skinny_linear_residual, skinny_norm_linear)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,13 +113,12 @@ STATS_MAX_M = 16  # rows of the norm-statistics ops (skinny_linear_residual, ski
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr, h_ptr, sq_ptr, nw_ptr,
-    M, N, N_A, K, k_split, n_stats, eps,
+    x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-    RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
@@ -148,9 +126,6 @@ def _skinny_linear_kernel(
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
     # partials from column F on), the tile's last program sums them (see the module doc).
-    # RESIDUAL (norm statistics, module doc): out = h + product, h [M, N] strided like out, and the
-    # tile's per-row sum of squares of out to sq [n col tiles, M]. NORM: x is the residual stream s,
-    # normalised on load with the row statistics sq [n_stats, M] and the norm weight nw [K].
     # TWO_WEIGHTS: columns [0, N_A) are rows of w, columns [N_A, N) rows c - N_A of wb (same K and
     # row stride), as if the two were stacked (lfmspark::skinny_linear_pair; not with SWIGLU)
     tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
@@ -184,9 +159,6 @@ def _skinny_linear_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
-    if NORM:  # the statistics are the predecessor's output too, requested with the first x block
-        rstd = _row_rstd(sq_ptr, rows, row_ok, M, n_stats, K, eps, BLOCK_T)
-        a = _rms_normalize(a, rstd, nw_ptr, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
         acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
@@ -198,8 +170,6 @@ def _skinny_linear_kernel(
             u_ptrs += BLOCK_K
             wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-        if NORM:
-            a = _rms_normalize(a, rstd, nw_ptr, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
@@ -211,21 +181,14 @@ def _skinny_linear_kernel(
         tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
         if SWIGLU:
             tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
-        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
+        if _arrives_last(cnt_ptr + pid_n):
             total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws)
             if SWIGLU:
                 total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws)
             else:
                 total_u = total  # not read by the plain epilogue
-            if RESIDUAL:
-                _store_residual(out_ptr + out_offs, h_ptr + out_offs, out_mask, total,
-                                sq_ptr + pid_n * M + rows, row_ok, SWAP_AB)
-            else:
-                _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
+            _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
-    elif RESIDUAL:
-        _store_residual(out_ptr + out_offs, h_ptr + out_offs, out_mask, acc, sq_ptr + pid_n * M + rows, row_ok,
-                        SWAP_AB)
     else:
         _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
 
@@ -282,16 +245,15 @@ def _tile_offsets(rows, cols, row_ok, N, stride_m, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _arrives_last(counter_ptr, arrivals):
-    # Split-K arrival, after the program stored its partial: true in the last of the ``arrivals``
-    # programs sharing the counter (the tile's splits; ops/cache_attention.py's key-range splits).
-    # The barrier orders all threads' partial stores before the increment, which one thread issues:
+def _arrives_last(counter_ptr):
+    # Split-K arrival, after the program stored its partial: true in the tile's last program. The
+    # barrier orders all threads' partial stores before the increment, which one thread issues:
     # its release (gpu scope) publishes them, its acquire makes every earlier program's partial
     # visible here; Triton broadcasts the scalar result behind a barrier, so the caller's loads of
     # the partials come after the acquire in every thread (module doc, "Synchronization")
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    return arrived == arrivals - 1
+    return arrived == tl.num_programs(1) - 1
 
 
 @triton.jit
@@ -323,47 +285,6 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
     else:
         val = gate
     tl.store(ptrs, val.to(dtype), mask=mask)
-
-
-@triton.jit
-def _store_residual(out_ptrs, h_ptrs, mask, acc, sq_ptrs, row_ok, SWAP_AB: tl.constexpr):
-    # RESIDUAL epilogue: s = h + product with the unfused roundings (the product rounded to the
-    # dtype, as F.linear's output, then the sum rounded, as the dtype's add), stored; and this
-    # tile's per-row sum of float(s)^2 over its columns < N (masked: columns past N hold row c % N)
-    dtype = out_ptrs.dtype.element_ty
-    h = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    s = (h + acc.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptrs, s, mask=mask)
-    s32 = s.to(tl.float32)
-    sq = tl.where(mask, s32 * s32, 0.0)
-    if SWAP_AB:  # the tile is out^T [BLOCK_N, BLOCK_M]
-        part = tl.sum(sq, axis=0)
-    else:
-        part = tl.sum(sq, axis=1)
-    tl.store(sq_ptrs, part, mask=row_ok)
-
-
-@triton.jit
-def _row_rstd(sq_ptr, rows, row_ok, M, n_stats, K, eps, BLOCK_T: tl.constexpr):
-    # NORM prologue: 1 / sqrt(mean(s^2) + eps) per row from the producer's n_stats partial sums
-    # sq [n_stats, M], summed in one fixed reduction (the same in every program and every run)
-    t = tl.arange(0, BLOCK_T)
-    parts = tl.load(sq_ptr + t[:, None] * M + rows[None, :], mask=(t < n_stats)[:, None] & row_ok[None, :],
-                    other=0.0)
-    return tl.math.rsqrt(tl.sum(parts, axis=0) / K + eps)
-
-
-@triton.jit
-def _rms_normalize(a, rstd, nw_ptr, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # NORM prologue: the RMSNorm module's output for the loaded block a [BLOCK_M, BLOCK_K] of s:
-    # (s * rstd) rounded to the dtype, times the weight, the product rounded (models/layers.py)
-    ks = k + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        nw = tl.load(nw_ptr + ks)
-    else:
-        nw = tl.load(nw_ptr + ks, mask=ks < k_end, other=0.0)
-    y = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)
-    return (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(a.dtype)
 
 
 @triton.jit
@@ -401,7 +322,7 @@ def _gemv_kernel(
     col_ok = cols < N
     if SPLIT:
         tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
-        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
+        if _arrives_last(cnt_ptr + pid_n):
             total = _sum_partials(ws_ptr + cols, col_ok, stride_ws)
             _store_out(out_ptr + cols, col_ok, total, total, False)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
@@ -589,54 +510,28 @@ def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
 MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival counter each (256 KB)
 
 
-def zeroed_counters(device: torch.device, n: int, user: str) -> torch.Tensor:
-    """``n`` int32 arrival counters on ``device``, zeroed before any stream uses them; for a cached
-    per-device buffer (:func:`_split_counters`, and ops/cache_attention.py's own) that each launch
-    leaves all-zero. ``user`` names the op in the error raised inside a CUDA-graph capture."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"lfmspark {user}: the per-device arrival counters are created (zeroed) on first use, "
-                           f"which cannot be captured in a CUDA graph; run a {user} call on this device once "
-                           "before capturing (a warm-up run does)")
-    counters = torch.zeros(n, dtype=torch.int32, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # zero before any stream uses them
-    return counters
-
-
 @functools.lru_cache(maxsize=None)
 def _split_counters(device: torch.device) -> torch.Tensor:
     """The split-K arrival counters of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once, shared by
     every split-K launch there and left all-zero by each (module doc: the last program of a tile
     resets its counter). Launches using them must be ordered on the device (one stream), which the
     PDL contract keeps for consecutive kernels (their counter accesses follow ``gdc_wait``)."""
-    return zeroed_counters(device, MAX_SPLIT_TILES, "split-K product")
-
-
-@dataclass(frozen=True)
-class Residual:
-    """The RESIDUAL epilogue's operands: the stream ``h [M, N]`` the product is added to (strided
-    like the output) and the statistics it writes, ``sumsq [n col tiles, M]`` fp32."""
-    h: torch.Tensor
-    sumsq: torch.Tensor
-
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """The NORM prologue's operands: the producer's ``sumsq [T, M]`` fp32 partial sums of squares
-    of the rows of ``x`` (= the stream ``s``), the RMSNorm weight ``[K]`` and epsilon."""
-    sumsq: torch.Tensor
-    weight: torch.Tensor
-    eps: float
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("lfmspark split-K: the per-device arrival counters are created (zeroed) on first use, "
+                           "which cannot be captured in a CUDA graph; run a split-K product on this device once "
+                           "before capturing (a warm-up run does)")
+    counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # zero before any stream uses them
+    return counters
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
-            residual: Residual | None = None, norm: NormPrologue | None = None,
             weight_b: torch.Tensor | None = None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
     ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
-    the fp32 workspace and the device's arrival counters. ``residual`` / ``norm``: the
-    norm-statistics epilogue / prologue (``tl.dot`` kernel only, see the module doc)."""
+    the fp32 workspace and the device's arrival counters."""
     (M, K), N = x.shape, out.shape[1]
     n_a = N
     if weight_b is not None:
@@ -656,27 +551,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
     if M == 1 and cfg.gemv and not swiglu and weight_b is None:
-        assert residual is None and norm is None, "the GEMV kernel has no norm-statistics modes"
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
         )
     else:
-        # without a mode its operands are never read (the code is compiled out): out stands in
-        h = out if residual is None else residual.h
-        sq = residual.sumsq if residual is not None else out if norm is None else norm.sumsq
         _skinny_linear_kernel[grid](
-            x, weight, weight if weight_b is None else weight_b, out, ws, counters, h, sq,
-            out if norm is None else norm.weight,
-            M, N, n_a, K, k_split, 1 if norm is None else norm.sumsq.shape[0], 0.0 if norm is None else norm.eps,
+            x, weight, weight if weight_b is None else weight_b, out, ws, counters,
+            M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            RESIDUAL=residual is not None, NORM=norm is not None,
-            BLOCK_T=1 if norm is None else triton.next_power_of_2(norm.sumsq.shape[0]),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
 
@@ -739,75 +627,6 @@ def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfi
     return _product(x, w13, w13.shape[0] // 2, config, swiglu=True)
 
 
-def stats_block_n(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The column-tile width of ``skinny_linear_residual``'s launch for ``[M, K] x [N, K]^T``: its
-    ``sumsq`` has ``cdiv(N, stats_block_n(...))`` rows, one per tile. The launch is always the
-    swap-AB kernel with :func:`swap_ab_config` (for one row too); the fake and the reference call
-    this, so they agree with the kernel (``LFMSPARK_TUNE`` included, read when called)."""
-    return _residual_config(M, N, K, dtype, device).block_n
-
-
-def _residual_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> SkinnyConfig:
-    # K = 0 launches nothing, but the tiles still size the statistics (the heuristic needs K >= 1)
-    return swap_ab_config(M, N, max(K, 1), dtype.itemsize, _sm_count(device))
-
-
-def _check_residual(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor) -> None:
-    _check(x, weight)
-    if x.shape[0] > STATS_MAX_M:
-        raise ValueError(f"skinny_linear_residual supports at most {STATS_MAX_M} rows, got M = {x.shape[0]}")
-    if h.shape != (x.shape[0], weight.shape[0]) or h.dtype != x.dtype:
-        raise ValueError(f"expected h [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}, got {tuple(h.shape)} "
-                         f"in {h.dtype}")
-
-
-def skinny_linear_residual_triton(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,
-                                  config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``skinny_linear_residual`` on the ``tl.dot`` kernel's RESIDUAL epilogue (``config``: launch
-    override for tests; its ``block_n`` then sets the statistics' tiles; ``gemv`` is ignored)."""
-    _check_residual(x, weight, h)
-    (M, K), N = x.shape, weight.shape[0]
-    cfg = replace(config or _residual_config(M, N, K, x.dtype, x.device), gemv=False)
-    if M * N == 0 or K == 0:  # nothing to launch: the reference's (exact) result
-        return skinny_linear_residual_reference(x, weight, h, cfg.block_n)
-    s = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    sumsq = torch.empty((triton.cdiv(N, cfg.block_n), M), dtype=torch.float32, device=x.device)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    _launch(x, weight, s, cfg, swiglu=False, residual=Residual(h.contiguous(), sumsq))
-    return s, sumsq
-
-
-def _check_norm(s: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                swiglu: bool) -> None:
-    if swiglu:
-        _check_swiglu(s, weight)
-    else:
-        _check(s, weight)
-    if s.shape[0] > STATS_MAX_M:
-        raise ValueError(f"skinny_norm_linear supports at most {STATS_MAX_M} rows, got M = {s.shape[0]}")
-    if sumsq.dim() != 2 or sumsq.shape[1] != s.shape[0] or sumsq.shape[0] < 1 or sumsq.dtype != torch.float32:
-        raise ValueError(f"expected sumsq [T, {s.shape[0]}] fp32, got {tuple(sumsq.shape)} {sumsq.dtype}")
-    if norm_weight.shape != (s.shape[1],) or norm_weight.dtype != s.dtype:
-        raise ValueError(f"expected norm_weight [{s.shape[1]}] in {s.dtype}, got {tuple(norm_weight.shape)} "
-                         f"in {norm_weight.dtype}")
-
-
-def skinny_norm_linear_triton(s: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                              weight: torch.Tensor, swiglu: bool, config: SkinnyConfig | None = None
-                              ) -> torch.Tensor:
-    """``skinny_norm_linear`` on the ``tl.dot`` kernel's NORM prologue (``config``: launch override)."""
-    _check_norm(s, sumsq, norm_weight, weight, swiglu)
-    (M, K), n_out = s.shape, weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if M * n_out == 0 or K == 0:
-        return skinny_norm_linear_reference(s, sumsq, norm_weight, eps, weight, swiglu)
-    default = swiglu_config if swiglu else swap_ab_config
-    cfg = replace(config or default(M, n_out, K, s.element_size(), _sm_count(s.device)), gemv=False)
-    out = torch.empty((M, n_out), dtype=s.dtype, device=s.device)
-    s = s if s.stride(1) == 1 else s.contiguous()
-    _launch(s, weight, out, cfg, swiglu=swiglu, norm=NormPrologue(sumsq.contiguous(), norm_weight.contiguous(), eps))
-    return out
-
-
 def _check_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> None:
     for w in (w_a, w_b):
         if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -864,27 +683,6 @@ def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def skinny_linear_residual_reference(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, block_n: int
-                                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = h + F.linear(x, weight)`` (the unfused add, in the dtype) and ``sumsq [cdiv(N, block_n),
-    M]``: row ``t`` holds each row's sum of ``float(s)^2`` over columns ``t * block_n ..`` (< N)."""
-    s = h + F.linear(x, weight)
-    M, N = s.shape
-    n_tiles = triton.cdiv(N, block_n)
-    sq = F.pad(s.float().square(), (0, n_tiles * block_n - N))
-    return s, sq.view(M, n_tiles, block_n).sum(-1).T.contiguous()
-
-
-def skinny_norm_linear_reference(s: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                 weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """models/layers.py ``RMSNorm`` of ``s`` with the mean of squares taken from ``sumsq``'s
-    partial sums (``sumsq.sum(0) / K``; torch's own mean sums in another order), then the product
-    (``skinny_swiglu_reference`` with ``swiglu``, else ``F.linear``)."""
-    rstd = torch.rsqrt(sumsq.sum(0) / s.shape[1] + eps)
-    y = norm_weight * (s.float() * rstd[:, None]).to(s.dtype)
-    return skinny_swiglu_reference(y, weight) if swiglu else F.linear(y, weight)
-
-
 # ---------------------------------------------------------------------------------------------
 # ops
 #
@@ -934,58 +732,6 @@ def _skinny_swiglu_cuda(x, w13):
 def _skinny_swiglu_fake(x, w13):
     _check_swiglu(x, w13)
     return x.new_empty((x.shape[0], w13.shape[0] // 2))
-
-
-# The norm-statistics pair (module doc, "Norm statistics"): the producer adds its product to the
-# residual stream and leaves per-tile sums of squares, the consumer normalises on load.
-
-@torch.library.custom_op("lfmspark::skinny_linear_residual", mutates_args=())
-def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, sumsq)``: ``s = h + x @ weight^T`` ``[M, N]`` in the dtype (the unfused add's roundings)
-    and ``sumsq [cdiv(N, stats_block_n(...)), M]`` fp32, each column tile's per-row sum of ``s^2``;
-    ``M <= 16``."""
-    if use_triton(x):
-        return skinny_linear_residual_triton(x, weight, h)
-    _check_residual(x, weight, h)
-    M, K = x.shape
-    return skinny_linear_residual_reference(x, weight, h, stats_block_n(M, weight.shape[0], K, x.dtype, x.device))
-
-
-@skinny_linear_residual.register_kernel("cuda")
-def _skinny_linear_residual_cuda(x, weight, h):
-    return skinny_linear_residual_triton(x, weight, h)
-
-
-@skinny_linear_residual.register_fake
-def _skinny_linear_residual_fake(x, weight, h):
-    _check_residual(x, weight, h)
-    (M, K), N = x.shape, weight.shape[0]
-    n_tiles = triton.cdiv(N, stats_block_n(M, N, K, x.dtype, x.device))
-    return x.new_empty((M, N)), x.new_empty((n_tiles, M), dtype=torch.float32)
-
-
-@torch.library.custom_op("lfmspark::skinny_norm_linear", mutates_args=())
-def skinny_norm_linear(s: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """``RMSNorm(s) @ weight^T`` ``[M, N]`` (``swiglu``: ``silu(gate) * up`` from ``w13 [2F, K]``,
-    ``[M, F]``), the norm's statistics from ``sumsq [T, M]`` (``skinny_linear_residual``'s);
-    ``M <= 16``."""
-    if use_triton(s):
-        return skinny_norm_linear_triton(s, sumsq, norm_weight, eps, weight, swiglu)
-    _check_norm(s, sumsq, norm_weight, weight, swiglu)
-    return skinny_norm_linear_reference(s, sumsq, norm_weight, eps, weight, swiglu)
-
-
-@skinny_norm_linear.register_kernel("cuda")
-def _skinny_norm_linear_cuda(s, sumsq, norm_weight, eps, weight, swiglu):
-    return skinny_norm_linear_triton(s, sumsq, norm_weight, eps, weight, swiglu)
-
-
-@skinny_norm_linear.register_fake
-def _skinny_norm_linear_fake(s, sumsq, norm_weight, eps, weight, swiglu):
-    _check_norm(s, sumsq, norm_weight, weight, swiglu)
-    return s.new_empty((s.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
 @torch.library.custom_op("lfmspark::skinny_linear_pair", mutates_args=())

@@ -16,8 +16,7 @@ ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB pro
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
 prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py),
 ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
-i.e. the few-row decode / verify / draft windows, not prefill; ``merge_step``: how many splits'
-partials the merge of a split launch requests at once; ops/cache_attention.py).
+i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
 
 The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
 it applies only to products with ``N`` output columns (gate columns for ``tile_swiglu``) and
@@ -49,7 +48,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),
-    "attention": ("num_splits", "merge_step"),
+    "attention": ("num_splits",),
 }
 
 

@@ -33,7 +33,6 @@ import torch
 
 from ..models.cache import DraftCache, LayerCache, TargetCache
 from ..models.dspark import DSparkDraft, greedy_pick
-from ..models.layers import NormStats
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward
 from ..ops.argmax_rows import argmax_last
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
@@ -68,8 +67,7 @@ class Drafted:
 @dataclass
 class Verified:
     hidden: torch.Tensor          # [B, W, H] the target's last-layer output is hidden + delta, left unadded:
-    delta: torch.Tensor | NormStats  # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py);
-    #                                  or hidden is the output and these its norm statistics
+    delta: torch.Tensor           # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py)
     aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
 
 
@@ -140,13 +138,12 @@ class Steps:
         fwd = self.target.begin(row.x0[:, None], self.tcache.rope, slots, row.s, torch.ones_like(row.s))
         return self.target.advance(fwd, [first_cache], ForwardMode.DECODE, self.target.model.layers[:1])
 
-    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor | NormStats, slots: torch.Tensor, sampling: bool
+    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, sampling: bool
                       ) -> StepOutput:
         """Final norm of ``h + delta`` (the last layer's output, see ``Lfm2ForCausalLM.hidden_states``),
         LM head, pick the next token, advance the rows' state."""
         st, row = self.state, self.read_rows(slots, sampling)
-        # one column per row: h[:, 0] keeps the rows (and their order) that norm statistics describe
-        logits = self.target.compute_logits(h[:, 0], delta if isinstance(delta, NormStats) else delta[:, 0])
+        logits = self.target.compute_logits(h[:, 0], delta[:, 0])
         nxt = row.rows.pick(logits.float(), row.s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
         w = st.scatter_index(slots)
         st.seq_len[w] = row.s + 1

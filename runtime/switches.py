@@ -9,9 +9,8 @@ valid values before any compile or request. The README lists them.
 from __future__ import annotations
 
 from ..graphs.compile import inductor_pdl_requested
-from ..models.layers import fused_norm_requested, norm_stats_requested, skinny_rows
+from ..models.layers import fused_norm_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
-from ..ops.cache_attention import attention_combine
 from ..ops.tuning import tuning_overrides
 
 
@@ -22,6 +21,4 @@ def check_switches() -> None:
     inductor_pdl_requested()
     skinny_rows()
     fused_norm_requested()
-    norm_stats_requested()
-    attention_combine()
     tuning_overrides()

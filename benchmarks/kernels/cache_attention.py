@@ -30,12 +30,9 @@ CONTEXTS = (512, 8192)
 WINDOWS = ((1, True), (10, True), (9, False))  # (T, causal): decode, verify, draft
 
 
-def _splits(B: int, T: int) -> dict:
-    """The split count the launcher's heuristic picks for this shape and how the splits merge
-    (``LFMSPARK_ATTENTION_COMBINE``; reported, not forced)."""
-    plan = plan_launch(B, T, N_HEADS, N_KV, HEAD_DIM, CACHE_LEN, DTYPE.itemsize, _sm_count(torch.device("cuda")))
-    merge = ("fused" if plan.fused_merge else "kernel") if plan.split else "-"
-    return {"splits": plan.num_splits, "merge": merge}
+def _splits(B: int, T: int) -> int:
+    """The split count the launcher's heuristic picks for this shape (reported, not forced)."""
+    return plan_launch(B, T, N_HEADS, N_KV, HEAD_DIM, CACHE_LEN, DTYPE.itemsize, _sm_count(torch.device("cuda"))).num_splits
 
 
 def _amortized_ms(fn, reps: int = 20) -> float:
@@ -65,7 +62,7 @@ def run(copy_gbps: float) -> list[dict]:
                 kv_bytes = B * keys * N_KV * HEAD_DIM * DTYPE.itemsize * 2
                 n_bytes = kv_bytes + 2 * q.numel() * q.element_size()  # + q read + output written
                 shape = f"B={B} T={T} ctx={ctx} {'causal' if causal else 'noncausal'}"
-                extra = {**_splits(B, T), "us_amortized": round(_amortized_ms(call) * 1e3, 2)}
+                extra = {"splits": _splits(B, T), "us_amortized": round(_amortized_ms(call) * 1e3, 2)}
                 if B == 1:
                     extra["us_no_graph"] = round(time_ms(call, use_graph=False) * 1e3, 2)
                 rows.append(row("cache_attention", shape, time_ms(call), n_bytes, copy_gbps, **extra))
