@@ -103,7 +103,8 @@ def test_swiglu_routing(monkeypatch, mode, rows, want):
     gate, up = F.linear(x, mlp.w13.weight).chunk(2, dim=-1)
     torch.testing.assert_close(out, F.linear(F.silu(gate) * up, mlp.w2.weight), rtol=1e-5, atol=1e-6)
     # the gate/up product, then w2 (on the same route: same rows)
-    assert calls == {"unfused": [], "skinny_linear": ["skinny_linear", "skinny_linear"]}.get(want, [want, "skinny_linear"])
+    expected = {"unfused": [], "skinny_linear": ["skinny_linear", "skinny_linear"]}
+    assert calls == expected.get(want, [want, "skinny_linear"])
 
 
 @pytest.mark.gpu
