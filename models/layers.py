@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
-from ..ops.skinny_linear import MAX_M, PAIR_ROWS_ALIGN, SWIGLU_MAX_M
+from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M, pair_problem
 
 lfm = torch.ops.lfmspark
 
@@ -68,11 +68,10 @@ def linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.
     the stacked K/V projections) cost one launch instead of two, without a stacked copy. One row
     stays on the GEMV kernel, which has no pair variant."""
     rows = x.numel() // x.shape[-1]
-    if not (_routed_to_skinny(x) and 2 <= rows <= _FEW_ROWS and w_a.shape[0] % PAIR_ROWS_ALIGN == 0
-            and x.dtype == w_a.dtype == w_b.dtype and w_a.stride(0) == w_b.stride(0)
-            and w_a.stride(1) == w_b.stride(1) == 1):
+    x2 = x.reshape(rows, x.shape[-1])
+    if not (_routed_to_skinny(x) and 2 <= rows <= _FEW_ROWS) or pair_problem(x2, w_a, w_b) is not None:
         return None
-    out = lfm.skinny_linear_pair(x.reshape(rows, x.shape[-1]), w_a, w_b)
+    out = lfm.skinny_linear_pair(x2, w_a, w_b)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

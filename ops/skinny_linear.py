@@ -627,23 +627,28 @@ def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfi
     return _product(x, w13, w13.shape[0] // 2, config, swiglu=True)
 
 
-def _check_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> None:
-    for w in (w_a, w_b):
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"expected x [M, K], w_a [N_A, K] and w_b [N_B, K], got {tuple(x.shape)}, "
-                             f"{tuple(w_a.shape)} and {tuple(w_b.shape)}")
+def pair_problem(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> str | None:
+    """Why ``skinny_linear_pair`` cannot take these inputs (``x [M, K]``), or None if it can; the
+    op raises it, models/layers.py ``linear_pair`` falls back to two products on it."""
+    if x.dim() != 2 or w_a.dim() != 2 or w_b.dim() != 2 or not x.shape[1] == w_a.shape[1] == w_b.shape[1]:
+        return (f"expected x [M, K], w_a [N_A, K] and w_b [N_B, K], got {tuple(x.shape)}, {tuple(w_a.shape)} and "
+                f"{tuple(w_b.shape)}")
     if x.shape[0] > MAX_M:
-        raise ValueError(f"skinny_linear_pair supports at most {MAX_M} rows, got M = {x.shape[0]}")
+        return f"skinny_linear_pair supports at most {MAX_M} rows, got M = {x.shape[0]}"
     if not x.dtype == w_a.dtype == w_b.dtype:
-        raise ValueError(f"x, w_a and w_b must share a dtype, got {x.dtype}, {w_a.dtype} and {w_b.dtype}")
+        return f"x, w_a and w_b must share a dtype, got {x.dtype}, {w_a.dtype} and {w_b.dtype}"
     if w_a.stride(1) != 1 or w_b.stride(1) != 1:
-        raise ValueError("w_a and w_b must be row-major (stride(1) == 1)")
+        return "w_a and w_b must be row-major (stride(1) == 1)"
     if w_a.stride(0) != w_b.stride(0):
-        raise ValueError(f"w_a and w_b must share a row stride (one stride_wn), got {w_a.stride(0)} and "
-                         f"{w_b.stride(0)}")
+        return f"w_a and w_b must share a row stride (one stride_wn), got {w_a.stride(0)} and {w_b.stride(0)}"
     if w_a.shape[0] % PAIR_ROWS_ALIGN:
-        raise ValueError(f"w_a's rows must be a multiple of {PAIR_ROWS_ALIGN} (whole column tiles), "
-                         f"got {w_a.shape[0]}")
+        return f"w_a's rows must be a multiple of {PAIR_ROWS_ALIGN} (whole column tiles), got {w_a.shape[0]}"
+    return None
+
+
+def _check_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> None:
+    if (problem := pair_problem(x, w_a, w_b)) is not None:
+        raise ValueError(problem)
 
 
 def pair_config(M: int, N_A: int, N_B: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
