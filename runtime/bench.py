@@ -60,6 +60,7 @@ class BenchConfig:
     phase_split: bool = True
     json_path: str | None = None
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
+    prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,9 +392,10 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     def engine_for(kind: str) -> Engine:
         if kind not in engines:
-            kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, batch_sizes=sorted(set(cfg.batch_sizes)),
-                      stop_token_ids=()) if device.type == "cuda" else dict(max_batch=max_batch, max_seq_len=max_seq_len,
-                                                                             stop_token_ids=())
+            kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, stop_token_ids=(),
+                      prefill_graph_tokens=cfg.prefill_graph_tokens)
+            if device.type == "cuda":
+                kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
                 engines[kind] = Engine(target, draft, imposed_acceptance=imposed, **kw)
             else:

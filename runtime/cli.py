@@ -38,14 +38,21 @@ def _rates(text: str) -> list[float]:
     return values
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_from(minimum: int, what: str):
+    """An argparse type: an integer of at least ``minimum`` (``what`` names the kind in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+        return value
+    return parse
+
+
+_positive = _int_from(1, "positive")
+_non_negative = _int_from(0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
     b.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline "
                    "(a child process) may take per batch size before it is reported as failed (default 600)")
+    b.add_argument("--prefill-graph-tokens", type=_non_negative, default=1024,
+                   help="prompts run at bucket shapes of up to this many tokens, replayed from CUDA graphs "
+                        "(default 1024; 0: eager prefill at each prompt's own shape)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
@@ -119,7 +129,8 @@ def _bench(args) -> int:
                       hf=not args.no_hf, hf_compile=args.hf_compile,
                       hf_compile_timeout_s=args.hf_compile_timeout, device=device,
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
-                      phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir)
+                      phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
+                      prefill_graph_tokens=args.prefill_graph_tokens)
     report = run_bench(cfg)
     print(table(report))
     if args.json:

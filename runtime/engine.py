@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..graphs.prefill import PrefillRunner, prefill_buckets
 from ..graphs.runner import EagerRunner, StepKind, WarmupReport
 from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
@@ -162,11 +163,16 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 chat: bool = True):
+                 prefill_graph_tokens: int = 1024, chat: bool = True):
         check_switches()
         cfg = target.config
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no prefill buckets or graphs), "
+                             f"got {prefill_graph_tokens}")
         self.target, self.draft, self.tokenizer, self.chat = target, draft, tokenizer, chat
         self.config = cfg
         self.device, self.dtype = target.device, target.dtype
@@ -192,6 +198,11 @@ class Engine:
         self.state = SlotState(max_batch, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
+        self.cuda_graphs = not isinstance(self.runner, EagerRunner)
+        # prompts run at bucket shapes (graphs/prefill.py), replayed from graphs once captured
+        self.prefill_runner = PrefillRunner(
+            self.steps.prefill_logits, self.device,
+            prefill_buckets(max_batch, min(prefill_chunk, max_seq_len), prefill_graph_tokens), max_seq_len)
         self.step_kind = StepKind.ROUND if draft is not None else StepKind.DECODE
 
         self.pool = SlotPool(max_batch)
@@ -281,9 +292,10 @@ class Engine:
     def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
         """Compile and capture everything the engine will replay: its step (decode or speculative
         round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
-        service), sampling; then run the (eager) prefill path at the shapes that compile every
-        prefill kernel variant (:meth:`prefill_warm_shapes`). Call once before taking traffic; progress goes to the ``lfmspark``
-        logger."""
+        service), sampling; then run the eager prefill path at the shapes that compile every prefill
+        kernel variant (:meth:`prefill_warm_shapes`), and capture a prefill graph for every bucket
+        shape (graphs/prefill.py; with ``cuda_graphs``, else each bucket runs once eagerly). Call
+        once before taking traffic; progress goes to the ``lfmspark`` logger."""
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
                                "state slots as scratch; call it right after constructing the engine")
@@ -291,9 +303,10 @@ class Engine:
         report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
         t0 = time.perf_counter()
         self._warm_prefill(sampling)
+        report.entries += self.prefill_runner.warmup(progress, capture=self.cuda_graphs)
         report.prefill_s = time.perf_counter() - t0
         if progress:
-            log.info("prefill warm-up %.2fs", report.prefill_s)
+            log.info("prefill warm-up %.2fs (%d bucket graphs)", report.prefill_s, len(self.prefill_runner.captured))
         return report
 
     def prefill_warm_shapes(self) -> list[tuple[int, int]]:
@@ -441,11 +454,10 @@ class Engine:
         for c0 in range(0, max(lengths), self.prefill_chunk):
             rows = [i for i, n in enumerate(lengths) if n > c0]
             chunks = [batch[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
-            width = max(len(c) for c in chunks)
-            ids = torch.tensor([c + [0] * (width - len(c)) for c in chunks], dtype=torch.int64)
+            slots = [batch[i].slot for i in rows]
+            logits = self.prefill_runner.run(chunks, slots, c0)
             t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-            picked = self.steps.prefill(ids.to(self.device, non_blocking=True), t([batch[i].slot for i in rows]),
-                                        t([c0] * len(rows)), t([len(c) for c in chunks]), sampling)
+            picked = self.steps.prefill_pick(logits, t(slots), t([c0 + len(c) for c in chunks]), sampling)
             ends_here = [j for j, i in enumerate(rows) if lengths[i] <= c0 + self.prefill_chunk]
             if ends_here:
                 idx = torch.tensor([rows[j] for j in ends_here], device=self.device)

@@ -107,14 +107,29 @@ class Steps:
         """Run a chunk of prompts ``ids [B, T]`` (first ``lens[b]`` real) from position ``start[b]``,
         inject the draft context for it, and pick each row's next token, which becomes the anchor.
         Returns the picked tokens ``[B]`` (meaningful after a row's last chunk)."""
-        st = self.state
+        logits = self.prefill_logits(ids, slots, start, lens)
+        return self.prefill_pick(logits, slots, start + lens, sampling)
+
+    @torch.no_grad()
+    def prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                       lens: torch.Tensor) -> torch.Tensor:
+        """The chunk's forward: target caches and conv states written, draft context injected;
+        returns the logits ``[B, V]`` of each row's last real token. Kernels only, no host sync and no
+        per-slot state read: what graphs/prefill.py captures per bucket shape (rows with slot ``-1``
+        write nothing)."""
         out = self.target(ids, self.tcache, slots, start, lens, ForwardMode.PREFILL, aux_layer_ids=self.taps,
                           logits_index=(lens - 1).clamp(min=0))
         if self.draft is not None:
             self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
-        end = start + lens
-        logits = out.logits               # the greedy argmax reads them as they are (exact in fp32)
-        if sampling:
+        return out.logits
+
+    @torch.no_grad()
+    def prefill_pick(self, logits: torch.Tensor, slots: torch.Tensor, end: torch.Tensor,
+                     sampling: bool) -> torch.Tensor:
+        """Pick each row's next token from its last prompt logits ``[B, V]`` (``end[b]`` tokens now in
+        the cache), store it as the row's anchor and ``end`` as its committed length."""
+        st = self.state
+        if sampling:                      # the greedy argmax reads the logits as they are (exact in fp32)
             token = st.sampling.rows(st.gather_index(slots)).pick(logits.float(), end, STREAM_TOKEN)
         else:
             token = argmax_last(logits)

@@ -32,11 +32,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x128,1x128,4x128,4x128,1x500,1x500,16x128")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--no-draft", action="store_true")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=1024, help="0: eager prefill at each prompt's shape")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    kw = dict(max_batch=max(sizes), max_seq_len=1200, batch_sizes=sizes)
+    kw = dict(max_batch=max(sizes), max_seq_len=1200, batch_sizes=sizes, prefill_graph_tokens=args.prefill_graph_tokens)
     if args.no_draft:
         engine = Engine.from_preset(args.preset, None, **kw)
     else:

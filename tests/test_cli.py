@@ -66,6 +66,8 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["bench", "--batch-sizes", "0"], "positive integers"),
     (["bench", "--batch-sizes", "a,b"], "comma-separated integers"),
+    (["bench", "--prefill-graph-tokens", "-1"], "expected a non-negative integer, got '-1'"),
+    (["bench", "--runs", "0"], "expected a positive integer, got '0'"),
     (["bench", "--imposed-acceptance", "1.5"], "in [0, 1]"),
     (["bench", "--preset", "tiny", "--device", "cpu", "--imposed-acceptance", "0.5", "--imposed-acceptance",
       "0.5,0.5"], "needs one rate or 4"),

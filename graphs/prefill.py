@@ -1,0 +1,169 @@
+"""Prefill at bucket shapes, replayed from CUDA graphs when captured (the TTFT path).
+
+Why: an eager prefill launches each of its kernels from Python. For LFM2.5-1.2B on the H200 a
+128-token prompt took 14-21 ms that way (docs/benchmarks.md, "TTFT"), most of it host-side launch
+work, while the GPU needs a fraction of that: below a few hundred tokens a prefill is bound by
+reading the weights once, like a decode step. A captured graph replays the same kernels without
+the host in the loop.
+
+Buckets: a graph has fixed shapes, so a chunk of ``rows`` prompts of up to ``width`` tokens runs at
+the smallest bucket ``(R, W)`` that holds it (:func:`prefill_buckets`, :meth:`PrefillRunner.bucket`):
+the extra rows are padding rows (slot ``-1``: they write no cache, state or context) and the columns
+past a row's length are padding columns (only the first ``lens[b]`` tokens of a row are real:
+models/lfm2.py), which the model already handles for ragged batches. The buckets double in width
+up to 256 tokens, where a prefill is still bound by the weight reads so padding costs little, then
+grow by half; they cover ``R * W <= token_budget`` tokens. A chunk that fits no bucket (or whose
+padding columns would run past the cache) runs eagerly at its own shape.
+
+Every engine pads the same way, with or without graphs (on CPU too), so an engine that replays
+graphs computes the same shapes with the same kernels as one that does not: identical results.
+Each bucket's graph is captured once at warm-up (:meth:`PrefillRunner.capture`, largest first,
+into one pool of its own) with every row a padding row, so capture changes no state; its inputs
+are one static device buffer per bucket, refilled by one host-to-device copy per chunk. Only the
+forward is captured (:meth:`lfmspark.runtime.steps.Steps.prefill_logits`); picking the first token
+and writing the slot state stay eager (a few kernels), so greedy and sampling share the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .runner import WarmupEntry
+
+log = logging.getLogger("lfmspark")
+
+# (ids [R, W], slots [R], start [R], lens [R]) -> logits [R, V] of each row's last real token
+PrefillForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+MIN_WIDTH = 16          # the narrowest bucket: one- to 16-token prompts share it
+DOUBLING_UNTIL = 256    # widths double up to here, then grow by half (padding costs compute beyond it)
+
+
+def bucket_widths(max_width: int) -> list[int]:
+    """16, 32, ..., 256, 384, 512, 768, 1024, ... up to ``max_width`` (which ends the list when it
+    falls between two steps)."""
+    widths, w = [], MIN_WIDTH
+    while w < max_width:
+        widths.append(w)
+        if w < DOUBLING_UNTIL:
+            w *= 2
+        else:               # 256 -> 384 -> 512 -> 768 -> 1024: a power of two grows by half, the others to the next
+            w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
+    return widths + [max_width] if max_width >= 1 else widths
+
+
+def prefill_buckets(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:
+    """The ``(rows, width)`` bucket shapes: rows 1, 2, 4, ... and ``max_batch``, widths from
+    :func:`bucket_widths`, every bucket at most ``token_budget`` tokens (``0``: no buckets, every
+    chunk runs at its own shape)."""
+    if token_budget <= 0:
+        return []
+    rows = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    widths = bucket_widths(min(max_width, token_budget))
+    return [(r, w) for r in rows for w in widths if r * w <= token_budget]
+
+
+class PrefillRunner:
+    """Runs prefill chunks at bucket shapes (see the module doc): a captured graph's replay when
+    the bucket has one, else ``forward`` at the padded shape (or at the chunk's own shape when no
+    bucket fits)."""
+
+    def __init__(self, forward: PrefillForward, device: torch.device, buckets: Sequence[tuple[int, int]],
+                 max_seq_len: int):
+        self.forward, self.device, self.max_seq_len = forward, device, max_seq_len
+        self.buckets = sorted(set(buckets), key=lambda b: (b[0] * b[1], b))   # smallest first
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def bucket(self, rows: int, width: int, start: int) -> tuple[int, int] | None:
+        """The smallest bucket holding ``rows x width`` whose padding columns stay inside the cache
+        (positions ``start .. start + W - 1``), or None."""
+        for r, w in self.buckets:
+            if r >= rows and w >= width and start + w <= self.max_seq_len:
+                return r, w
+        return None
+
+    @staticmethod
+    def _pack(chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int, shape: tuple[int, int]
+              ) -> torch.Tensor:
+        """One int64 host tensor ``[ids (R*W) | slots (R) | start (R) | lens (R)]``, padded to ``shape``."""
+        R, W = shape
+        flat = torch.zeros(R * W + 3 * R, dtype=torch.int64)
+        ids = flat[:R * W].view(R, W)
+        for i, chunk in enumerate(chunks):
+            ids[i, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        tail = flat[R * W:].view(3, R)
+        tail[0] = -1
+        tail[0, :len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
+        tail[1] = start
+        tail[2, :len(chunks)] = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
+        return flat
+
+    @staticmethod
+    def _unpack(flat: torch.Tensor, shape: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        R, W = shape
+        slots, start, lens = flat[R * W:].view(3, R)
+        return flat[:R * W].view(R, W), slots, start, lens
+
+    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int) -> torch.Tensor:
+        """The logits ``[len(chunks), V]`` of each chunk's last token, after running the chunks (row
+        ``i``: ``chunks[i]`` at positions ``start ..`` of slot ``slots[i]``)."""
+        rows, width = len(chunks), max(len(c) for c in chunks)
+        shape = self.bucket(rows, width, start) or (rows, width)
+        flat = self._pack(chunks, slots, start, shape)
+        if shape in self._graphs:
+            graph, logits = self._graphs[shape]
+            self._inputs[shape].copy_(flat, non_blocking=True)
+            graph.replay()
+            return logits[:rows]
+        return self.forward(*self._unpack(flat.to(self.device, non_blocking=True), shape))[:rows]
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    def warmup(self, progress: bool = True, capture: bool = True) -> list[WarmupEntry]:
+        """Run every bucket once (CUDA only: on CPU nothing compiles), largest first, on a side
+        stream, which compiles any Triton variant it needs; with ``capture``, then capture its graph,
+        all into one pool. Every row is a padding row, so nothing in the engine's state changes."""
+        if self.device.type != "cuda":
+            return []
+        if capture and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        entries = []
+        todo = [b for b in reversed(self.buckets) if b not in self._graphs]
+        for i, shape in enumerate(todo):
+            R, W = shape
+            flat = torch.zeros(R * W + 3 * R, dtype=torch.int64, device=self.device)
+            inputs = self._unpack(flat, shape)
+            inputs[1].fill_(-1)
+            inputs[3].fill_(W)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                self.forward(*inputs)
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            entry = WarmupEntry(f"prefill {R}x{W}", False, R, compile_s=t1 - t0)
+            if capture:
+                torch.cuda.empty_cache()     # as graphs/capture.py: so the pool's growth is not negative
+                before = torch.cuda.memory_reserved(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    logits = self.forward(*inputs)
+                torch.cuda.synchronize(self.device)
+                entry.capture_s = time.perf_counter() - t1
+                entry.graph_bytes = torch.cuda.memory_reserved(self.device) - before
+                self._inputs[shape], self._graphs[shape] = flat, (graph, logits)
+            entries.append(entry)
+            if progress:
+                log.info("[%d/%d] prefill %dx%d: warm run %.2fs%s", i + 1, len(todo), R, W, entry.compile_s,
+                         f", capture {entry.capture_s:.3f}s" if capture else "")
+        return entries
