@@ -89,26 +89,39 @@ class PrefillRunner:
         return None
 
     @staticmethod
-    def _pack(chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int, shape: tuple[int, int]
-              ) -> torch.Tensor:
-        """One int64 host tensor ``[ids (R*W) | slots (R) | start (R) | lens (R)]``, padded to ``shape``."""
+    def _layout(shape: tuple[int, int]) -> tuple[int, int]:
+        """``(ids, per_row)``: the int64 elements the ids and each per-row vector occupy in a packed
+        buffer, rounded up to even so that every part starts 16 bytes into a 16-byte multiple. Triton
+        specializes a kernel on whether its pointers are 16-byte aligned: a misaligned ``start`` would
+        compile (and, before capture, be warmed as) a variant of its own."""
         R, W = shape
-        flat = torch.zeros(R * W + 3 * R, dtype=torch.int64)
+        return (R * W + 1) // 2 * 2, (R + 1) // 2 * 2
+
+    @classmethod
+    def _pack(cls, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int, shape: tuple[int, int]
+              ) -> torch.Tensor:
+        """One int64 host tensor holding ``ids | slots | start | lens`` (:meth:`_layout`), padded to
+        ``shape``: padding rows have slot ``-1`` and length 0, padding tokens are 0."""
+        R, W = shape
+        n_ids, n_row = cls._layout(shape)
+        flat = torch.zeros(n_ids + 3 * n_row, dtype=torch.int64)
         ids = flat[:R * W].view(R, W)
         for i, chunk in enumerate(chunks):
             ids[i, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-        tail = flat[R * W:].view(3, R)
-        tail[0] = -1
-        tail[0, :len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
-        tail[1] = start
-        tail[2, :len(chunks)] = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
+        per_row = flat[n_ids:].view(3, n_row)
+        per_row[0] = -1
+        per_row[0, :len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
+        per_row[1] = start
+        per_row[2, :len(chunks)] = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
         return flat
 
-    @staticmethod
-    def _unpack(flat: torch.Tensor, shape: tuple[int, int]
+    @classmethod
+    def _unpack(cls, flat: torch.Tensor, shape: tuple[int, int]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids [R, W], slots [R], start [R], lens [R])``: views of a packed buffer."""
         R, W = shape
-        slots, start, lens = flat[R * W:].view(3, R)
+        n_ids, n_row = cls._layout(shape)
+        slots, start, lens = flat[n_ids:].view(3, n_row)[:, :R]
         return flat[:R * W].view(R, W), slots, start, lens
 
     def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int) -> torch.Tensor:
@@ -141,7 +154,8 @@ class PrefillRunner:
         todo = [b for b in reversed(self.buckets) if b not in self._graphs]
         for i, shape in enumerate(todo):
             R, W = shape
-            flat = torch.zeros(R * W + 3 * R, dtype=torch.int64, device=self.device)
+            n_ids, n_row = self._layout(shape)
+            flat = torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device)
             inputs = self._unpack(flat, shape)
             inputs[1].fill_(-1)
             inputs[3].fill_(W)

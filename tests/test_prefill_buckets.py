@@ -93,3 +93,22 @@ def test_bad_prefill_settings_are_refused_with_the_fix():
         _engine(-1)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
         _engine(1024, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (1, 17), (3, 75), (4, 128), (5, 1000), (7, 33)])
+def test_packed_chunk_inputs_are_16_byte_aligned_views_that_round_trip(shape):
+    """Triton specializes kernels on 16-byte pointer alignment: a misaligned ``start`` compiled a
+    variant the warm-up had not (H200, 2026-11-30). Every input view starts on 16 bytes, is
+    contiguous, and holds what was packed (padding rows: slot -1, length 0; padding tokens 0)."""
+    R, W = shape
+    chunks = [[r * 10 + t + 1 for t in range(W - r)] for r in range(R - 1)]
+    flat = PrefillRunner._pack(chunks, list(range(R - 1)), 37, shape)
+    ids, slots, start, lens = PrefillRunner._unpack(flat, shape)
+    for t in (ids, slots, start, lens):
+        assert t.is_contiguous() and t.storage_offset() * t.element_size() % 16 == 0
+    assert ids.shape == shape and slots.shape == start.shape == lens.shape == (R,)
+    assert slots.tolist() == list(range(R - 1)) + [-1] and start.tolist() == [37] * R
+    assert lens.tolist() == [W - r for r in range(R - 1)] + [0]
+    for r, chunk in enumerate(chunks):
+        assert ids[r].tolist() == chunk + [0] * r
+    assert not ids[R - 1].any()

@@ -140,14 +140,18 @@ def test_cpu_engine_warms_one_short_prefill():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph_tokens", [1024, 0], ids=["buckets", "eager"])
 @pytest.mark.parametrize("moe_target", [False, True], ids=["dense", "moe"])
-def test_after_warmup_new_prompt_shapes_compile_no_triton_kernel(moe_target):
+def test_after_warmup_new_prompt_shapes_compile_no_triton_kernel(moe_target, graph_tokens):
+    """With prefill buckets (graphs/prefill.py: replays, and 4 x 300 past the budget, eager at its
+    own shape) and without (every chunk eager at its own shape)."""
     import triton
 
     from test_graphs_gpu import small_models
 
     target, draft = small_models(moe=moe_target, dtype=torch.bfloat16)
-    engine = Engine(target, draft, max_batch=4, max_seq_len=320, batch_sizes=[1, 2, 4], stop_token_ids=())
+    engine = Engine(target, draft, max_batch=4, max_seq_len=320, batch_sizes=[1, 2, 4], stop_token_ids=(),
+                    prefill_graph_tokens=graph_tokens)
     engine.warmup(progress=False, sampling=True)
     compiled: list[str] = []
 
@@ -157,7 +161,7 @@ def test_after_warmup_new_prompt_shapes_compile_no_triton_kernel(moe_target):
 
     triton.knobs.runtime.jit_cache_hook = record
     try:
-        for rows, length in [(1, 3), (1, 40), (3, 100), (4, 7), (2, 200), (1, 250), (4, 130)]:
+        for rows, length in [(1, 3), (1, 40), (3, 100), (4, 7), (2, 200), (1, 250), (4, 130), (4, 300)]:
             prompts = [[(5 * i + 3 * j) % 500 + 1 for j in range(length)] for i in range(rows)]
             params = SamplingParams(max_new_tokens=3, temperature=0.7 if rows == 3 else 0.0, seed=1)
             engine.generate(prompts, params)
