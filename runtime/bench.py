@@ -148,6 +148,22 @@ def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> floa
     return percentile(times, 50)
 
 
+def time_prefill(engine: Engine, batch: int, prompt_len: int, iters: int) -> tuple[float, tuple[int, int] | None]:
+    """Median seconds of one prefill of ``batch`` prompts of ``prompt_len`` tokens (a graph replay
+    at their bucket when captured, else the eager forward), and the bucket. Every row is a padding
+    row (slot ``-1``): the same kernels run, and no state changes."""
+    runner = engine.prefill_runner
+    chunks, slots = [[1] * prompt_len] * batch, [-1] * batch
+    times = []
+    for _ in range(iters):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        runner.run(chunks, slots, 0)
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    return percentile(times, 50), runner.bucket(batch, prompt_len, 0)
+
+
 @torch.no_grad()
 def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float]:
     """Milliseconds of the round's phases (draft / verify / accept+commit), each captured as its own
@@ -281,6 +297,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 imposed = o.stats.imposed_acceptance
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
+    prefill_s, bucket = time_prefill(engine, batch, cfg.prompt_len, iters=10)
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
     row = {
@@ -291,10 +308,13 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         "tok_s_per_user": 1.0 / percentile(tpot, 50), "tok_s_total": batch / percentile(tpot, 50),
         "step_ms": step_s * 1e3, "step_bytes": n_bytes, "step_gbps": n_bytes / step_s / 1e9,
         "peak_memory_bytes": peak,
+        "prefill_ms": prefill_s * 1e3, "prefill_bucket": bucket,
     }
     if copy_gbps:
         row["floor_ms"] = n_bytes / (copy_gbps * 1e9) * 1e3
         row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+        # a prefill reads the target's weights at least once (the compute of long prompts aside)
+        row["prefill_weights_floor_ms"] = module_bytes(engine.target) / (copy_gbps * 1e9) * 1e3
     if engine.draft is not None:
         row["tau"] = sum(accept) / len(accept) if accept else float("nan")
         row["acceptance_per_position"] = [
@@ -518,6 +538,11 @@ def table(report: dict) -> str:
             text += (f"\nround split at batch {r['batch']}{tag}: draft {r['draft_ms']:.3f} ms, "
                      f"verify {r['verify_ms']:.3f} ms,"
                      f" accept+commit {r['commit_ms']:.3f} ms (round {r['step_ms']:.3f} ms)")
+    for r in res["target_only"]:
+        bucket = r.get("prefill_bucket")
+        text += (f"\nprefill at batch {r['batch']}: {r['prefill_ms']:.3f} ms per "
+                 + (f"replay (bucket {bucket[0]}x{bucket[1]})" if bucket else "eager forward")
+                 + (f", weights floor {r['prefill_weights_floor_ms']:.3f} ms" if "prefill_weights_floor_ms" in r else ""))
     for kind, w in report.get("warmup", {}).items():
         text += f"\nwarm-up {kind}: {w['seconds']:.1f} s ({w['mode']})"
     return text
