@@ -7,8 +7,8 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
 - heads (``Steps.decode_head``, ``draft_head``, ``verify_head``, runtime/steps.py): the glue before
   a model's layers (reading the rows' anchor and committed length from the slot state, the
   embedding lookup, the verify's ``[x0, d]`` concat, the draft block's ``[x0, MASK, ...]``, the
-  window's lens, the draft block's RoPE cos/sin; the target's attention reads the RoPE table
-  itself) together with the model's first layer. The first layer needs a graph of its own
+  window's lens; the attention layers read the RoPE table themselves) together with the model's
+  first layer. The first layer needs a graph of its own
   anyway, since it starts without a pending residual add (models/lfm2.py: each layer's last add
   is fused into the next layer's first norm, the last layer's into the tail's final norm), so
   folding the glue into it costs no extra graph;

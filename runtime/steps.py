@@ -14,10 +14,10 @@ No tensor computation runs between two regions (tests/test_step_glue.py counts i
 each op there would be a CUDA-graph node of its own that cannot join the programmatic-dependent-
 launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
 it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that
-Inductor fuses into the region's kernels, and a head computes everything its layers share (the
-window's lens; for the draft, RoPE cos/sin: the target's attention reads its table itself) as its
-outputs; between regions the step only slices the
-caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
+Inductor fuses into the region's kernels, and a head computes what its layers share (the window's
+lens) as its outputs; the attention layers read their RoPE rows from the table themselves (a
+region output is materialised even where no later region reads it, as the draft's cos/sin were
+on its fused path). Between regions the step only slices the caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
 which concatenates them for the draft's context injection.
 
 One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
@@ -187,20 +187,21 @@ class Steps:
         distribution q, the exact one its token was drawn from."""
         draft, cache = self.draft, self.dcache
         caches = draft.layer_caches(cache)
-        x, delta, s, lens, cos, sin = self.draft_head(inp.slots, caches[0])
-        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, cos, sin,
-                                    self.later_draft_layers, first=1)
+        x, delta, s, lens = self.draft_head(inp.slots, caches[0])
+        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, self.later_draft_layers,
+                                    first=1)
         return self.finish_draft(inp, x, delta)
 
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The draft up to its second layer: the block's embeddings, lens and RoPE cos/sin, and its
-        first layer. Returns ``(x, delta, s, lens, cos, sin)``, what the later layers take."""
-        row, cache = self.read_rows(slots), self.dcache
-        x, lens, cos, sin = self.draft.block_begin(row.x0, cache.rope, row.s)
-        x, delta = self.draft.run_layers(x, None, [first_cache], cache.rope, slots, row.s, lens, cos, sin,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft up to its second layer: the block's embeddings and lens, and its first layer.
+        Returns ``(x, delta, s, lens)``, what the later layers take (each reads its RoPE rows itself:
+        on the fused path none does, so nothing gathers them)."""
+        row = self.read_rows(slots)
+        x, lens = self.draft.block_begin(row.x0, row.s)
+        x, delta = self.draft.run_layers(x, None, [first_cache], self.dcache.rope, slots, row.s, lens,
                                          self.draft.layers[:1])
-        return x, delta, row.s, lens, cos, sin
+        return x, delta, row.s, lens
 
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
