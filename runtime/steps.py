@@ -17,8 +17,9 @@ it needs (committed length, anchor, sampling parameters) from ``slots`` itself, 
 Inductor fuses into the region's kernels, and a head computes what its layers share (the window's
 lens) as its outputs; the attention layers read their RoPE rows from the table themselves (a
 region output is materialised even where no later region reads it, as the draft's cos/sin were
-on its fused path). Between regions the step only slices the caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
-which concatenates them for the draft's context injection.
+on its fused path). Between regions the step only slices the caches per layer (views: no
+kernels). The verify hands its aux taps to the commit region unjoined, which concatenates them
+for the draft's context injection.
 
 One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
 draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
@@ -244,10 +245,11 @@ class Steps:
         injection (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted
         length only to mask its write. Written for all ``gamma + 1`` columns it needs nothing from
         the acceptance, so it can run beside it. Same kernels on the same inputs, so the same
-        values; the extra columns sit at positions ``>= s + a + 1``, at or past the new committed
-        length, where the draft's attention never reads context (ops/cache_attention.py: the block
-        attends to ``[0, s + gamma)`` and each draft layer rewrites its block's ``s .. s + gamma - 1``
-        first) and the next round's commit writes again.
+        values; the extra columns sit at positions ``>= s' = s + a + 1``, the new committed length,
+        which the draft never reads as context: the next block attends to ``[0, s' + gamma)``
+        (ops/cache_attention.py, non-causal) after each draft layer has written its own K/V at
+        ``s' .. s' + gamma - 1`` (all ``gamma`` columns, positions past the cache length skipped by
+        both), and the next round's injection rewrites them from ``s'`` on.
 
         Capture: the side stream forks from the current stream (the capture stream under
         graphs/capture.py) and joins back before the round returns, so a captured round records a
