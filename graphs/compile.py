@@ -7,20 +7,24 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
 - heads (``Steps.decode_head``, ``draft_head``, ``verify_head``, runtime/steps.py): the glue before
   a model's layers (reading the rows' anchor and committed length from the slot state, the
   embedding lookup, the verify's ``[x0, d]`` concat, the draft block's ``[x0, MASK, ...]``, the
-  window's lens, the draft block's RoPE cos/sin; the target's attention reads the RoPE table
-  itself) together with the model's first layer. The first layer needs a graph of its own
+  window's lens; the attention layers read the RoPE table themselves) together with the model's
+  first layer. The first layer needs a graph of its own
   anyway, since it starts without a pending residual add (models/lfm2.py: each layer's last add
   is fused into the next layer's first norm, the last layer's into the tail's final norm), so
   folding the glue into it costs no extra graph;
 - tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
   (``finish_draft``); acceptance + commit for the round (``round_accept_commit``, which also joins
-  the verify's aux taps for the draft's context injection).
+  the verify's aux taps for the draft's context injection; with ``LFMSPARK_COMMIT_OVERLAP=1`` the
+  injection is a region of its own, ``round_inject``, run on a side stream beside the commit: the
+  stream fork and join live in the uncompiled glue, ``Steps.round_commit``, since Dynamo's
+  ``fullgraph`` regions hold no stream switches).
 
 A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which is what
 made whole-step compiles take about a minute per batch size on the H200 (docs/benchmarks.md). Per
 batch size: decode compiles its head, one graph per later layer kind and its tail (4 for a dense
 LFM2 whose later layers have both kinds); a greedy round the draft head, the later draft layer,
-the draft tail, the verify head, the later target layer kinds and the commit (7). The step as a
+the draft tail, the verify head, the later target layer kinds and the commit (7; 8 with the
+injection's own region). The step as a
 whole is still captured into one CUDA graph per batch size (graphs/capture.py). Between regions
 the step runs no tensor computation, only the per-layer cache slicing (views, no kernels;
 tests/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
@@ -77,6 +81,8 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
         steps.finish_draft = compiled(steps.finish_draft)
         steps.verify_head = compiled(steps.verify_head)
         steps.round_accept_commit = compiled(steps.round_accept_commit)
+        if steps.commit_overlap:
+            steps.round_inject = compiled(steps.round_inject)
 
 
 # Set when lfmspark is imported: Inductor fixes its cache directory the first time it needs one

@@ -97,15 +97,14 @@ class DraftLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, kv_weight: torch.Tensor,
                 k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
-                slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the block ``x [B, G, H]`` plus the previous layer's pending MLP output
         ``delta`` (None for the first layer): the residual carry of models/lfm2.py, so the compiled
         layer fuses the add into ``input_layernorm``. Returns ``(x, delta)``, the residual stream
         after attention and this layer's pending MLP output (the layer's output is their sum).
         This layer's stacked K/V projection, k_norm weight and cache come in as one-layer slices
         (addressed as layer 0 by the ops), so one compiled graph serves every layer but the first;
-        ``lens`` (all ``G`` columns, :meth:`DSparkDraft.block_begin`) and ``cos``/``sin`` are the block's.
+        ``lens`` (all ``G`` columns, :meth:`DSparkDraft.block_begin`) is the block's.
 
         On the skinny route (2-16 rows: the batch-1 round's block) q and the block's K/V come from one
         ``lfmspark::skinny_linear_pair`` launch over ``q_proj`` and this layer's ``kv_proj`` slice, and
@@ -114,7 +113,12 @@ class DraftLayer(nn.Module):
         Inductor's three q norm + RoPE kernels, the K/V write). The numbers are the unfused path's:
         the op computes the ``q_norm`` module's RMSNorm and ``apply_rope`` in fp32 on the same table
         rows (``start + t``) with the same roundings; only the products' fp32 summation order may
-        differ (the pair's split-K is chosen for its total width), by an ulp in bf16."""
+        differ (the pair's split-K is chosen for its total width), by an ulp in bf16.
+
+        The unfused path gathers the block's RoPE cos/sin itself (``rope`` rows ``start + t``, which
+        Inductor folds into the rotation's kernel): computed once per block and handed to every
+        layer, they were a kernel of the draft's head region whose output crossed region boundaries,
+        so Inductor kept it even where, on the fused path, no layer reads it."""
         attn = self.self_attn
         B, G, _ = x.shape
         if delta is not None:
@@ -127,7 +131,8 @@ class DraftLayer(nn.Module):
                                         start, lens, self.eps, self.is_neox)
         else:
             q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
-            q = apply_rope(q.float(), cos, sin, self.is_neox).to(x.dtype)
+            cos, sin = gather_cos_sin(rope, window_positions(start, G))
+            q = apply_rope(q.float(), cos[:, :, None, :], sin[:, :, None, :], self.is_neox).to(x.dtype)
             lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
                                    lens, self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
@@ -234,22 +239,19 @@ class DSparkDraft(nn.Module):
         whose sum it is: :meth:`head_and_walk` adds them, fused with the final norm under compile.
         :meth:`block_begin`, then :meth:`run_layers` over every layer (the runtime calls them
         separately, with the first layer compiled together with the glue: runtime/steps.py)."""
-        x, lens, cos, sin = self.block_begin(anchor, cache.rope, start)
-        return self.run_layers(x, None, self.layer_caches(cache), cache.rope, slots, start, lens, cos, sin,
-                               self.layers)
+        x, lens = self.block_begin(anchor, start)
+        return self.run_layers(x, None, self.layer_caches(cache), cache.rope, slots, start, lens, self.layers)
 
-    def block_begin(self, anchor: torch.Tensor, rope: torch.Tensor, start: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def block_begin(self, anchor: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's input up to its first layer: the embeddings ``[B, gamma, H]`` of
-        ``[anchor, MASK, ...]``, the columns each layer writes to its cache (``lens [B]``, all
-        ``gamma``: made once here, not by a kernel per layer) and the RoPE cos/sin ``[B, gamma, 1,
-        head_dim / 2]`` of its positions."""
+        ``[anchor, MASK, ...]`` and the columns each layer writes to its cache (``lens [B]``, all
+        ``gamma``: made once here, not by a kernel per layer). The layers read their RoPE rows at
+        ``start + t`` themselves (:meth:`DraftLayer.forward`)."""
         cfg = self.config
         B, G = anchor.shape[0], cfg.block_size
         masks = torch.full((B, G - 1), cfg.mask_token_id, dtype=anchor.dtype, device=anchor.device)
         x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
-        cos, sin = gather_cos_sin(rope, window_positions(start, G))
-        return x, torch.full_like(start, G), cos[:, :, None, :], sin[:, :, None, :]
+        return x, torch.full_like(start, G)
 
     @staticmethod
     def layer_caches(cache: DraftCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,14 +260,14 @@ class DSparkDraft(nn.Module):
 
     def run_layers(self, x: torch.Tensor, delta: torch.Tensor | None,
                    layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: torch.Tensor,
-                   slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   layers: Sequence[nn.Module], first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, layers: Sequence[nn.Module],
+                   first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers ``first, first + 1, ..`` over the block ``x`` plus the pending ``delta`` (None before
         the first layer), each with its K/V slices (:meth:`layer_caches`). ``layers`` are those of
         ``self.layers``, or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, layer_caches, strict=True), start=first):
             x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, rope, slots, start,
-                             lens, cos, sin)
+                             lens)
         return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,

@@ -49,8 +49,12 @@ launches on one device must be ordered (one stream, as lfmspark runs its steps, 
 by events). With PDL a launch may start before its predecessor ends, but its counter and workspace
 accesses come after ``gdc_wait``, which returns once the predecessor grid has completed (and with
 it, by the PDL chain condition of ops/_dispatch.py, every earlier grid), so consecutive kernels
-never use the counters at the same time. The buffer is created on first use, which therefore must
-not be inside a CUDA-graph capture (it raises there; the warm-up runs before capture anyway).
+never use the counters at the same time. Launches on a second stream that may run beside the
+first (the speculative round's context injection with ``LFMSPARK_COMMIT_OVERLAP=1``,
+runtime/steps.py) take another buffer, chosen by the caller with :func:`split_counter_set`
+around them, and are ordered among themselves the same way. Each buffer is created on first use,
+which therefore must not be inside a CUDA-graph capture (it raises there; the warm-up runs before
+capture anyway).
 
 Swap-AB (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``, with ``swap_ab_config`` fitted
 to the H200 sweep): each program computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight
@@ -92,7 +96,9 @@ no host sync: the launchers are CUDA-graph safe.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -510,12 +516,35 @@ def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
 MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival counter each (256 KB)
 
 
-@functools.lru_cache(maxsize=None)
+_counter_set = 0  # which counter buffer split-K launches use now (split_counter_set)
+
+
+@contextlib.contextmanager
+def split_counter_set(index: int) -> Iterator[None]:
+    """Split-K launches made inside use counter buffer ``index`` (0 outside; see the module doc): for
+    launches on a stream that may run beside another stream's split-K launches. The buffer is
+    picked when the launcher runs, so a CUDA graph keeps the one its capture saw."""
+    global _counter_set
+    saved, _counter_set = _counter_set, index
+    try:
+        yield
+    finally:
+        _counter_set = saved
+
+
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once, shared by
-    every split-K launch there and left all-zero by each (module doc: the last program of a tile
-    resets its counter). Launches using them must be ordered on the device (one stream), which the
-    PDL contract keeps for consecutive kernels (their counter accesses follow ``gdc_wait``)."""
+    """The split-K arrival counters of ``device`` that launches use now: those of the current
+    :func:`split_counter_set` (0 by default)."""
+    return _counter_buffer(device, _counter_set)
+
+
+@functools.lru_cache(maxsize=None)
+def _counter_buffer(device: torch.device, index: int) -> torch.Tensor:
+    """Split-K arrival counters ``index`` of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once,
+    shared by every split-K launch there with that index and left all-zero by each (module doc: the
+    last program of a tile resets its counter). Launches using one buffer must be ordered on the
+    device (one stream), which the PDL contract keeps for consecutive kernels (their counter
+    accesses follow ``gdc_wait``)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("lfmspark split-K: the per-device arrival counters are created (zeroed) on first use, "
                            "which cannot be captured in a CUDA graph; run a split-K product on this device once "

@@ -5,7 +5,8 @@ lengths, positions, slots and anchors stay on the device, so ``decode`` and ``sp
 captured whole in a CUDA graph per batch size (DESIGN §5). Their regions are what gets compiled,
 with ``fullgraph=True`` (graphs/compile.py): the heads ``decode_head``, ``draft_head`` and
 ``verify_head`` (the glue before a model's layers, together with its first layer), the later
-layers, and the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit``.
+layers, and the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit`` (and, with
+``LFMSPARK_COMMIT_OVERLAP=1``, ``round_inject``: see :meth:`Steps.round_commit`).
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 
@@ -13,11 +14,12 @@ No tensor computation runs between two regions (tests/test_step_glue.py counts i
 each op there would be a CUDA-graph node of its own that cannot join the programmatic-dependent-
 launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
 it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that
-Inductor fuses into the region's kernels, and a head computes everything its layers share (the
-window's lens; for the draft, RoPE cos/sin: the target's attention reads its table itself) as its
-outputs; between regions the step only slices the
-caches per layer (views: no kernels). The verify hands its aux taps to the commit region unjoined,
-which concatenates them for the draft's context injection.
+Inductor fuses into the region's kernels, and a head computes what its layers share (the window's
+lens) as its outputs; the attention layers read their RoPE rows from the table themselves (a
+region output is materialised even where no later region reads it, as the draft's cos/sin were
+on its fused path). Between regions the step only slices the caches per layer (views: no
+kernels). The verify hands its aux taps to the commit region unjoined, which concatenates them
+for the draft's context injection.
 
 One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
 draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
@@ -27,16 +29,28 @@ states) → the correction/bonus token becomes the next anchor.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..models.cache import DraftCache, LayerCache, TargetCache
 from ..models.dspark import DSparkDraft, greedy_pick
-from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward
+from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
+from ..ops.skinny_linear import split_counter_set
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
 from .state import SlotState
+
+
+def commit_overlap_requested() -> bool:
+    """``LFMSPARK_COMMIT_OVERLAP`` (default ``0``): ``1`` runs the round's draft context injection on
+    a side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`)."""
+    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit, "
+                         "the default) or 1 (on a side stream, concurrently with the LM head and acceptance)")
+    return value == "1"
 
 
 @dataclass
@@ -69,6 +83,7 @@ class Verified:
     hidden: torch.Tensor          # [B, W, H] the target's last-layer output is hidden + delta, left unadded:
     delta: torch.Tensor           # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py)
     aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
+    rows: Rows                    # the window's slots, start (= s) and lens (all W columns), from the verify head
 
 
 @dataclass
@@ -93,6 +108,12 @@ class Steps:
         # prefill always runs the plain layers (any length)
         self.later_target_layers = list(target.model.layers[1:])
         self.later_draft_layers = list(draft.layers[1:]) if draft is not None else []
+        # LFMSPARK_COMMIT_OVERLAP=1 (round_commit): the stream the context injection forks to, one
+        # for the engine's life, so the warm-up and every capture use the same one (on CPU, none:
+        # the injection runs in program order)
+        self.commit_overlap = draft is not None and commit_overlap_requested()
+        device = target.device
+        self.side_stream = torch.cuda.Stream(device) if self.commit_overlap and device.type == "cuda" else None
 
     def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
         """The rows' per-slot state; called inside each region that needs it."""
@@ -171,7 +192,7 @@ class Steps:
         inputs = self.round_inputs(slots, sampling)
         drafted = self.round_draft(inputs)
         verified = self.round_verify(inputs, drafted.tokens)
-        return self.round_accept_commit(inputs, drafted, verified)
+        return self.round_commit(inputs, drafted, verified)
 
     # The round's phases are separate methods so the benchmark can time them one by one.
     def round_inputs(self, slots: torch.Tensor, sampling: bool) -> RoundInputs:
@@ -182,20 +203,21 @@ class Steps:
         distribution q, the exact one its token was drawn from."""
         draft, cache = self.draft, self.dcache
         caches = draft.layer_caches(cache)
-        x, delta, s, lens, cos, sin = self.draft_head(inp.slots, caches[0])
-        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, cos, sin,
-                                    self.later_draft_layers, first=1)
+        x, delta, s, lens = self.draft_head(inp.slots, caches[0])
+        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, self.later_draft_layers,
+                                    first=1)
         return self.finish_draft(inp, x, delta)
 
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The draft up to its second layer: the block's embeddings, lens and RoPE cos/sin, and its
-        first layer. Returns ``(x, delta, s, lens, cos, sin)``, what the later layers take."""
-        row, cache = self.read_rows(slots), self.dcache
-        x, lens, cos, sin = self.draft.block_begin(row.x0, cache.rope, row.s)
-        x, delta = self.draft.run_layers(x, None, [first_cache], cache.rope, slots, row.s, lens, cos, sin,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft up to its second layer: the block's embeddings and lens, and its first layer.
+        Returns ``(x, delta, s, lens)``, what the later layers take (each reads its RoPE rows itself:
+        on the fused path none does, so nothing gathers them)."""
+        row = self.read_rows(slots)
+        x, lens = self.draft.block_begin(row.x0, row.s)
+        x, delta = self.draft.run_layers(x, None, [first_cache], self.dcache.rope, slots, row.s, lens,
                                          self.draft.layers[:1])
-        return x, delta, row.s, lens, cos, sin
+        return x, delta, row.s, lens
 
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
@@ -217,7 +239,7 @@ class Steps:
         caches = self.tcache.layer_caches(self.target.config)
         fwd = self.verify_head(inp.slots, d, caches[0])
         fwd = self.target.advance(fwd, caches[1:], ForwardMode.VERIFY, self.later_target_layers)
-        return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd))
+        return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows)
 
     def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
         """The verify up to its second layer: the window ``[x0, d]``'s embeddings and lens, and the
@@ -227,9 +249,66 @@ class Steps:
                                 self.taps)
         return self.target.advance(fwd, [first_cache], ForwardMode.VERIFY, self.target.model.layers[:1])
 
+    def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
+        """The round's last phase: :meth:`round_accept_commit`, which also injects the draft context
+        of the accepted tokens; or, with ``LFMSPARK_COMMIT_OVERLAP=1``, :meth:`round_inject` (the
+        whole window's context) on :attr:`side_stream`, concurrently with :meth:`round_accept_commit`
+        (then without its injection). This method is uncompiled glue: it launches no kernel itself.
+
+        Why: after the verify's last layer the commit region's kernels ran one after the other, the
+        LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, and then the
+        injection (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted
+        length only to mask its write. Written for all ``gamma + 1`` columns it needs nothing from
+        the acceptance, so it can run beside it. Same kernels on the same inputs, so the same
+        values; the extra columns sit at positions ``>= s' = s + a + 1``, the new committed length,
+        which the draft never reads as context: the next block attends to ``[0, s' + gamma)``
+        (ops/cache_attention.py, non-causal) after each draft layer has written its own K/V at
+        ``s' .. s' + gamma - 1`` (all ``gamma`` columns, positions past the cache length skipped by
+        both), and the next round's injection rewrites them from ``s'`` on.
+
+        Capture: the side stream forks from the current stream (the capture stream under
+        graphs/capture.py) and joins back before the round returns, so a captured round records a
+        fork and a join, and no kernel of the next round can overlap the injection. The tensors the
+        side stream reads (``verified``'s aux taps and rows, allocated on the current stream) stay
+        referenced here until after the join, so the allocator cannot hand their memory to a
+        current-stream allocation while the injection still reads it.
+
+        Split-K (ops/skinny_linear.py): the side stream's ``fc`` product is split-K (the batch-1
+        round's 10 x 10240 -> 2048 at the LFM2.5-1.2B shape: 4 splits), and the one product beside
+        it, the LM head, may be too: on the skinny kernel (10 rows at batch 1; up to 64 with
+        ``LFMSPARK_SKINNY_LINEAR=all``) a 65536-token vocabulary fills the H200's SMs with 512
+        unsplit column tiles, but a vocabulary under ~8.4k tokens, or an ``LFMSPARK_TUNE``
+        ``tile.split_k``, splits it. Concurrent split-K launches must not share arrival counters, so
+        the side stream's launches take their own set
+        (:func:`~lfmspark.ops.skinny_linear.split_counter_set`). The other kernels beside it (argmax,
+        conv commit, Inductor's acceptance and sampling kernels) use no counters; launches within
+        each stream stay ordered by the PDL contract, as on one stream."""
+        if not self.commit_overlap:
+            return self.round_accept_commit(inp, drafted, verified)
+        side = self.side_stream
+        if side is None:
+            self.round_inject(verified)
+            return self.round_accept_commit(inp, drafted, verified)
+        main = torch.cuda.current_stream(side.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side), split_counter_set(1):
+            self.round_inject(verified)
+        out = self.round_accept_commit(inp, drafted, verified)
+        main.wait_stream(side)
+        return out
+
+    def round_inject(self, verified: Verified) -> None:
+        """The draft context K/V of the verify's whole window ``[x0, d_1..d_gamma]`` at ``s .. s + gamma``
+        (``LFMSPARK_COMMIT_OVERLAP=1``, see :meth:`round_commit`): positions past the accepted ones
+        are written too, and never read. Takes the window's rows from the verify, not from the slot
+        state, whose committed length the concurrent :meth:`round_accept_commit` advances."""
+        rows = verified.rows
+        self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens)
+
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
-        x0, d_1..d_a (conv state from the tape, draft context from the aux states)."""
+        x0, d_1..d_a (conv state from the tape, draft context from the aux states, unless
+        :meth:`round_inject` writes it: ``LFMSPARK_COMMIT_OVERLAP=1``)."""
         st, gamma = self.state, self.gamma
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s
@@ -261,7 +340,8 @@ class Steps:
 
         commit = a + 1
         self.target.commit(self.tcache, inp.slots, commit)
-        self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, inp.slots, s, commit)
+        if not self.commit_overlap:
+            self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, inp.slots, s, commit)
         w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final

@@ -12,6 +12,7 @@ from ..graphs.compile import inductor_pdl_requested
 from ..models.layers import fused_norm_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.tuning import tuning_overrides
+from .steps import commit_overlap_requested
 
 
 def check_switches() -> None:
@@ -22,3 +23,4 @@ def check_switches() -> None:
     skinny_rows()
     fused_norm_requested()
     tuning_overrides()
+    commit_overlap_requested()

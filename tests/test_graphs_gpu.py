@@ -21,15 +21,16 @@ pytestmark = pytest.mark.gpu
 BATCH_SIZES = [1, 2, 4, 8]
 
 
-def small_models(moe: bool = False, dtype=torch.float32):
-    """head_dim 64 (the kernels' production size), a few layers, random weights that matter."""
+def small_models(moe: bool = False, dtype=torch.float32, taps: tuple[int, ...] = (0, 2, 4)):
+    """head_dim 64 (the kernels' production size), a few layers, random weights that matter; ``taps``:
+    the draft's target layers (four make its ``fc`` a 1024-deep product, split-K at a few rows)."""
     types = (CONV, ATTENTION, CONV, CONV, ATTENTION, CONV)
     extra = dict(num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128) if moe else {}
     tcfg = TargetConfig(model_type="lfm2_moe" if moe else "lfm2", vocab_size=512, hidden_size=256,
                         num_hidden_layers=len(types), num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                         layer_types=types, intermediate_size=512, eos_token_ids=(), **extra)
     dcfg = DraftConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, block_size=5, target_layer_ids=(0, 2, 4),
+                       num_key_value_heads=2, head_dim=64, block_size=5, target_layer_ids=taps,
                        mask_token_id=511, vocab_size=512, rms_norm_eps=1e-6, rope_is_neox_style=False, markov_rank=32,
                        enable_confidence_head=True, confidence_head_with_markov=True)
     target = random_target(tcfg, dtype, "cuda", seed=0)
@@ -94,6 +95,50 @@ def test_graph_replay_equals_eager_round(moe, sampling):
             for key, value in before_spare.items():
                 assert torch.equal(after[key], value), key
         for engine, slots in ((graph_engine, g_slots), (eager_engine, e_slots)):
+            for r in list(engine._active):
+                engine._finish(r, "cancelled")
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
+    """LFMSPARK_COMMIT_OVERLAP=1 (runtime/steps.py, Steps.round_commit): the captured round forks the
+    draft's context injection onto a side stream beside the LM head and acceptance and joins it
+    back. Replayed, it gives the switch-off graphs' tokens, state and committed caches bit for bit.
+    Split-K on both streams at once: the injection's fc (6 rows x 1024 -> 256) splits by default,
+    and LFMSPARK_TUNE splits the target LM head (and the draft's, the same weight) in two, so the
+    concurrent launches must keep to their own arrival counters (ops/skinny_linear.py)."""
+    from lfmspark.ops.skinny_linear import swap_ab_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert swap_ab_config(6, 256, 1024, 4, sms).split_k > 1               # the fc at batch 1
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile@512x256.split_k=2")         # the LM head [512, 256]
+    target, draft = small_models(taps=(0, 2, 3, 4))
+    engines = {}
+    for overlap in (True, False):
+        monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1" if overlap else "0")
+        engines[overlap] = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4])
+        engines[overlap].warmup(progress=False, sampling=sampling)
+    on, off = engines[True], engines[False]
+    assert on.steps.side_stream is not None and off.steps.side_stream is None
+    for n in (1, 3):                                                       # 3 runs padded (bs 4)
+        slots = prefill_rows(on, n, sampling)
+        assert prefill_rows(off, n, sampling) == slots
+        accepted = set()
+        for _ in range(6):
+            g = on.runner.run(StepKind.ROUND, slots, sampling)
+            e = off.runner.run(StepKind.ROUND, slots, sampling)
+            assert torch.equal(g.n_new[:n], e.n_new[:n])
+            for i in range(n):
+                k = int(e.n_new[i])
+                accepted.add(k)
+                assert torch.equal(g.tokens[i, :k], e.tokens[i, :k])
+        gs, es = snapshot(on, slots), snapshot(off, slots)
+        for key in ("seq_len", "anchor", "conv"):
+            assert torch.equal(gs[key], es[key]), key
+        for key in ("k", "v", "dk", "dv"):
+            for i, committed in enumerate(es["seq_len"].tolist()):
+                assert torch.equal(gs[key][:, i, :committed], es[key][:, i, :committed]), key
+        for engine in (on, off):
             for r in list(engine._active):
                 engine._finish(r, "cancelled")
 

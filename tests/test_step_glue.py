@@ -29,6 +29,16 @@ def engine() -> Engine:
                               max_seq_len=64, compile=True)
 
 
+@pytest.fixture(scope="module")
+def overlap_engine() -> Engine:
+    """With ``LFMSPARK_COMMIT_OVERLAP=1``: the context injection is a region of its own, and on CUDA
+    the glue between it and the commit forks and joins a side stream (no tensor op either)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("LFMSPARK_COMMIT_OVERLAP", "1")
+        return Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=1,
+                                  max_seq_len=64, compile=True)
+
+
 def _count(step, sampling: bool = False):
     slots = torch.tensor([-1])                 # a padding row: the step changes no request's state
     with torch.no_grad():
@@ -43,6 +53,17 @@ def test_compiled_step_runs_no_eager_compute_between_regions(engine, step):
     assert not unexpected, ops.table()
     # the regions did run, and their ops were told apart as compiled code
     assert ops.inside["lfmspark.cache_attention.default"] > 0 and ops.inside["aten.mm.out"] > 0
+    assert set(ops.free) <= {"aten.slice.Tensor", "aten.select.int"}
+
+
+def test_overlapped_commit_runs_no_eager_compute_between_regions(engine, overlap_engine):
+    assert overlap_engine.steps.commit_overlap and not engine.steps.commit_overlap
+    ops = _count(overlap_engine.steps.spec_round)
+    unexpected = {op: n for op, n in ops.compute.items() if op not in ALLOWED}
+    assert not unexpected, ops.table()
+    # the K/V writes (the injection's and, on CPU, each draft layer's) ran compiled, as in the plain round
+    write = "lfmspark.kv_norm_rope_write.default"
+    assert ops.inside[write] == _count(engine.steps.spec_round).inside[write] > 0
     assert set(ops.free) <= {"aten.slice.Tensor", "aten.select.int"}
 
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, skinny_config, skinny_linear_reference,
-                                        skinny_linear_triton, split_k_plan, swap_ab_config, regular_config)
+from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _counter_buffer, _split_counters, skinny_config,
+                                        skinny_linear_reference, skinny_linear_triton, split_counter_set, split_k_plan,
+                                        swap_ab_config, regular_config)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -153,6 +154,20 @@ def test_split_k_is_deterministic_and_resets_its_counters(triton_device: str, M:
     assert not counters.any()
     assert torch.equal(skinny_linear_triton(x, w, cfg), first)
     assert not counters.any()
+
+
+def test_split_counter_set_selects_the_launches_buffer(triton_device: str) -> None:
+    """Inside ``split_counter_set(1)`` split-K launches use a buffer of their own (for a stream that
+    runs beside another's split-K launches), left all-zero as the default one; outside, the default."""
+    M, N, K, cfg = SPLIT_CASES[1]
+    x, w = _inputs(triton_device, torch.float32, M, N, K)
+    want = skinny_linear_triton(x, w, cfg)
+    with split_counter_set(1):
+        assert _split_counters(x.device) is _counter_buffer(x.device, 1)
+        assert torch.equal(skinny_linear_triton(x, w, cfg), want)
+    assert _split_counters(x.device) is _counter_buffer(x.device, 0)
+    assert _counter_buffer(x.device, 1) is not _counter_buffer(x.device, 0)
+    assert not _counter_buffer(x.device, 1).any() and not _counter_buffer(x.device, 0).any()
 
 
 def test_split_k_counters_are_reused_across_launches(triton_device: str) -> None:
@@ -565,6 +580,37 @@ def test_gpu_split_k_chain_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.gpu
+def test_gpu_split_k_on_two_concurrent_streams_with_their_own_counters() -> None:
+    """Split-K chains on two streams at once, captured as a fork and a join in one CUDA graph (the
+    round's commit with LFMSPARK_COMMIT_OVERLAP=1): with the side stream's launches on counter set 1,
+    both chains stay bit-exact replay after replay and every counter ends at zero."""
+    x, w = _inputs("cuda", torch.float32, 10, 2048, 8192)
+    cfg = SkinnyConfig(block_n=64, block_k=128, split_k=8, num_stages=3, swap_ab=True)
+    want = _split_order_sum(x, w, cfg)
+    side = torch.cuda.Stream()
+
+    def both() -> list[torch.Tensor]:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side), split_counter_set(1):
+            outs = [skinny_linear_triton(x, w, cfg) for _ in range(8)]
+        outs += [skinny_linear_triton(x, w, cfg) for _ in range(8)]
+        main.wait_stream(side)
+        return outs
+
+    both()                                                     # creates set 1 outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = both()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out in outs)
+    assert not _counter_buffer(x.device, 0).any() and not _counter_buffer(x.device, 1).any()
+
+
+@pytest.mark.gpu
 def test_gpu_counters_are_not_created_during_capture() -> None:
     """Creating the counters (a zero fill) cannot be captured: it raises, naming the fix."""
     x, w = _inputs("cuda", torch.float32, 4, 64, 64)
@@ -572,4 +618,4 @@ def test_gpu_counters_are_not_created_during_capture() -> None:
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(graph):
-            _split_counters.__wrapped__(x.device)  # the uncached body: what a first use would run
+            _counter_buffer.__wrapped__(x.device, 0)  # the uncached body: what a first use would run

@@ -1,0 +1,128 @@
+"""``LFMSPARK_COMMIT_OVERLAP=1`` (runtime/steps.py, ``Steps.round_commit``): the round's draft context
+injection as a region of its own, for the whole verify window, run beside the acceptance and commit
+(on a side stream on CUDA; in program order here). Nothing the draft reads may change: rounds give
+the same tokens, state and caches as with the switch off, the draft cache compared at the positions
+before each row's committed length (the only ones the draft attends to as context: past it, the
+switch-off round leaves the block's scratch K/V and the switch-on round the injected window's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lfmspark.graphs.runner import StepKind
+from lfmspark.runtime import Engine, SamplingParams
+from spec_fixtures import random_tiny_draft, random_tiny_target
+
+GAMMA = 4
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6)
+
+
+def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool, compile: bool = False) -> Engine:
+    # imposed acceptance: accept lengths spread over 0..gamma (random drafts alone are almost never
+    # accepted), so the window's columns past the commit are written in most rounds
+    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1" if overlap else "0")
+    target, draft = models
+    engine = Engine(target, draft, max_batch=len(PROMPTS), max_seq_len=96, compile=compile,
+                    imposed_acceptance=[0.7] * GAMMA)
+    monkeypatch.delenv("LFMSPARK_COMMIT_OVERLAP")
+    assert engine.steps.commit_overlap is overlap
+    return engine
+
+
+def _admit(engine: Engine, sampling: bool) -> list[int]:
+    params = [SamplingParams(max_new_tokens=60, temperature=0.9 if sampling else 0.0, top_k=20, seed=i)
+              for i in range(len(PROMPTS))]
+    reqs = engine._make_requests(PROMPTS, params)
+    engine._queue.extend(reqs)
+    engine._admit([])
+    return [r.slot for r in reqs]
+
+
+def _rounds(engine: Engine, slots: list[int], sampling: bool, n: int) -> list[list[list[int]]]:
+    out = []
+    for _ in range(n):
+        step = engine.runner.run(StepKind.ROUND, slots, sampling)
+        out.append([step.tokens[i, :int(step.n_new[i])].tolist() for i in range(len(slots))])
+    return out
+
+
+def _check_same_state(on: Engine, off: Engine, slots: list[int]) -> None:
+    for name in ("seq_len", "anchor"):
+        assert torch.equal(getattr(on.state, name)[slots], getattr(off.state, name)[slots]), name
+    assert torch.equal(on.tcache.conv_state[:, slots], off.tcache.conv_state[:, slots])
+    for i, committed in zip(slots, off.state.seq_len[slots].tolist()):
+        for a, b in ((on.tcache.k, off.tcache.k), (on.tcache.v, off.tcache.v), (on.dcache.k, off.dcache.k),
+                     (on.dcache.v, off.dcache.v)):
+            assert torch.equal(a[:, i, :committed], b[:, i, :committed])
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_overlapped_commit_matches_the_plain_round(models, monkeypatch, sampling):
+    on, off = _engine(models, monkeypatch, True), _engine(models, monkeypatch, False)
+    injected = []
+    inject = on.steps.round_inject
+    on.steps.round_inject = lambda verified: injected.append(1) or inject(verified)
+    slots = _admit(on, sampling)
+    assert slots == _admit(off, sampling)
+    got, want = _rounds(on, slots, sampling, 8), _rounds(off, slots, sampling, 8)
+    assert got == want
+    assert len(injected) == 8
+    lengths = {len(row) for rnd in want for row in rnd}
+    assert len(lengths) >= 3 and min(lengths) <= GAMMA     # partial accepts: columns past the commit were written
+    _check_same_state(on, off, slots)
+
+
+@pytest.mark.slow
+def test_overlapped_commit_matches_the_plain_round_compiled(models, monkeypatch):
+    """The same with the regions compiled: the injection is a region of its own (graphs/compile.py)."""
+    on, off = _engine(models, monkeypatch, True, compile=True), _engine(models, monkeypatch, False, compile=True)
+    assert "round_inject" in vars(on.steps) and "round_inject" not in vars(off.steps)  # compiled wrapper
+    slots = _admit(on, False)
+    assert slots == _admit(off, False)
+    want = _rounds(off, slots, False, 6)
+    assert _rounds(on, slots, False, 1) == want[:1]           # compiles
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        assert _rounds(on, slots, False, 5) == want[1:]
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    _check_same_state(on, off, slots)
+
+
+def test_generate_with_overlap_matches(models, monkeypatch):
+    params = [SamplingParams(max_new_tokens=24, seed=i) for i in range(len(PROMPTS))]  # seeds: imposed draws
+    want = [o.token_ids for o in _engine(models, monkeypatch, False).generate(PROMPTS, params)]
+    assert [o.token_ids for o in _engine(models, monkeypatch, True).generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "on", ""])
+def test_bad_switch_value_is_refused(models, monkeypatch, value):
+    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", value)
+    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .* or 1"):
+        Engine(*models, max_batch=1, max_seq_len=64)
+
+
+def test_switch_needs_no_draft(models, monkeypatch):
+    """Target-only engines have no injection: the switch is accepted and does nothing."""
+    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1")
+    engine = Engine(models[0], None, max_batch=1, max_seq_len=64)
+    assert not engine.steps.commit_overlap and engine.steps.side_stream is None
+
+
+def test_bench_phase_split_runs_with_overlap(models, monkeypatch):
+    """runtime/bench.py times the commit phase through ``Steps.round_commit`` (the fork and join too)."""
+    from lfmspark.runtime.bench import time_round_phases
+
+    engine = _engine(models, monkeypatch, True)
+    calls = []
+    inject = engine.steps.round_inject
+    engine.steps.round_inject = lambda verified: calls.append(1) or inject(verified)
+    _admit(engine, False)
+    phases = time_round_phases(engine, len(PROMPTS), iters=2)
+    assert set(phases) == {"draft_ms", "verify_ms", "commit_ms"} and calls
