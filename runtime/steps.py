@@ -6,7 +6,7 @@ captured whole in a CUDA graph per batch size (DESIGN §5). Their regions are wh
 with ``fullgraph=True`` (graphs/compile.py): the heads ``decode_head``, ``draft_head`` and
 ``verify_head`` (the glue before a model's layers, together with its first layer), the later
 layers, and the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit`` (and, with
-``LFMSPARK_COMMIT_OVERLAP=1``, ``round_inject``: see :meth:`Steps.round_commit`).
+``LFMSPARK_COMMIT_OVERLAP=1``, the default, ``round_inject``: see :meth:`Steps.round_commit`).
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 
@@ -44,12 +44,13 @@ from .state import SlotState
 
 
 def commit_overlap_requested() -> bool:
-    """``LFMSPARK_COMMIT_OVERLAP`` (default ``0``): ``1`` runs the round's draft context injection on
-    a side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`)."""
-    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "0")
+    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): run the round's draft context injection on a side
+    stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`); ``0`` runs it
+    inside the commit region, after the acceptance."""
+    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit, "
-                         "the default) or 1 (on a side stream, concurrently with the LM head and acceptance)")
+        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit) "
+                         "or 1 (the default: on a side stream, concurrently with the LM head and acceptance)")
     return value == "1"
 
 
@@ -258,7 +259,8 @@ class Steps:
         Why: after the verify's last layer the commit region's kernels ran one after the other, the
         LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, and then the
         injection (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted
-        length only to mask its write. Written for all ``gamma + 1`` columns it needs nothing from
+        length only to mask its write. Overlapped, the batch-1 round's tail after the verify went
+        from 103 to 91 us on the H200 (docs/benchmarks.md, session 11). Written for all ``gamma + 1`` columns it needs nothing from
         the acceptance, so it can run beside it. Same kernels on the same inputs, so the same
         values; the extra columns sit at positions ``>= s' = s + a + 1``, the new committed length,
         which the draft never reads as context: the next block attends to ``[0, s' + gamma)``
