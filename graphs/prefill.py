@@ -22,6 +22,13 @@ into one pool of its own) with every row a padding row, so capture changes no st
 are one static device buffer per bucket, refilled by one host-to-device copy per chunk. Only the
 forward is captured (:meth:`lfmspark.runtime.steps.Steps.prefill_logits`); picking the first token
 and writing the slot state stay eager (a few kernels), so greedy and sampling share the graphs.
+
+Opt-in (``Engine(prefill_graph_tokens=1024)``; the default ``0`` runs every chunk eagerly at its
+own shape). On the H200 the buckets took the TTFT of a 128-token prompt from 12-23 ms to 2.5 ms
+(LFM2.5-1.2B), but every decode step after the bucket warm-up ran 20 us slower (batch 1: 0.731 ->
+0.751 ms per token, same-machine A/Bs), with or without the graphs captured, and not after the
+engine's other prefill warm-up: the eager bucket runs on the warm-up's side stream are enough to
+cause it, and the cause is not found yet (docs/benchmarks.md, session 11).
 """
 
 from __future__ import annotations

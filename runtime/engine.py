@@ -163,7 +163,7 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 prefill_graph_tokens: int = 1024, chat: bool = True):
+                 prefill_graph_tokens: int = 0, chat: bool = True):
         check_switches()
         cfg = target.config
         if max_batch < 1:
@@ -199,7 +199,8 @@ class Engine:
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
-        # prompts run at bucket shapes (graphs/prefill.py), replayed from graphs once captured
+        # prefill_graph_tokens > 0: prompts run at bucket shapes (graphs/prefill.py), replayed from
+        # graphs once captured; off by default while it costs later decode steps (graphs/prefill.py)
         self.prefill_runner = PrefillRunner(
             self.steps.prefill_logits, self.device,
             prefill_buckets(max_batch, min(prefill_chunk, max_seq_len), prefill_graph_tokens), max_seq_len)

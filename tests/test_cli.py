@@ -22,7 +22,7 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     out = tmp_path / "bench.json"
     code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "11",
                  "--runs", "1", "--imposed-acceptance", "0.5", "--imposed-acceptance", "1", "--device", "cpu",
-                 "--json", str(out)])
+                 "--prefill-graph-tokens", "1024", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["schema"] == 2

@@ -34,12 +34,13 @@ def test_compiled_decode_step_matches_eager_on_cpu():
 
 
 def test_compiled_round_reuses_one_graph_per_layer_kind_and_matches_eager():
-    """Regional compilation: a greedy speculative round at one batch size compiles seven graphs,
+    """Regional compilation: a greedy speculative round at one batch size compiles eight graphs,
     whatever the depth (one ShortConv layer, one attention layer, one draft layer, the draft's LM
-    head + Markov walk, acceptance + commit, and the verify's and the draft's step heads: the glue
-    before the first layer with that layer, which has no pending residual add to start with,
-    models/lfm2.py; graphs/compile.py), then runs without recompiling and emits exactly the eager
-    engine's tokens."""
+    head + Markov walk, acceptance + commit, the draft context injection, which runs beside the
+    commit by default (``LFMSPARK_COMMIT_OVERLAP``), and the verify's and the draft's step heads:
+    the glue before the first layer with that layer, which has no pending residual add to start
+    with, models/lfm2.py; graphs/compile.py), then runs without recompiling and emits exactly the
+    eager engine's tokens."""
     from torch._dynamo.utils import counters
 
     def engine(compile: bool) -> Engine:
@@ -51,7 +52,7 @@ def test_compiled_round_reuses_one_graph_per_layer_kind_and_matches_eager():
     prompts, params = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=14)
     compiled = engine(True)
     first = compiled.generate(prompts, params)
-    assert counters["stats"]["unique_graphs"] == 7
+    assert counters["stats"]["unique_graphs"] == 8
     torch._dynamo.config.error_on_recompile = True
     try:
         again = compiled.generate(prompts, params)

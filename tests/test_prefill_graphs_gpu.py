@@ -34,7 +34,8 @@ def _restore(engine: Engine, saved: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
     target, draft = small_models(moe=moe, dtype=dtype)
-    engine = Engine(target, draft, max_batch=4, max_seq_len=320, batch_sizes=[1, 4], stop_token_ids=())
+    engine = Engine(target, draft, max_batch=4, max_seq_len=320, batch_sizes=[1, 4], stop_token_ids=(),
+                    prefill_graph_tokens=1024)
     runner = engine.prefill_runner
     runner.warmup(progress=False, capture=True)
     assert set(runner.captured) == set(runner.buckets)
@@ -62,7 +63,8 @@ def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
 
 def test_a_warmed_engine_serves_prompts_from_its_prefill_graphs(monkeypatch):
     target, draft = small_models(dtype=torch.bfloat16)
-    engine = Engine(target, draft, max_batch=2, max_seq_len=320, batch_sizes=[1, 2], stop_token_ids=())
+    engine = Engine(target, draft, max_batch=2, max_seq_len=320, batch_sizes=[1, 2], stop_token_ids=(),
+                    prefill_graph_tokens=1024)
     engine.warmup(progress=False, sampling=False)
     runner = engine.prefill_runner
     assert set(runner.captured) == set(runner.buckets)

@@ -25,13 +25,16 @@ ALLOWED: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=1,
-                              max_seq_len=64, compile=True)
+    """With ``LFMSPARK_COMMIT_OVERLAP=0``: the context injection inside the commit region."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("LFMSPARK_COMMIT_OVERLAP", "0")
+        return Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=1,
+                                  max_seq_len=64, compile=True)
 
 
 @pytest.fixture(scope="module")
 def overlap_engine() -> Engine:
-    """With ``LFMSPARK_COMMIT_OVERLAP=1``: the context injection is a region of its own, and on CUDA
+    """With ``LFMSPARK_COMMIT_OVERLAP=1`` (the default): the context injection is a region of its own, and on CUDA
     the glue between it and the commit forks and joins a side stream (no tensor op either)."""
     with pytest.MonkeyPatch.context() as m:
         m.setenv("LFMSPARK_COMMIT_OVERLAP", "1")
