@@ -15,9 +15,9 @@ up to 256 tokens, where a prefill is still bound by the weight reads so padding 
 grow by half; they cover ``R * W <= token_budget`` tokens. A chunk that fits no bucket (or whose
 padding columns would run past the cache) runs eagerly at its own shape.
 
-Every engine pads the same way, with or without graphs (on CPU too), so an engine that replays
-graphs computes the same shapes with the same kernels as one that does not: identical results.
-Each bucket's graph is captured once at warm-up (:meth:`PrefillRunner.capture`, largest first,
+With buckets on, an engine pads the same way with or without graphs (on CPU too), so one that
+replays graphs computes the same shapes with the same kernels as one that does not: identical
+results. Each bucket's graph is captured once at warm-up (:meth:`PrefillRunner.warmup`, largest first,
 into one pool of its own) with every row a padding row, so capture changes no state; its inputs
 are one static device buffer per bucket, refilled by one host-to-device copy per chunk. Only the
 forward is captured (:meth:`lfmspark.runtime.steps.Steps.prefill_logits`); picking the first token

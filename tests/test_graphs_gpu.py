@@ -54,6 +54,18 @@ def prefill_rows(engine: Engine, n: int, sampling: bool) -> list[int]:
     return [r.slot for r in reqs]
 
 
+def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], sampling: bool, rounds: int) -> None:
+    """Run ``rounds`` speculative rounds on both engines; each round commits the same tokens."""
+    n = len(a_slots)
+    for _ in range(rounds):
+        x = a.runner.run(StepKind.ROUND, a_slots, sampling)
+        y = b.runner.run(StepKind.ROUND, b_slots, sampling)
+        assert torch.equal(x.n_new[:n], y.n_new[:n])
+        for i in range(n):
+            k = int(y.n_new[i])
+            assert torch.equal(x.tokens[i, :k], y.tokens[i, :k])
+
+
 def snapshot(engine: Engine, slots: list[int]) -> dict:
     st = engine.state
     return {"seq_len": st.seq_len[slots].clone(), "anchor": st.anchor[slots].clone(),
@@ -75,13 +87,7 @@ def test_graph_replay_equals_eager_round(moe, sampling):
         assert g_slots == e_slots
         spare = [s for s in range(8) if s not in g_slots]
         before_spare = snapshot(graph_engine, spare) if spare else None
-        for _ in range(4):
-            g = graph_engine.runner.run(StepKind.ROUND, g_slots, sampling)
-            e = eager_engine.runner.run(StepKind.ROUND, e_slots, sampling)
-            assert torch.equal(g.n_new[:n], e.n_new[:n])
-            for i in range(n):
-                k = int(e.n_new[i])
-                assert torch.equal(g.tokens[i, :k], e.tokens[i, :k])
+        same_rounds(graph_engine, eager_engine, g_slots, e_slots, sampling, rounds=4)
         gs, es = snapshot(graph_engine, g_slots), snapshot(eager_engine, e_slots)
         assert torch.equal(gs["seq_len"], es["seq_len"]) and torch.equal(gs["anchor"], es["anchor"])
         torch.testing.assert_close(gs["conv"], es["conv"], rtol=1e-4, atol=1e-4)
@@ -123,15 +129,7 @@ def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
         slots = prefill_rows(on, n, sampling)
         assert prefill_rows(off, n, sampling) == slots
-        accepted = set()
-        for _ in range(6):
-            g = on.runner.run(StepKind.ROUND, slots, sampling)
-            e = off.runner.run(StepKind.ROUND, slots, sampling)
-            assert torch.equal(g.n_new[:n], e.n_new[:n])
-            for i in range(n):
-                k = int(e.n_new[i])
-                accepted.add(k)
-                assert torch.equal(g.tokens[i, :k], e.tokens[i, :k])
+        same_rounds(on, off, slots, slots, sampling, rounds=6)
         gs, es = snapshot(on, slots), snapshot(off, slots)
         for key in ("seq_len", "anchor", "conv"):
             assert torch.equal(gs[key], es[key]), key
