@@ -58,7 +58,9 @@ class CudaGraphRunner:
         self._flip = 0
         self._graphs: dict[tuple[StepKind, bool, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)
+        # every warm-up run and capture of the steps runs here; the engine captures its prefill graphs here
+        # too (graphs/prefill.py says why it avoids other side streams)
+        self.capture_stream = torch.cuda.Stream(device)
 
     # step bodies returning plain tensors (what a graph can hold)
     def _decode(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +76,9 @@ class CudaGraphRunner:
         fn, slots = self._fns[kind], self._slots[bs]
         slots.fill_(-1)
         self._last[bs] = [-1] * bs
-        self._stream.wait_stream(torch.cuda.current_stream())
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
         t0 = time.perf_counter()
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self.capture_stream):
             for _ in range(2):                  # the first call compiles; the second is a clean warm run
                 fn(slots, sampling)
         torch.cuda.synchronize()
@@ -86,7 +88,7 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream):
             outputs = fn(slots, sampling)
         torch.cuda.synchronize()
         t2 = time.perf_counter()

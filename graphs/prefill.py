@@ -25,10 +25,15 @@ and writing the slot state stay eager (a few kernels), so greedy and sampling sh
 
 Opt-in (``Engine(prefill_graph_tokens=1024)``; the default ``0`` runs every chunk eagerly at its
 own shape). On the H200 the buckets took the TTFT of a 128-token prompt from 12-23 ms to 2.5 ms
-(LFM2.5-1.2B), but every decode step after the bucket warm-up ran 20 us slower (batch 1: 0.731 ->
-0.751 ms per token, same-machine A/Bs), with or without the graphs captured, and not after the
-engine's other prefill warm-up: the eager bucket runs on the warm-up's side stream are enough to
-cause it, and the cause is not found yet (docs/benchmarks.md, session 11).
+(LFM2.5-1.2B), but with them every later decode step ran 20 us slower (batch 1: 0.731 -> 0.751 ms
+per token) and the speculative round 16-50 us slower. Session 12 narrowed the cause down
+(docs/benchmarks.md): it is not the graphs or the prefill as such but new small allocator segments.
+Once a process has created some (2 MiB ``cudaMalloc`` segments, as a capture's private pool or a
+stream with nothing cached does), its decode steps stay slower, even after the memory is freed; 16
+MiB of 64 KiB tensors allocated and freed on a fresh side stream are enough, 1 GiB in one block is
+not, and neither is ``LFMSPARK_PDL=0`` during those allocations nor ``expandable_segments`` a way
+out. The eager bucket runs now use the current stream (cached blocks, no trigger); the captures
+still need a pool of their own, so the cost stays with the graphs.
 """
 
 from __future__ import annotations
@@ -148,15 +153,23 @@ class PrefillRunner:
     def captured(self) -> list[tuple[int, int]]:
         return sorted(self._graphs)
 
-    def warmup(self, progress: bool = True, capture: bool = True) -> list[WarmupEntry]:
-        """Run every bucket once (CUDA only: on CPU nothing compiles), largest first, on a side
-        stream, which compiles any Triton variant it needs; with ``capture``, then capture its graph,
-        all into one pool. Every row is a padding row, so nothing in the engine's state changes."""
+    def warmup(self, progress: bool = True, capture: bool = True,
+               capture_stream: torch.cuda.Stream | None = None) -> list[WarmupEntry]:
+        """Run every bucket once (CUDA only: on CPU nothing compiles), largest first, on the current
+        stream, which compiles any Triton variant it needs; with ``capture``, then capture its graph
+        on ``capture_stream`` (the step graphs' capture stream, so that the engine captures on one side
+        stream; a new one if None), all into one pool. Every row is a padding row, so nothing in the
+        engine's state changes.
+
+        Why the eager runs are on the current stream: there they reuse the blocks the engine's other
+        prefill warm-up cached, while on a fresh side stream they create new small allocator segments,
+        which made every later decode step 20 us slower on the H200 (module doc)."""
         if self.device.type != "cuda":
             return []
         if capture and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        if capture and capture_stream is None:
+            capture_stream = torch.cuda.Stream(self.device)
         entries = []
         todo = [b for b in reversed(self.buckets) if b not in self._graphs]
         for i, shape in enumerate(todo):
@@ -166,10 +179,8 @@ class PrefillRunner:
             inputs = self._unpack(flat, shape)
             inputs[1].fill_(-1)
             inputs[3].fill_(W)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
             t0 = time.perf_counter()
-            with torch.cuda.stream(stream):
-                self.forward(*inputs)
+            self.forward(*inputs)
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
             entry = WarmupEntry(f"prefill {R}x{W}", False, R, compile_s=t1 - t0)
@@ -177,7 +188,8 @@ class PrefillRunner:
                 torch.cuda.empty_cache()     # as graphs/capture.py: so the pool's growth is not negative
                 before = torch.cuda.memory_reserved(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                capture_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.graph(graph, pool=self._pool, stream=capture_stream):
                     logits = self.forward(*inputs)
                 torch.cuda.synchronize(self.device)
                 entry.capture_s = time.perf_counter() - t1

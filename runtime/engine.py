@@ -304,7 +304,8 @@ class Engine:
         report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
         t0 = time.perf_counter()
         self._warm_prefill(sampling)
-        report.entries += self.prefill_runner.warmup(progress, capture=self.cuda_graphs)
+        report.entries += self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
+                                                     capture_stream=getattr(self.runner, "capture_stream", None))
         report.prefill_s = time.perf_counter() - t0
         if progress:
             log.info("prefill warm-up %.2fs (%d bucket graphs)", report.prefill_s, len(self.prefill_runner.captured))

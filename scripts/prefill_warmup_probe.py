@@ -1,52 +1,110 @@
-"""Probe for an open question (docs/benchmarks.md, session 11, item 2): after the prefill bucket
-warm-up (graphs/prefill.py ``PrefillRunner.warmup``) every decode step ran ~20 us slower on the
-H200, with or without the graphs captured. This runs ``lfmspark bench`` with that warm-up changed:
+"""Probe for the prefill bucket warm-up's cost to later steps (docs/benchmarks.md, sessions 11 and
+12): run ``lfmspark bench`` with ``PrefillRunner.warmup`` (graphs/prefill.py) changed.
 
     python scripts/prefill_warmup_probe.py MODE bench --preset lfm2.5-1.2b --draft-preset none \\
         --batch-sizes 1 --runs 3 --no-hf --no-phase-split --prefill-graph-tokens 1024
 
-MODE: ``used`` (unchanged), ``unused`` (graphs captured, kept alive, never replayed), ``nocapture``
-(the eager bucket runs on the warm-up's side stream, no capture), ``currentstream`` (the eager
-bucket runs on the current stream, no capture: untested so far), ``skip`` (no bucket warm-up).
-Session 11 measured 0.751 ms per token for used / unused / nocapture and 0.731 for skip.
+MODE (``side``: a fresh ``torch.cuda.Stream``, as the warm-up used until session 12; ``small``: the
+buckets of at most 128 tokens):
+- ``used``: unchanged (eager runs on the current stream, captures on the step graphs' stream);
+- ``skip``: no bucket warm-up (prefill then runs eagerly at bucket shapes);
+- ``sidefresh``: the former warm-up: the eager runs and the captures on a side stream;
+- ``freshcapture``: unchanged eager runs, captures on a side stream;
+- ``side16`` / ``side32`` / ``side128``: one eager run of the 1 x W bucket on a side stream, no capture;
+- ``sidenopdl``: the small buckets on a side stream with ``LFMSPARK_PDL=0``, no capture;
+- ``runnerstream``: the small buckets on the step graphs' capture stream, no capture;
+- ``currentstream``: every bucket on the current stream, no capture;
+- ``destroyed``: unchanged, then the graphs deleted and ``torch.cuda.empty_cache()``;
+- ``emptyonly``: no bucket warm-up; ``gc.collect()``, ``torch.cuda.empty_cache()`` (what entering a capture does);
+- ``sharedpool``: unchanged, but the graphs captured into the step graphs' memory pool;
+- ``tinyalloc``: no forward; 256 tensors of 64 KiB allocated and freed on a side stream.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
 
 import torch
 
 from lfmspark.graphs import prefill
+from lfmspark.runtime import engine
 from lfmspark.runtime.cli import main
 
-MODES = ("used", "unused", "nocapture", "currentstream", "skip")
+MODES = ("used", "skip", "sidefresh", "freshcapture", "side16", "side32", "side128", "sidenopdl", "runnerstream",
+         "currentstream", "destroyed", "emptyonly", "sharedpool", "tinyalloc")
 _original = prefill.PrefillRunner.warmup
-_kept: list[dict] = []
+_original_engine_warmup = engine.Engine.warmup
 
 
-def _warmup(self: prefill.PrefillRunner, progress: bool = True, capture: bool = True):
+def _eager(self: prefill.PrefillRunner, shapes, stream: torch.cuda.Stream) -> None:
+    for shape in shapes:
+        n_ids, n_row = self._layout(shape)
+        inputs = self._unpack(torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device), shape)
+        inputs[1].fill_(-1)
+        inputs[3].fill_(shape[1])
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(*inputs)
+        torch.cuda.synchronize(self.device)
+
+
+def _warmup(self: prefill.PrefillRunner, progress: bool = True, capture: bool = True, capture_stream=None):
     mode = sys.argv[1]
     if mode == "skip" or self.device.type != "cuda":
         return []
-    if mode == "currentstream":
-        for shape in reversed(self.buckets):
-            n_ids, n_row = self._layout(shape)
-            inputs = self._unpack(torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device), shape)
-            inputs[1].fill_(-1)
-            inputs[3].fill_(shape[1])
-            self.forward(*inputs)
+    largest_first = list(reversed(self.buckets))
+    small = [b for b in largest_first if b[0] * b[1] <= 128]
+    if mode in ("used", "sharedpool"):
+        return _original(self, progress, capture, capture_stream)
+    if mode == "destroyed":
+        _original(self, progress, capture, capture_stream)
+        self._graphs.clear()
+        self._inputs.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return []
+    if mode == "emptyonly":
+        gc.collect()
+        torch.cuda.empty_cache()
+        return []
+    if mode == "tinyalloc":
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            blocks = [torch.ones(16384, device=self.device) for _ in range(256)]
+            blocks.clear()
         torch.cuda.synchronize(self.device)
         return []
-    entries = _original(self, progress, capture=mode != "nocapture")
-    if mode == "unused":
-        _kept.append(dict(self._graphs))
-        self._graphs.clear()
-    return entries
+    if mode == "sidefresh":
+        side = torch.cuda.Stream(self.device)
+        _eager(self, largest_first, side)
+        return _original(self, progress, capture, side)
+    if mode == "freshcapture":
+        return _original(self, progress, capture, torch.cuda.Stream(self.device))
+    if mode in ("side16", "side32", "side128"):
+        _eager(self, [(1, int(mode[4:]))], torch.cuda.Stream(self.device))
+    elif mode == "sidenopdl":
+        os.environ["LFMSPARK_PDL"] = "0"
+        try:
+            _eager(self, small, torch.cuda.Stream(self.device))
+        finally:
+            os.environ["LFMSPARK_PDL"] = "1"
+    elif mode == "runnerstream":
+        _eager(self, small, capture_stream)
+    elif mode == "currentstream":
+        _eager(self, largest_first, torch.cuda.current_stream(self.device))
+    return []
+
+
+def _engine_warmup_shared_pool(self: engine.Engine, progress: bool = True, sampling: bool = True):
+    self.prefill_runner._pool = getattr(self.runner, "_pool", None)
+    return _original_engine_warmup(self, progress, sampling)
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}} bench ARGS...")
     prefill.PrefillRunner.warmup = _warmup
+    if sys.argv[1] == "sharedpool":
+        engine.Engine.warmup = _engine_warmup_shared_pool
     sys.exit(main(sys.argv[2:]))
