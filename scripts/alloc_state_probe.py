@@ -12,6 +12,7 @@ Actions (``name:n``; each allocates, keeps nothing and frees; memory stats after
 - ``side:n``: ``n`` x 2 MiB of 64 KiB tensors on a fresh side stream (``n`` new small segments);
 - ``current:n``: the same on the current stream (reuses cached blocks when there are any);
 - ``large:n``: ``n`` x 1 GiB tensors on a fresh side stream (large segments);
+- ``capture:n``: a CUDA graph capturing the ``side:n`` allocations, in a private pool of its own;
 - ``empty``: ``torch.cuda.empty_cache()``.
 """
 
@@ -33,8 +34,15 @@ def _allocate(action: str) -> None:
     if name == "empty":
         torch.cuda.empty_cache()
         return
-    if name not in ("side", "current", "large"):
-        raise SystemExit(f"unknown action {action!r}: use side:N, current:N, large:N or empty")
+    if name not in ("side", "current", "large", "capture"):
+        raise SystemExit(f"unknown action {action!r}: use side:N, current:N, large:N, capture:N or empty")
+    if name == "capture":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            blocks = [torch.ones(16384, device="cuda") for _ in range(32 * n)]
+        blocks.clear()
+        del graph
+        return
     stream = torch.cuda.current_stream() if name == "current" else torch.cuda.Stream()
     with torch.cuda.stream(stream):
         if name == "large":
@@ -49,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="lfm2.5-1.2b")
     ap.add_argument("--draft", action="store_true", help="time the speculative round (imposed 0.8) instead")
-    ap.add_argument("--actions", default="side:1,side:1,side:2,side:4,side:8,current:8,large:1")
+    ap.add_argument("--actions", default="side:1,side:1,side:2,side:4,side:8,current:8,large:1,capture:1")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
