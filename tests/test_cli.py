@@ -51,6 +51,28 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
 
 
+def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, monkeypatch):
+    # on the H200 new small allocations slowed every later step of a process (docs/benchmarks.md,
+    # session 12), so the work that allocates (phase-split captures, HF) comes after the engine rows
+    from lfmspark.runtime import bench  # noqa: PLC0415
+
+    calls: list[tuple[str, int]] = []
+
+    def recorded(name, fn, batch_of):
+        def wrapper(*args, **kwargs):
+            calls.append((name, batch_of(*args)))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(bench, "measure_engine", recorded("row", bench.measure_engine, lambda e, cfg, b, c: b))
+    monkeypatch.setattr(bench, "time_round_phases", recorded("phases", bench.time_round_phases, lambda e, b, **kw: b))
+    monkeypatch.setattr(bench, "_hf_row", recorded("hf", bench._hf_row, lambda t, cfg, b, *a, **kw: b))
+    code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "5",
+                 "--runs", "1", "--imposed-acceptance", "0.5", "--device", "cpu", "--json", str(tmp_path / "b.json")])
+    assert code == 0
+    assert calls == [("row", 1), ("row", 1), ("row", 2), ("row", 2), ("phases", 1), ("phases", 2), ("hf", 1), ("hf", 2)]
+
+
 def test_generate_streams_text_from_a_checkpoint(tmp_path):
     from engine_fixtures import save_tiny_target  # noqa: PLC0415
 
