@@ -7,6 +7,11 @@ each allocation pattern in one process, so the next device session can localize 
 
     python3 scripts/alloc_state_probe.py --preset lfm2.5-1.2b --actions side:1,side:1,side:2,side:4,side:8,current:8,large:1
     LFMSPARK_PDL=0 python3 scripts/alloc_state_probe.py ...     # does it need PDL?
+    python3 scripts/alloc_state_probe.py --micro [--no-pdl]      # does it need lfmspark at all?
+
+``--micro`` times, instead of an engine, a CUDA graph of 100 chained Triton launches shaped like the
+decode step's one-row products: each streams 8 MiB of its own weights (requested before its PDL
+wait) and adds the predecessor's small output, 800 MiB per replay.
 
 Actions (``name:n``; each allocates, keeps nothing and frees; memory stats after each):
 - ``side:n``: ``n`` x 2 MiB of 64 KiB tensors on a fresh side stream (``n`` new small segments);
@@ -22,10 +27,63 @@ import argparse
 import json
 import logging
 
+import statistics
+
 import torch
+import triton
+import triton.language as tl
 
 from lfmspark import Engine, SamplingParams
 from lfmspark.runtime.bench import time_replays
+
+
+@triton.jit
+def _chain_kernel(w_ptr, x_ptr, y_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # one link of --micro's chain: this program's weight block first (it depends on no kernel), then
+    # the predecessor's output, as lfmspark's products do under PDL (ops/_dispatch.py)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    w = tl.load(w_ptr + pid * BLOCK + tl.arange(0, BLOCK))
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    tl.store(y_ptr + pid, tl.sum(w.to(tl.float32)) + tl.load(x_ptr + pid))
+
+
+class MicroChain:
+    """``launches`` chained weight-streaming kernels captured in one CUDA graph (``--micro``)."""
+
+    BLOCK = 4096  # bf16 elements per program: 8 KiB
+
+    def __init__(self, launches: int, mib_per_launch: int, pdl: bool):
+        programs = mib_per_launch * 2**20 // (2 * self.BLOCK)
+        self.weights = [torch.randn(programs * self.BLOCK, device="cuda").to(torch.bfloat16) for _ in range(launches)]
+        self.vectors = [torch.zeros(programs, device="cuda") for _ in range(2)]
+        self.pdl, self.programs = pdl, programs
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self._run()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self._run()
+        torch.cuda.synchronize()
+
+    def _run(self) -> None:
+        for i, w in enumerate(self.weights):
+            x, y = self.vectors[i % 2], self.vectors[1 - i % 2]
+            _chain_kernel[(self.programs,)](w, x, y, BLOCK=self.BLOCK, PDL=self.pdl, num_warps=4, launch_pdl=self.pdl)
+
+    def time_ms(self, iters: int) -> float:
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
 
 
 def _allocate(action: str) -> None:
@@ -59,25 +117,36 @@ def main() -> None:
     ap.add_argument("--draft", action="store_true", help="time the speculative round (imposed 0.8) instead")
     ap.add_argument("--actions", default="side:1,side:1,side:2,side:4,side:8,current:8,large:1,capture:1")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--micro", action="store_true", help="time a synthetic PDL chain graph instead of an engine")
+    ap.add_argument("--no-pdl", action="store_true", help="with --micro: launch the chain without PDL")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("alloc_state_probe needs a CUDA device")
-    kw = dict(max_batch=1, max_seq_len=1200, batch_sizes=[1])
-    if args.draft:
-        from lfmspark.models.presets import DEFAULT_DRAFT, draft_preset
+    if args.micro:
+        chain = MicroChain(launches=100, mib_per_launch=8, pdl=not args.no_pdl)
 
-        gamma = draft_preset(DEFAULT_DRAFT[args.preset]).block_size
-        engine = Engine.from_preset(args.preset, **kw, imposed_acceptance=[0.8] * gamma)
+        def replay_ms() -> float:
+            return chain.time_ms(args.iters)
     else:
-        engine = Engine.from_preset(args.preset, None, **kw)
-    engine.warmup(sampling=False)
-    engine.generate([[5 + i % 1000 for i in range(128)]], SamplingParams(max_new_tokens=128, ignore_eos=True))
+        kw = dict(max_batch=1, max_seq_len=1200, batch_sizes=[1])
+        if args.draft:
+            from lfmspark.models.presets import DEFAULT_DRAFT, draft_preset
+
+            gamma = draft_preset(DEFAULT_DRAFT[args.preset]).block_size
+            engine = Engine.from_preset(args.preset, **kw, imposed_acceptance=[0.8] * gamma)
+        else:
+            engine = Engine.from_preset(args.preset, None, **kw)
+        engine.warmup(sampling=False)
+        engine.generate([[5 + i % 1000 for i in range(128)]], SamplingParams(max_new_tokens=128, ignore_eos=True))
+
+        def replay_ms() -> float:
+            return time_replays(engine, 1, args.iters, sampling=False) * 1e3
 
     def measure(label: str) -> dict:
         stats = torch.cuda.memory_stats()
-        row = {"after": label, "step_ms": time_replays(engine, 1, args.iters, sampling=False) * 1e3,
+        row = {"after": label, "step_ms": replay_ms(),
                "device_mallocs": stats.get("num_device_alloc"), "small_segments": stats.get("segment.small_pool.current"),
                "reserved_mib": torch.cuda.memory_reserved() / 2**20}
         print(f"{label:>14}  step {row['step_ms']:.4f} ms  device mallocs {row['device_mallocs']}  "
@@ -90,7 +159,8 @@ def main() -> None:
         rows.append(measure(action))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "draft": args.draft, "rows": rows}, f, indent=2)
+            json.dump({"preset": None if args.micro else args.preset, "draft": args.draft, "micro": args.micro,
+                       "pdl": not args.no_pdl if args.micro else None, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,10 @@ for step in $STEPS; do
           --json $RUN/ab_$name.json > $RUN/ab_$name.log 2>&1 || tail -20 $RUN/ab_$name.log
       done
       python3 scripts/ab_summary.py $RUN/ab_*.json | tee $RUN/ab_summary.txt ;;
-    allocprobe)  # the allocator-state slowdown (docs/benchmarks.md, session 12): one process each, PDL on / off, round
-      for v in "pdl:LFMSPARK_PDL=1:" "nopdl:LFMSPARK_PDL=0:" "round:LFMSPARK_PDL=1:--draft"; do
+    allocprobe)  # the allocator-state slowdown (docs/benchmarks.md, session 12): one process each: PDL on / off,
+                 # the round, and a synthetic 100-launch chain graph with and without PDL (no lfmspark model)
+      for v in "pdl:LFMSPARK_PDL=1:" "nopdl:LFMSPARK_PDL=0:" "round:LFMSPARK_PDL=1:--draft" \
+               "micro:LFMSPARK_PDL=1:--micro" "micronopdl:LFMSPARK_PDL=1:--micro --no-pdl"; do
         name=${v%%:*}; rest=${v#*:}; envs=${rest%%:*}; extra=${rest#*:}
         echo "--- $name"
         env $envs timeout ${T_ALLOC:-120} python3 scripts/alloc_state_probe.py --preset lfm2.5-1.2b $extra \
