@@ -136,6 +136,17 @@ class PrefillRunner:
         slots, start, lens = flat[n_ids:].view(3, n_row)[:, :R]
         return flat[:R * W].view(R, W), slots, start, lens
 
+    def padding_inputs(self, shape: tuple[int, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A packed device buffer for ``shape`` whose rows are all padding rows (slot ``-1``, every
+        column counted, zero ids, start 0), and its :meth:`_unpack` views: what warm-up runs and
+        captures, changing no state."""
+        n_ids, n_row = self._layout(shape)
+        flat = torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device)
+        inputs = self._unpack(flat, shape)
+        inputs[1].fill_(-1)
+        inputs[3].fill_(shape[1])
+        return flat, inputs
+
     def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int) -> torch.Tensor:
         """The logits ``[len(chunks), V]`` of each chunk's last token, after running the chunks (row
         ``i``: ``chunks[i]`` at positions ``start ..`` of slot ``slots[i]``)."""
@@ -174,11 +185,7 @@ class PrefillRunner:
         todo = [b for b in reversed(self.buckets) if b not in self._graphs]
         for i, shape in enumerate(todo):
             R, W = shape
-            n_ids, n_row = self._layout(shape)
-            flat = torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device)
-            inputs = self._unpack(flat, shape)
-            inputs[1].fill_(-1)
-            inputs[3].fill_(W)
+            flat, inputs = self.padding_inputs(shape)
             t0 = time.perf_counter()
             self.forward(*inputs)
             torch.cuda.synchronize(self.device)

@@ -453,9 +453,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results["speculative"].append(row)
                 phase_rows.append((row, profile))
         save()
-    if cfg.phase_split:
+    if cfg.phase_split and phase_rows:
+        engine = engines["speculative"]
         for row, profile in phase_rows:
-            engine = engines["speculative"]
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
             row.update(time_round_phases(engine, row["batch"], iters=20))

@@ -40,10 +40,7 @@ _original_engine_warmup = engine.Engine.warmup
 
 def _eager(self: prefill.PrefillRunner, shapes, stream: torch.cuda.Stream) -> None:
     for shape in shapes:
-        n_ids, n_row = self._layout(shape)
-        inputs = self._unpack(torch.zeros(n_ids + 3 * n_row, dtype=torch.int64, device=self.device), shape)
-        inputs[1].fill_(-1)
-        inputs[3].fill_(shape[1])
+        _, inputs = self.padding_inputs(shape)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.forward(*inputs)

@@ -112,3 +112,17 @@ def test_packed_chunk_inputs_are_16_byte_aligned_views_that_round_trip(shape):
     for r, chunk in enumerate(chunks):
         assert ids[r].tolist() == chunk + [0] * r
     assert not ids[R - 1].any()
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (3, 75), (4, 128)])
+def test_warmup_inputs_are_all_padding_rows_over_every_column(shape):
+    """What the bucket warm-up runs and captures (graphs/prefill.py): every row a padding row (slot
+    -1, so no state changes) over all W columns, in the same aligned layout as a real chunk."""
+    R, W = shape
+    runner = PrefillRunner(lambda *a: None, torch.device("cpu"), [shape], max_seq_len=1024)
+    flat, (ids, slots, start, lens) = runner.padding_inputs(shape)
+    assert flat.shape == PrefillRunner._pack([[1]], [0], 0, shape).shape
+    assert ids.shape == shape and not ids.any()
+    assert slots.tolist() == [-1] * R and start.tolist() == [0] * R and lens.tolist() == [W] * R
+    for t in (ids, slots, start, lens):
+        assert t.storage_offset() * t.element_size() % 16 == 0
