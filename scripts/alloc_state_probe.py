@@ -18,15 +18,20 @@ Actions (``name:n``; each allocates, keeps nothing and frees; memory stats after
 - ``current:n``: the same on the current stream (reuses cached blocks when there are any);
 - ``large:n``: ``n`` x 1 GiB tensors on a fresh side stream (large segments);
 - ``capture:n``: a CUDA graph capturing the ``side:n`` allocations, in a private pool of its own;
-- ``empty``: ``torch.cuda.empty_cache()``.
+- ``empty``: ``torch.cuda.empty_cache()``;
+- ``raw:m`` / ``rawfree:m``: ``m`` MiB from the driver (``cuMemAlloc``, no PyTorch, no stream), kept / freed;
+- ``stream``: a kernel on a fresh side stream into an existing tensor (a new stream, no allocation);
+- ``recapture``: capture and instantiate the chain graph, or the engine's step graphs, again.
+
+``--pre`` runs actions before the engine or chain is built (does the order matter?).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
-
 import statistics
 
 import torch
@@ -64,6 +69,9 @@ class MicroChain:
         with torch.cuda.stream(self.stream):
             self._run()
         torch.cuda.synchronize()
+        self.capture()
+
+    def capture(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self.stream):
             self._run()
@@ -86,14 +94,56 @@ class MicroChain:
         return statistics.median(times)
 
 
-def _allocate(action: str) -> None:
+_LIBCUDA = None
+_KEPT: list[ctypes.c_uint64] = []  # raw:m allocations live to the end of the process
+
+
+def _driver_alloc(mib: int, free: bool) -> None:
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.synchronize()  # a runtime call that makes the primary context current on this thread
+    ptr = ctypes.c_uint64()
+    rc = _LIBCUDA.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(mib << 20))
+    if rc != 0:
+        raise SystemExit(f"cuMemAlloc_v2({mib} MiB) failed with CUresult {rc}")
+    if free:
+        _LIBCUDA.cuMemFree_v2(ptr)
+    else:
+        _KEPT.append(ptr)
+
+
+_SCRATCH: torch.Tensor | None = None
+
+
+def _allocate(action: str, chain: "MicroChain | None" = None, engine: Engine | None = None) -> None:
+    global _SCRATCH
     name, _, count = action.partition(":")
     n = int(count or 1)
     if name == "empty":
         torch.cuda.empty_cache()
         return
+    if name in ("raw", "rawfree"):
+        _driver_alloc(n, free=name == "rawfree")
+        return
+    if name == "stream":
+        if _SCRATCH is None:
+            _SCRATCH = torch.zeros(16384, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            _SCRATCH.add_(1.0)
+        torch.cuda.synchronize()
+        return
+    if name == "recapture":
+        if chain is not None:
+            chain.capture()
+        else:
+            engine.runner._graphs.clear()
+            engine.runner.warmup([engine.step_kind], progress=False, sampling_modes=(False,))
+        return
     if name not in ("side", "current", "large", "capture"):
-        raise SystemExit(f"unknown action {action!r}: use side:N, current:N, large:N, capture:N or empty")
+        raise SystemExit(f"unknown action {action!r}: use side:N, current:N, large:N, capture:N, raw:MiB, "
+                         "rawfree:MiB, stream, recapture or empty")
     if name == "capture":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -116,6 +166,7 @@ def main() -> None:
     ap.add_argument("--preset", default="lfm2.5-1.2b")
     ap.add_argument("--draft", action="store_true", help="time the speculative round (imposed 0.8) instead")
     ap.add_argument("--actions", default="side:1,side:1,side:2,side:4,side:8,current:8,large:1,capture:1")
+    ap.add_argument("--pre", default="", help="actions to run before the engine or chain is built")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--micro", action="store_true", help="time a synthetic PDL chain graph instead of an engine")
     ap.add_argument("--no-pdl", action="store_true", help="with --micro: launch the chain without PDL")
@@ -124,6 +175,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("alloc_state_probe needs a CUDA device")
+    for action in filter(None, args.pre.split(",")):
+        _allocate(action)
+    chain = engine = None
     if args.micro:
         chain = MicroChain(launches=100, mib_per_launch=8, pdl=not args.no_pdl)
 
@@ -155,11 +209,12 @@ def main() -> None:
 
     rows = [measure("start"), measure("start again")]
     for action in args.actions.split(","):
-        _allocate(action)
+        _allocate(action, chain, engine)
         rows.append(measure(action))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": None if args.micro else args.preset, "draft": args.draft, "micro": args.micro,
+                       "pre": args.pre, "actions": args.actions,
                        "pdl": not args.no_pdl if args.micro else None, "rows": rows}, f, indent=2)
 
 

@@ -58,14 +58,15 @@ for step in $STEPS; do
           --json $RUN/ab_$name.json > $RUN/ab_$name.log 2>&1 || tail -20 $RUN/ab_$name.log
       done
       python3 scripts/ab_summary.py $RUN/ab_*.json | tee $RUN/ab_summary.txt ;;
-    allocprobe)  # the allocator-state slowdown (docs/benchmarks.md, session 12): one process each: PDL on / off,
-                 # the round, and a synthetic 100-launch chain graph with and without PDL (no lfmspark model)
-      for v in "pdl:LFMSPARK_PDL=1:" "nopdl:LFMSPARK_PDL=0:" "round:LFMSPARK_PDL=1:--draft" \
-               "micro:LFMSPARK_PDL=1:--micro" "micronopdl:LFMSPARK_PDL=1:--micro --no-pdl"; do
-        name=${v%%:*}; rest=${v#*:}; envs=${rest%%:*}; extra=${rest#*:}
-        echo "--- $name"
+    allocprobe)  # the allocator-state slowdown (docs/benchmarks.md, sessions 12-13): one process per variant,
+                 # ALLOC_VARIANTS="name|ENV=1|probe args;name2|...", default: PDL on / off, the round, and a
+                 # synthetic 100-launch chain graph with and without PDL (no lfmspark model)
+      IFS=';' read -ra variants <<< "${ALLOC_VARIANTS:-pdl|LFMSPARK_PDL=1|;nopdl|LFMSPARK_PDL=0|;round|LFMSPARK_PDL=1|--draft;micro|LFMSPARK_PDL=1|--micro;micronopdl|LFMSPARK_PDL=1|--micro --no-pdl}"
+      for v in "${variants[@]}"; do
+        IFS='|' read -r name envs extra <<< "$v"
+        echo "--- $name ($envs $extra)"
         env $envs timeout ${T_ALLOC:-120} python3 scripts/alloc_state_probe.py --preset lfm2.5-1.2b $extra \
-          ${ALLOC_ARGS:-} --json $RUN/alloc_$name.json 2>&1 | tee $RUN/alloc_$name.log | grep -E "step|Error" | cut -c1-120
+          --json $RUN/alloc_$name.json 2>&1 | tee $RUN/alloc_$name.log | grep -E "step|Error" | cut -c1-120
       done ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
