@@ -23,17 +23,15 @@ are one static device buffer per bucket, refilled by one host-to-device copy per
 forward is captured (:meth:`lfmspark.runtime.steps.Steps.prefill_logits`); picking the first token
 and writing the slot state stay eager (a few kernels), so greedy and sampling share the graphs.
 
-Opt-in (``Engine(prefill_graph_tokens=1024)``; the default ``0`` runs every chunk eagerly at its
-own shape). On the H200 the buckets took the TTFT of a 128-token prompt from 12-23 ms to 2.5 ms
-(LFM2.5-1.2B), but with them every later decode step ran 20 us slower (batch 1: 0.731 -> 0.751 ms
-per token) and the speculative round 16-50 us slower. Session 12 narrowed the cause down
-(docs/benchmarks.md): it is not the graphs or the prefill as such but new small allocator segments.
-Once a process has created some (2 MiB ``cudaMalloc`` segments, as a capture's private pool or a
-stream with nothing cached does), its decode steps stay slower, even after the memory is freed; 16
-MiB of 64 KiB tensors allocated and freed on a fresh side stream are enough, 1 GiB in one block is
-not, and neither is ``LFMSPARK_PDL=0`` during those allocations nor ``expandable_segments`` a way
-out. The eager bucket runs now use the current stream (cached blocks, no trigger); the captures
-still need a pool of their own, so the cost stays with the graphs.
+On by default (``Engine(prefill_graph_tokens=1024)``; ``0`` runs every chunk eagerly at its own
+shape). On the H200 the buckets take the TTFT of a 128-token prompt from 12-20 ms to 2.3-2.5 ms
+(LFM2.5-1.2B). Sessions 11-12 kept them opt-in because, captured after the step graphs, they left
+every later decode step ~20 us slower (batch 1: 0.731 -> 0.752 ms per token). Session 13 found this
+to be a driver-level state of CUDA graphs with PDL edges (docs/benchmarks.md): a synthetic chain of
+PDL launches replays ~12% slower for good once the process has captured its fourth graph, or once a
+kernel on a side stream has been the first to write newly allocated memory. Captured *before* the
+step graphs, the buckets cost the decode nothing (0.731 ms), so :meth:`Engine.warmup` now warms and
+captures the prefill first, and the eager bucket runs stay on the current stream.
 """
 
 from __future__ import annotations
@@ -172,9 +170,8 @@ class PrefillRunner:
         stream; a new one if None), all into one pool. Every row is a padding row, so nothing in the
         engine's state changes.
 
-        Why the eager runs are on the current stream: there they reuse the blocks the engine's other
-        prefill warm-up cached, while on a fresh side stream they create new small allocator segments,
-        which made every later decode step 20 us slower on the H200 (module doc)."""
+        Why the eager runs are on the current stream: a kernel on a side stream that is the first to
+        write new memory made every later decode step 20 us slower on the H200 (module doc)."""
         if self.device.type != "cuda":
             return []
         if capture and self._pool is None:

@@ -60,7 +60,7 @@ class BenchConfig:
     phase_split: bool = True
     json_path: str | None = None
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
-    prefill_graph_tokens: int = 0      # the engines' prefill buckets / graphs (0: eager, exact shapes)
+    prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
 
 
 # ---------------------------------------------------------------------------------------------

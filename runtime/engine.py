@@ -163,7 +163,7 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 prefill_graph_tokens: int = 0, chat: bool = True):
+                 prefill_graph_tokens: int = 1024, chat: bool = True):
         check_switches()
         cfg = target.config
         if max_batch < 1:
@@ -199,8 +199,8 @@ class Engine:
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
-        # prefill_graph_tokens > 0: prompts run at bucket shapes (graphs/prefill.py), replayed from
-        # graphs once captured; off by default while it costs later decode steps (graphs/prefill.py)
+        # prefill_graph_tokens > 0 (the default): prompts run at bucket shapes (graphs/prefill.py),
+        # replayed from graphs once captured; 0: eager prefill at each chunk's own shape
         self.prefill_runner = PrefillRunner(
             self.steps.prefill_logits, self.device,
             prefill_buckets(max_batch, min(prefill_chunk, max_seq_len), prefill_graph_tokens), max_seq_len)
@@ -291,24 +291,30 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------------
     def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
-        """Compile and capture everything the engine will replay: its step (decode or speculative
-        round) for every captured batch size, greedy and, unless ``sampling=False`` (a greedy-only
-        service), sampling; then run the eager prefill path at the shapes that compile every prefill
-        kernel variant (:meth:`prefill_warm_shapes`), and capture a prefill graph for every bucket
-        shape (graphs/prefill.py; with ``cuda_graphs``, else each bucket runs once eagerly). Call
-        once before taking traffic; progress goes to the ``lfmspark`` logger."""
+        """Compile and capture everything the engine will replay. First the prefill: the eager path at
+        the shapes that compile every prefill kernel variant (:meth:`prefill_warm_shapes`), and a
+        graph for every bucket shape (graphs/prefill.py; with ``cuda_graphs``, else each bucket runs
+        once eagerly); then its step (decode or speculative round) for every captured batch size,
+        greedy and, unless ``sampling=False`` (a greedy-only service), sampling. Call once before
+        taking traffic; progress goes to the ``lfmspark`` logger.
+
+        Why the prefill comes first: on the H200, bucket graphs captured after the step graphs left
+        every later batch-1 decode step ~20 us slower (0.731 -> 0.752 ms), captured before them they
+        cost nothing (docs/benchmarks.md, session 13)."""
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
                                "state slots as scratch; call it right after constructing the engine")
         modes = (False, True) if sampling else (False,)
-        report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
         t0 = time.perf_counter()
         self._warm_prefill(sampling)
-        report.entries += self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
+        prefill_entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
                                                      capture_stream=getattr(self.runner, "capture_stream", None))
-        report.prefill_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0
         if progress:
-            log.info("prefill warm-up %.2fs (%d bucket graphs)", report.prefill_s, len(self.prefill_runner.captured))
+            log.info("prefill warm-up %.2fs (%d bucket graphs)", prefill_s, len(self.prefill_runner.captured))
+        report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
+        report.entries += prefill_entries
+        report.prefill_s = prefill_s
         return report
 
     def prefill_warm_shapes(self) -> list[tuple[int, int]]:

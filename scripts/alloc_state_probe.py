@@ -21,7 +21,16 @@ Actions (``name:n``; each allocates, keeps nothing and frees; memory stats after
 - ``empty``: ``torch.cuda.empty_cache()``;
 - ``raw:m`` / ``rawfree:m``: ``m`` MiB from the driver (``cuMemAlloc``, no PyTorch, no stream), kept / freed;
 - ``stream``: a kernel on a fresh side stream into an existing tensor (a new stream, no allocation);
-- ``recapture``: capture and instantiate the chain graph, or the engine's step graphs, again.
+- ``sideempty:n``: ``side:n`` without the fill kernels (``torch.empty``: allocations only);
+- ``sidealloc_curfill:n`` / ``curalloc_sidefill:n``: allocated on a fresh side stream and filled on the current
+  one, or the reverse (which stream's kernel writes the new memory first?);
+- ``capreplay:n``: ``capture:n``, then one replay of that graph on the current stream;
+- ``mmcur`` / ``mmside`` / ``capmm``: a cuBLAS product into an existing output on the current stream, on a fresh
+  side stream, or captured on a fresh side stream and replayed on the current one (cuBLAS takes a workspace per
+  stream);
+- ``recapture``: capture and instantiate the chain graph, or the engine's step graphs, again (the former
+  graph is destroyed);
+- ``capkeep`` (``--micro``): capture the chain again into a new graph and keep the former ones alive.
 
 ``--pre`` runs actions before the engine or chain is built (does the order matter?).
 """
@@ -65,13 +74,16 @@ class MicroChain:
         self.weights = [torch.randn(programs * self.BLOCK, device="cuda").to(torch.bfloat16) for _ in range(launches)]
         self.vectors = [torch.zeros(programs, device="cuda") for _ in range(2)]
         self.pdl, self.programs = pdl, programs
+        self.kept: list[torch.cuda.CUDAGraph] = []
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self._run()
         torch.cuda.synchronize()
         self.capture()
 
-    def capture(self) -> None:
+    def capture(self, keep: bool = False) -> None:
+        if keep:
+            self.kept.append(self.graph)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self.stream):
             self._run()
@@ -134,6 +146,11 @@ def _allocate(action: str, chain: "MicroChain | None" = None, engine: Engine | N
             _SCRATCH.add_(1.0)
         torch.cuda.synchronize()
         return
+    if name == "capkeep":
+        if chain is None:
+            raise SystemExit("capkeep needs --micro")
+        chain.capture(keep=True)
+        return
     if name == "recapture":
         if chain is not None:
             chain.capture()
@@ -141,9 +158,57 @@ def _allocate(action: str, chain: "MicroChain | None" = None, engine: Engine | N
             engine.runner._graphs.clear()
             engine.runner.warmup([engine.step_kind], progress=False, sampling_modes=(False,))
         return
+    if name in ("sidealloc_curfill", "curalloc_sidefill"):
+        side = torch.cuda.Stream()
+        alloc_stream, fill_stream = ((side, torch.cuda.current_stream()) if name == "sidealloc_curfill"
+                                     else (torch.cuda.current_stream(), side))
+        with torch.cuda.stream(alloc_stream):
+            blocks = [torch.empty(16384, device="cuda") for _ in range(32 * n)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(fill_stream):
+            for block in blocks:
+                block.fill_(1.0)
+        torch.cuda.synchronize()
+        blocks.clear()
+        return
+    if name in ("mmcur", "mmside", "capmm"):
+        a = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(256, 2048, device="cuda", dtype=torch.bfloat16)
+        torch.mm(a, b, out=out)  # written once by the current stream, so the new memory is not first touched below
+        torch.cuda.synchronize()
+        if name == "capmm":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+                torch.mm(a, b, out=out)
+            graph.replay()
+            torch.cuda.synchronize()
+            del graph
+        else:
+            stream = torch.cuda.current_stream() if name == "mmcur" else torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                torch.mm(a, b, out=out)
+            torch.cuda.synchronize()
+        return
+    if name == "capreplay":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            blocks = [torch.ones(16384, device="cuda") for _ in range(32 * n)]
+        graph.replay()
+        torch.cuda.synchronize()
+        blocks.clear()
+        del graph
+        return
+    if name == "sideempty":
+        with torch.cuda.stream(torch.cuda.Stream()):
+            blocks = [torch.empty(16384, device="cuda") for _ in range(32 * n)]
+        torch.cuda.synchronize()
+        blocks.clear()
+        return
     if name not in ("side", "current", "large", "capture"):
-        raise SystemExit(f"unknown action {action!r}: use side:N, current:N, large:N, capture:N, raw:MiB, "
-                         "rawfree:MiB, stream, recapture or empty")
+        raise SystemExit(f"unknown action {action!r}: use side:N, sideempty:N, current:N, large:N, capture:N, "
+                         "capreplay:N, mmcur, mmside, capmm, sidealloc_curfill:N, curalloc_sidefill:N, raw:MiB, rawfree:MiB, stream, "
+                         "recapture, capkeep or empty")
     if name == "capture":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -170,6 +235,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--micro", action="store_true", help="time a synthetic PDL chain graph instead of an engine")
     ap.add_argument("--no-pdl", action="store_true", help="with --micro: launch the chain without PDL")
+    ap.add_argument("--launches", type=int, default=100, help="with --micro: the chain's length")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -179,7 +245,7 @@ def main() -> None:
         _allocate(action)
     chain = engine = None
     if args.micro:
-        chain = MicroChain(launches=100, mib_per_launch=8, pdl=not args.no_pdl)
+        chain = MicroChain(launches=args.launches, mib_per_launch=8, pdl=not args.no_pdl)
 
         def replay_ms() -> float:
             return chain.time_ms(args.iters)

@@ -17,7 +17,10 @@ buckets of at most 128 tokens):
 - ``destroyed``: unchanged, then the graphs deleted and ``torch.cuda.empty_cache()``;
 - ``emptyonly``: no bucket warm-up; ``gc.collect()``, ``torch.cuda.empty_cache()`` (what entering a capture does);
 - ``sharedpool``: unchanged, but the graphs captured into the step graphs' memory pool;
-- ``tinyalloc``: no forward; 256 tensors of 64 KiB allocated and freed on a side stream.
+- ``tinyalloc``: no forward; 256 tensors of 64 KiB allocated and freed on a side stream;
+- ``prefillfirst``: unchanged, but the whole prefill warm-up (eager shapes, bucket runs, captures) runs
+  before the step graphs are captured;
+- ``onebucket``: unchanged, but only the 1 x 128 bucket (one graph instead of one per bucket).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from lfmspark.runtime import engine
 from lfmspark.runtime.cli import main
 
 MODES = ("used", "skip", "sidefresh", "freshcapture", "side16", "side32", "side128", "sidenopdl", "runnerstream",
-         "currentstream", "destroyed", "emptyonly", "sharedpool", "tinyalloc")
+         "currentstream", "destroyed", "emptyonly", "sharedpool", "tinyalloc", "prefillfirst", "onebucket")
 _original = prefill.PrefillRunner.warmup
 _original_engine_warmup = engine.Engine.warmup
 
@@ -53,7 +56,10 @@ def _warmup(self: prefill.PrefillRunner, progress: bool = True, capture: bool = 
         return []
     largest_first = list(reversed(self.buckets))
     small = [b for b in largest_first if b[0] * b[1] <= 128]
-    if mode in ("used", "sharedpool"):
+    if mode in ("used", "sharedpool", "prefillfirst"):
+        return _original(self, progress, capture, capture_stream)
+    if mode == "onebucket":
+        self.buckets = [b for b in self.buckets if b == (1, 128)]
         return _original(self, progress, capture, capture_stream)
     if mode == "destroyed":
         _original(self, progress, capture, capture_stream)
@@ -98,10 +104,21 @@ def _engine_warmup_shared_pool(self: engine.Engine, progress: bool = True, sampl
     return _original_engine_warmup(self, progress, sampling)
 
 
+def _engine_warmup_prefill_first(self: engine.Engine, progress: bool = True, sampling: bool = True):
+    self._warm_prefill(sampling)
+    entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs, capture_stream=self.runner.capture_stream)
+    report = self.runner.warmup([self.step_kind], progress=progress,
+                                sampling_modes=(False, True) if sampling else (False,))
+    report.entries += entries
+    return report
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}} bench ARGS...")
     prefill.PrefillRunner.warmup = _warmup
     if sys.argv[1] == "sharedpool":
         engine.Engine.warmup = _engine_warmup_shared_pool
+    if sys.argv[1] == "prefillfirst":
+        engine.Engine.warmup = _engine_warmup_prefill_first
     sys.exit(main(sys.argv[2:]))

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x128,1x128,4x128,4x128,1x500,1x500,16x128")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--no-draft", action="store_true")
-    ap.add_argument("--prefill-graph-tokens", type=int, default=0, help="e.g. 1024: prefill buckets + graphs")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=1024, help="0: eager prefill at each prompt's shape")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

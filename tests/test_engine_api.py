@@ -210,6 +210,18 @@ def test_warmup_prefills_scratch_slots_without_changing_what_the_engine_generate
     assert_still_serves(e, good_reference)
 
 
+def test_warmup_captures_the_prefill_before_the_step_graphs(target, draft, monkeypatch):
+    """The order matters on the H200: prefill bucket graphs captured after the step graphs left every
+    later decode step ~20 us slower, captured before them nothing (docs/benchmarks.md, session 13)."""
+    e = engine(target, draft, max_batch=2)
+    calls = []
+    for name, obj in (("prefill", e.prefill_runner), ("steps", e.runner)):
+        original = obj.warmup
+        monkeypatch.setattr(obj, "warmup", lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    e.warmup(progress=False, sampling=False)
+    assert calls == ["prefill", "steps"]
+
+
 def test_warmup_is_refused_while_requests_are_in_flight(target, draft):
     e = engine(target, draft, max_batch=2)
     it = e.stream([[7, 8, 9]], greedy(6))
