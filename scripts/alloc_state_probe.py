@@ -207,8 +207,8 @@ def _allocate(action: str, chain: "MicroChain | None" = None, engine: Engine | N
         return
     if name not in ("side", "current", "large", "capture"):
         raise SystemExit(f"unknown action {action!r}: use side:N, sideempty:N, current:N, large:N, capture:N, "
-                         "capreplay:N, mmcur, mmside, capmm, sidealloc_curfill:N, curalloc_sidefill:N, raw:MiB, rawfree:MiB, stream, "
-                         "recapture, capkeep or empty")
+                         "capreplay:N, mmcur, mmside, capmm, sidealloc_curfill:N, curalloc_sidefill:N, raw:MiB, "
+                         "rawfree:MiB, stream, recapture, capkeep or empty")
     if name == "capture":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -18,9 +18,11 @@ buckets of at most 128 tokens):
 - ``emptyonly``: no bucket warm-up; ``gc.collect()``, ``torch.cuda.empty_cache()`` (what entering a capture does);
 - ``sharedpool``: unchanged, but the graphs captured into the step graphs' memory pool;
 - ``tinyalloc``: no forward; 256 tensors of 64 KiB allocated and freed on a side stream;
-- ``prefillfirst``: unchanged, but the whole prefill warm-up (eager shapes, bucket runs, captures) runs
-  before the step graphs are captured;
-- ``onebucket``: unchanged, but only the 1 x 128 bucket (one graph instead of one per bucket).
+- ``stepsfirst``: unchanged, but in session 12's order: the step graphs captured before the whole prefill
+  warm-up (eager shapes, bucket runs, captures); ``Engine.warmup`` now runs the prefill first (session 13,
+  where this mode's A/B ran as ``used`` against ``prefillfirst``, today's ``used``);
+- ``onebucket``: unchanged, but only the 1 x 128 bucket (one graph instead of one per bucket; session 13
+  ran it in the former order, after the step graphs).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from lfmspark.runtime import engine
 from lfmspark.runtime.cli import main
 
 MODES = ("used", "skip", "sidefresh", "freshcapture", "side16", "side32", "side128", "sidenopdl", "runnerstream",
-         "currentstream", "destroyed", "emptyonly", "sharedpool", "tinyalloc", "prefillfirst", "onebucket")
+         "currentstream", "destroyed", "emptyonly", "sharedpool", "tinyalloc", "stepsfirst", "onebucket")
 _original = prefill.PrefillRunner.warmup
 _original_engine_warmup = engine.Engine.warmup
 
@@ -56,7 +58,7 @@ def _warmup(self: prefill.PrefillRunner, progress: bool = True, capture: bool = 
         return []
     largest_first = list(reversed(self.buckets))
     small = [b for b in largest_first if b[0] * b[1] <= 128]
-    if mode in ("used", "sharedpool", "prefillfirst"):
+    if mode in ("used", "sharedpool", "stepsfirst"):
         return _original(self, progress, capture, capture_stream)
     if mode == "onebucket":
         self.buckets = [b for b in self.buckets if b == (1, 128)]
@@ -104,12 +106,12 @@ def _engine_warmup_shared_pool(self: engine.Engine, progress: bool = True, sampl
     return _original_engine_warmup(self, progress, sampling)
 
 
-def _engine_warmup_prefill_first(self: engine.Engine, progress: bool = True, sampling: bool = True):
-    self._warm_prefill(sampling)
-    entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs, capture_stream=self.runner.capture_stream)
+def _engine_warmup_steps_first(self: engine.Engine, progress: bool = True, sampling: bool = True):
     report = self.runner.warmup([self.step_kind], progress=progress,
                                 sampling_modes=(False, True) if sampling else (False,))
-    report.entries += entries
+    self._warm_prefill(sampling)
+    report.entries += self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
+                                                 capture_stream=self.runner.capture_stream)
     return report
 
 
@@ -119,6 +121,6 @@ if __name__ == "__main__":
     prefill.PrefillRunner.warmup = _warmup
     if sys.argv[1] == "sharedpool":
         engine.Engine.warmup = _engine_warmup_shared_pool
-    if sys.argv[1] == "prefillfirst":
-        engine.Engine.warmup = _engine_warmup_prefill_first
+    if sys.argv[1] == "stepsfirst":
+        engine.Engine.warmup = _engine_warmup_steps_first
     sys.exit(main(sys.argv[2:]))

@@ -215,9 +215,15 @@ def test_warmup_captures_the_prefill_before_the_step_graphs(target, draft, monke
     later decode step ~20 us slower, captured before them nothing (docs/benchmarks.md, session 13)."""
     e = engine(target, draft, max_batch=2)
     calls = []
-    for name, obj in (("prefill", e.prefill_runner), ("steps", e.runner)):
-        original = obj.warmup
-        monkeypatch.setattr(obj, "warmup", lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+
+    def recorded(name: str, warmup):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return warmup(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(e.prefill_runner, "warmup", recorded("prefill", e.prefill_runner.warmup))
+    monkeypatch.setattr(e.runner, "warmup", recorded("steps", e.runner.warmup))
     e.warmup(progress=False, sampling=False)
     assert calls == ["prefill", "steps"]
 
