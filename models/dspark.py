@@ -28,7 +28,7 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, linear, linear_pair
+from .layers import Linear, RMSNorm, SwiGLU, linear, linear_pair, project_norm_feed_forward
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -136,8 +136,8 @@ class DraftLayer(nn.Module):
             lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
                                    lens, self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
-        x = x + attn.o_proj(o.reshape(B, G, -1))
-        return x, self.mlp(self.post_attention_layernorm(x))
+        return project_norm_feed_forward(x, o.reshape(B, G, -1), attn.o_proj, self.post_attention_layernorm, self.mlp,
+                                         fuse=False)
 
 
 class MarkovHead(nn.Module):

@@ -11,6 +11,10 @@ Environment switches (read at each call; under compile, at trace time):
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
   separate (the add and norm then fuse under compile, the product is its own kernel).
+- ``LFMSPARK_NORM_EPILOGUE`` (``1`` default, ``0``): on the several-row CUDA route (2-16 rows: the
+  batch-1 verify and draft), a mixer's output projection adds the residual and computes the
+  feed-forward RMSNorm's statistics in its epilogue, and the gate/up product applies the norm's
+  row scale in its own (:func:`project_norm_feed_forward`): no norm kernel between the products.
 """
 
 from __future__ import annotations
@@ -127,6 +131,48 @@ def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
         return s, feed_forward.w2(act)
     s = h if delta is None else h + delta
     return s, feed_forward(norm(s))
+
+
+def norm_epilogue_requested() -> bool:
+    """``LFMSPARK_NORM_EPILOGUE`` (default ``1``): whether several-row mixer outputs may run their
+    residual add and the next RMSNorm in the products' epilogues (see the module doc)."""
+    value = os.environ.get("LFMSPARK_NORM_EPILOGUE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_NORM_EPILOGUE={value!r}: use 1 (add + RMSNorm in the products' epilogues) "
+                         "or 0 (off)")
+    return value == "1"
+
+
+def _norm_in_epilogues(y: torch.Tensor, h: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
+                       feed_forward: nn.Module) -> bool:
+    """Whether :func:`project_norm_feed_forward` runs its epilogue pair: 2-16 rows on the skinny
+    route, a dense :class:`SwiGLU`, the switch on, one dtype throughout."""
+    rows = y.numel() // y.shape[-1]
+    return (isinstance(feed_forward, SwiGLU) and 2 <= rows <= SWIGLU_MAX_M and _routed_to_skinny(y)
+            and norm_epilogue_requested()
+            and y.dtype == h.dtype == proj.weight.dtype == norm.weight.dtype == feed_forward.w13.weight.dtype)
+
+
+def project_norm_feed_forward(h: torch.Tensor, y: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
+                              feed_forward: nn.Module, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, feed_forward(norm(s)))`` with ``s = h + proj(y)``: a mixer's output projection, the
+    residual add and the feed-forward after its RMSNorm.
+
+    On 2-16 rows of the skinny route (:func:`_norm_in_epilogues`) the norm has no kernel of its own:
+    ``lfmspark::skinny_linear_add_norm`` adds the residual in the projection's epilogue and writes
+    ``s``, ``s * norm.weight`` and the per-row partial sums of ``s^2``, and ``lfmspark::skinny_swiglu``
+    multiplies ``s * norm.weight`` by the gate/up weights and scales each row by ``rsqrt(mean square
+    + eps)`` in its epilogue. Why: each add + RMSNorm kernel sat between two products of the batch-1
+    round (docs/benchmarks.md, session 14). Numerics: ``s`` is the modules'; the feed-forward's input
+    is rounded once as ``s * weight`` where the module rounds ``s * rstd`` and then its product with
+    the weight, a difference within bf16 noise. Otherwise :func:`norm_feed_forward` over ``proj(y)``."""
+    if not _norm_in_epilogues(y, h, proj, norm, feed_forward):
+        return norm_feed_forward(h, proj(y), norm, feed_forward, fuse)
+    rows, width = y.numel() // y.shape[-1], h.shape[-1]
+    s, scaled, ssq = lfm.skinny_linear_add_norm(y.reshape(rows, y.shape[-1]), proj.weight,
+                                                h.reshape(rows, width), norm.weight)
+    act = lfm.skinny_swiglu(scaled, feed_forward.w13.weight, ssq, norm.eps)
+    return s.view(h.shape), feed_forward.w2(act.view(*h.shape[:-1], act.shape[-1]))
 
 
 class Linear(nn.Linear):

@@ -36,8 +36,10 @@ the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, t
 with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
 :meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
 kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
-this module does, uncompiled and compiled. Prefill, verify, several rows and CPU always take the
-unfused path.
+this module does, uncompiled and compiled. Several rows on CUDA (2-16: the batch-1 verify, short
+prompt chunks) run the mixer's ``out_proj`` with the residual add and the ``ffn_norm`` statistics in
+its epilogue and the norm's row scale in the gate/up product's (``LFMSPARK_NORM_EPILOGUE``,
+models/layers.py); other shapes and CPU take the unfused path.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, norm_feed_forward, norm_linear
+from .layers import Linear, RMSNorm, SwiGLU, norm_linear, project_norm_feed_forward
 
 lfm = torch.ops.lfmspark
 
@@ -105,12 +107,14 @@ class Lfm2Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
-        """Attention over the normalised input ``x [B, T, H]``: ``qkv_proj``, then :meth:`attend`."""
-        return self.attend(self.qkv_proj(x), kv, rows, rope)
+        """Attention over the normalised input ``x [B, T, H]``: ``qkv_proj``, :meth:`attend`, ``out_proj``."""
+        return self.out_proj(self.attend(self.qkv_proj(x), kv, rows, rope))
 
     def attend(self, qkv: torch.Tensor, kv: LayerCache, rows: Rows, rope: torch.Tensor) -> torch.Tensor:
-        """The block after its input projection ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
-        the decoder layer computes (fused with its norm on the one-row decode path).
+        """The block between its projections: from ``qkv [B, T, (n_heads + 2 n_kv) * head_dim]``, which
+        the decoder layer computes (fused with its norm on the one-row decode path), to the heads'
+        outputs ``[B, T, n_heads * head_dim]``, whose ``out_proj`` the layer runs (with the residual
+        add and the next norm on the several-row route).
 
         One ``lfmspark::qkv_norm_rope_write`` launch takes q and k through their per-head RMSNorm
         (these modules' weights) and neox RoPE at ``rows.start + t`` (the cache's fp32 table, one
@@ -122,7 +126,7 @@ class Lfm2Attention(nn.Module):
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
-        return self.out_proj(o.reshape(B, T, self.n_heads * self.head_dim))
+        return o.reshape(B, T, self.n_heads * self.head_dim)
 
 
 class Lfm2ShortConv(nn.Module):
@@ -136,12 +140,13 @@ class Lfm2ShortConv(nn.Module):
         self.out_proj = Linear(H, H)
 
     def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
-        """The block over the normalised input ``x [B, T, H]``: ``in_proj``, then :meth:`mix`."""
-        return self.mix(self.in_proj(x), state_tape, rows, mode)
+        """The block over the normalised input ``x [B, T, H]``: ``in_proj``, :meth:`mix`, ``out_proj``."""
+        return self.out_proj(self.mix(self.in_proj(x), state_tape, rows, mode))
 
     def mix(self, bcx: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
-        """The block after ``in_proj``, from its output ``bcx = [B | C | x]`` ``[B, T, 3H]``, which the
-        decoder layer computes (fused with its norm on the one-row decode path)."""
+        """The block between its projections: from ``in_proj``'s output ``bcx = [B | C | x]`` ``[B, T,
+        3H]``, which the decoder layer computes (fused with its norm on the one-row decode path), to
+        the gated convolution ``[B, T, H]``, whose ``out_proj`` the layer runs."""
         # the ops take the whole in_proj output and apply both gates in the conv kernel
         conv_state, conv_tape = state_tape
         if mode is ForwardMode.VERIFY:
@@ -149,7 +154,7 @@ class Lfm2ShortConv(nn.Module):
             y = lfm.short_conv_verify(bcx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
             y = lfm.short_conv_prefill(bcx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
-        return self.out_proj(y)
+        return y
 
 
 class Lfm2DecoderLayer(nn.Module):
@@ -181,16 +186,17 @@ class Lfm2DecoderLayer(nn.Module):
         delta instead would cost a fill kernel (and the add), which is what this interface removes.
 
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
-        ``norm_feed_forward`` (models/layers.py): the modules one by one, or at batch-1 DECODE on
-        CUDA one fused kernel (see the module doc)."""
+        ``project_norm_feed_forward`` (models/layers.py): the modules one by one, at batch-1 DECODE on
+        CUDA one fused kernel (see the module doc), and on 2-16 rows on CUDA the mixer's output
+        projection with the residual add and the norm's statistics in its epilogue."""
         fuse = mode is ForwardMode.DECODE
         if self.is_attention:
             h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
-            mixed = self.self_attn.attend(qkv, layer_cache, rows, rope)
+            mixed, out_proj = self.self_attn.attend(qkv, layer_cache, rows, rope), self.self_attn.out_proj
         else:
             h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
-            mixed = self.conv.mix(bcx, layer_cache, rows, mode)
-        h, ff = norm_feed_forward(h_in, mixed, self.ffn_norm, self.feed_forward, fuse)
+            mixed, out_proj = self.conv.mix(bcx, layer_cache, rows, mode), self.conv.out_proj
+        h, ff = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, fuse)
         return h_in, h, ff
 
 

@@ -120,10 +120,12 @@ PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
+    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, n_ssq_in, inv_k, eps,
     M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
+    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
@@ -133,8 +135,14 @@ def _skinny_linear_kernel(
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
     # partials from column F on), the tile's last program sums them (see the module doc).
     # TWO_WEIGHTS: columns [0, N_A) are rows of w, columns [N_A, N) rows c - N_A of wb (same K and
-    # row stride), as if the two were stacked (lfmspark::skinny_linear_pair; not with SWIGLU)
+    # row stride), as if the two were stacked (lfmspark::skinny_linear_pair; not with SWIGLU).
+    # ADD_NORM (plain product): the epilogue adds the residual res [M, N] to the rounded product and
+    # stores the sum s, s * g (g [N], the next RMSNorm's weight) to sg, and the tile's per-row sums
+    # of s^2 to ssq_out [column tiles, M] (lfmspark::skinny_linear_add_norm). ROW_NORM: every row of
+    # the product is scaled by rsqrt(mean square + eps), the mean square from the n_ssq_in partial
+    # sums at ssq_in (inv_k = 1 / the norm's width): with x = s * g, the product of RMSNorm(s)
     tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
+    tl.static_assert(not (ADD_NORM and (SWIGLU or TWO_WEIGHTS)), "ADD_NORM is the plain product's epilogue")
     if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -164,6 +172,8 @@ def _skinny_linear_kernel(
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if ROW_NORM:  # requested before the K loop, so that its latency hides behind the weight stream
+        rstd = _row_rstd(ssq_in_ptr, n_ssq_in, rows, row_ok, M, inv_k, eps, SSQ_TILES)
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
@@ -181,6 +191,10 @@ def _skinny_linear_kernel(
             acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
     if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
+    if ROW_NORM:  # the fp32 sums (or a split's partials: the scaling is linear)
+        acc = _scale_rows(acc, rstd, SWAP_AB)
+        if SWIGLU:
+            acc_u = _scale_rows(acc_u, rstd, SWAP_AB)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
@@ -193,8 +207,15 @@ def _skinny_linear_kernel(
                 total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws)
             else:
                 total_u = total  # not read by the plain epilogue
-            _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
+            if ADD_NORM:
+                _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_out_ptr, out_offs, out_mask, total, rows,
+                                row_ok, cols, N, M, pid_n, SWAP_AB)
+            else:
+                _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
+    elif ADD_NORM:
+        _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, cols,
+                        N, M, pid_n, SWAP_AB)
     else:
         _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
 
@@ -291,6 +312,48 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
     else:
         val = gate
     tl.store(ptrs, val.to(dtype), mask=mask)
+
+
+@triton.jit
+def _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_ptr, offs, mask, total, rows, row_ok, cols, N, M, pid_n,
+                    SWAP_AB: tl.constexpr):
+    # the ADD_NORM epilogue on the tile's fp32 sums: the module's roundings for the product (rounded
+    # once, as F.linear) and the residual add (bf16 + bf16, rounded), then s * g rounded once, and
+    # the per-row sums of s^2 over the tile's columns (in fp32 from the rounded s, as RMSNorm's
+    # statistics are), one partial per column tile: the consumer adds them in a fixed order
+    dtype = out_ptr.dtype.element_ty
+    delta = total.to(dtype).to(tl.float32)
+    s = (tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + delta).to(dtype)
+    tl.store(out_ptr + offs, s, mask=mask)
+    s32 = tl.where(mask, s.to(tl.float32), 0.0)
+    g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if SWAP_AB:  # tile [BLOCK_N columns, BLOCK_M rows]
+        sg = s32 * g[:, None]
+        ssq = tl.sum(s32 * s32, axis=0)
+    else:
+        sg = s32 * g[None, :]
+        ssq = tl.sum(s32 * s32, axis=1)
+    tl.store(sg_ptr + offs, sg.to(dtype), mask=mask)
+    tl.store(ssq_ptr + pid_n * M + rows, ssq, mask=row_ok)
+
+
+@triton.jit
+def _row_rstd(ssq_ptr, n_tiles, rows, row_ok, M, inv_k, eps, SSQ_TILES: tl.constexpr):
+    # rsqrt(mean square + eps) per row from the producer's n_tiles partial sums ssq [n_tiles, M]
+    # (.cg: written by the previous kernel, read from L2); 0 for padding rows, whose sums are 0
+    t = tl.arange(0, SSQ_TILES)
+    part = tl.load(ssq_ptr + t[:, None] * M + rows[None, :], mask=(t < n_tiles)[:, None] & row_ok[None, :],
+                   other=0.0, cache_modifier=".cg")
+    return tl.where(row_ok, tl.rsqrt(tl.sum(part, axis=0) * inv_k + eps), 0.0)
+
+
+@triton.jit
+def _scale_rows(acc, rstd, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = acc * rstd[None, :]
+    else:
+        acc = acc * rstd[:, None]
+    return acc
 
 
 @triton.jit
@@ -555,12 +618,26 @@ def _counter_buffer(device: torch.device, index: int) -> torch.Tensor:
     return counters
 
 
+@dataclass
+class AddNorm:
+    """The ``ADD_NORM`` epilogue's tensors (:func:`skinny_linear_add_norm`): the residual ``[M, N]``
+    added to the product, the next RMSNorm's weight ``[N]``, and the outputs ``s * g`` ``[M, N]`` and
+    the per-row partial sums of squares ``[column tiles, M]`` (fp32)."""
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+    scaled: torch.Tensor
+    ssq: torch.Tensor
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
-            weight_b: torch.Tensor | None = None) -> None:
+            weight_b: torch.Tensor | None = None, add_norm: AddNorm | None = None,
+            row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
     ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
-    the fp32 workspace and the device's arrival counters."""
+    the fp32 workspace and the device's arrival counters. ``add_norm``: the ``ADD_NORM`` epilogue;
+    ``row_ssq`` ``[tiles, M]``: every row scaled by ``rsqrt(row_ssq.sum(0) / K + eps)`` (``ROW_NORM``);
+    both on the ``tl.dot`` kernel."""
     (M, K), N = x.shape, out.shape[1]
     n_a = N
     if weight_b is not None:
@@ -579,19 +656,25 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if M == 1 and cfg.gemv and not swiglu and weight_b is None:
+    if M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
         )
     else:
+        norm = add_norm or AddNorm(out, out, out, out)  # not read without ADD_NORM
+        ssq_in = out if row_ssq is None else row_ssq     # not read without ROW_NORM
         _skinny_linear_kernel[grid](
             x, weight, weight if weight_b is None else weight_b, out, ws, counters,
+            norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in, 0 if row_ssq is None else row_ssq.shape[0],
+            1.0 / K, eps,
             M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
+            ADD_NORM=add_norm is not None, ROW_NORM=row_ssq is not None,
+            SSQ_TILES=2 if row_ssq is None else max(2, triton.next_power_of_2(row_ssq.shape[0])),
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
@@ -609,11 +692,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight must be row-major (stride(1) == 1)")
 
 
+def _default_config(x: torch.Tensor, weight: torch.Tensor, n_out: int, swiglu: bool,
+                    weight_b: torch.Tensor | None = None) -> SkinnyConfig:
+    """The launch parameters the ops use (:func:`skinny_config` / :func:`swiglu_config` /
+    :func:`pair_config`)."""
+    (M, K), elem, sms = x.shape, x.element_size(), _sm_count(x.device)
+    if weight_b is not None:
+        return pair_config(M, weight.shape[0], weight_b.shape[0], K, elem, sms)
+    return (swiglu_config if swiglu else skinny_config)(M, n_out, K, elem, sms)
+
+
 def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool,
-             weight_b: torch.Tensor | None = None) -> torch.Tensor:
+             weight_b: torch.Tensor | None = None, row_ssq: torch.Tensor | None = None,
+             eps: float = 0.0) -> torch.Tensor:
     """``out [M, n_out]`` of the ops on checked inputs: empty shapes and ``K = 0`` (a zero product;
     for SwiGLU ``silu(0) * 0``) handled on the host, else one :func:`_launch` with ``config`` or the
-    default configuration (:func:`skinny_config` / :func:`swiglu_config` / :func:`pair_config`)."""
+    default configuration (:func:`_default_config`)."""
     M, K = x.shape
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -621,13 +715,8 @@ def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    if config is None:
-        elem, sms = x.element_size(), _sm_count(x.device)
-        if weight_b is not None:
-            config = pair_config(M, weight.shape[0], weight_b.shape[0], K, elem, sms)
-        else:
-            config = (swiglu_config if swiglu else skinny_config)(M, n_out, K, elem, sms)
-    _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b)
+    config = config or _default_config(x, weight, n_out, swiglu, weight_b)
+    _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b, row_ssq=row_ssq, eps=eps)
     return out
 
 
@@ -650,10 +739,57 @@ def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
         raise ValueError("w13 must be row-major (stride(1) == 1)")
 
 
-def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def _check_row_ssq(x: torch.Tensor, row_ssq: torch.Tensor | None) -> None:
+    if row_ssq is None:
+        return
+    if row_ssq.dim() != 2 or row_ssq.shape[1] != x.shape[0] or row_ssq.shape[0] < 1:
+        raise ValueError(f"row_ssq must be [tiles, M] partial sums of squares for x's M = {x.shape[0]} rows, "
+                         f"got {tuple(row_ssq.shape)}")
+    if row_ssq.dtype != torch.float32 or not row_ssq.is_contiguous():
+        raise ValueError(f"row_ssq must be contiguous fp32 (skinny_linear_add_norm's ssq), got {row_ssq.dtype}")
+
+
+def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None,
+                         row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """``skinny_swiglu`` on the ``tl.dot`` kernel (``config``: launch override; ``gemv`` is ignored)."""
     _check_swiglu(x, w13)
-    return _product(x, w13, w13.shape[0] // 2, config, swiglu=True)
+    _check_row_ssq(x, row_ssq)
+    return _product(x, w13, w13.shape[0] // 2, config, swiglu=True, row_ssq=row_ssq, eps=eps)
+
+
+def _check_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    _check(x, weight)
+    M, N = x.shape[0], weight.shape[0]
+    if residual.shape != (M, N) or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be [M, N] = {(M, N)} in {x.dtype}, got {tuple(residual.shape)} in "
+                         f"{residual.dtype}")
+    if norm_weight.shape != (N,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight must be [N] = [{N}] in {x.dtype}, got {tuple(norm_weight.shape)} in "
+                         f"{norm_weight.dtype}")
+
+
+def add_norm_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig:
+    """Launch parameters of ``skinny_linear_add_norm``: the plain product's swap-AB tiles (for one
+    row too: the epilogue is the ``tl.dot`` kernel's); their ``block_n`` sets the ssq partials."""
+    (M, K), N = x.shape, weight.shape[0]
+    return swap_ab_config(M, N, K, x.element_size(), _sm_count(x.device))
+
+
+def skinny_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                                  norm_weight: torch.Tensor, config: SkinnyConfig | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``skinny_linear_add_norm`` on the ``tl.dot`` kernel (``config``: launch override)."""
+    _check_add_norm(x, weight, residual, norm_weight)
+    config = config or add_norm_config(x, weight)
+    (M, K), N = x.shape, weight.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return skinny_linear_add_norm_reference(x, weight, residual, norm_weight, config.block_n)
+    s, scaled = torch.empty_like(residual), torch.empty_like(residual)
+    ssq = torch.empty((triton.cdiv(N, config.block_n), M), dtype=torch.float32, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _launch(x, weight, s, config, swiglu=False,
+            add_norm=AddNorm(residual.contiguous(), norm_weight.contiguous(), scaled, ssq))
+    return s, scaled, ssq
 
 
 def pair_problem(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> str | None:
@@ -710,11 +846,36 @@ def skinny_linear_pair_reference(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.
     return torch.cat([F.linear(x, w_a), F.linear(x, w_b)], dim=-1)
 
 
-def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+def row_rstd_reference(row_ssq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    """``[M, 1]`` fp32 ``rsqrt(mean square + eps)`` from the partial sums of squares ``[tiles, M]``."""
+    return torch.rsqrt(row_ssq.sum(0) / width + eps)[:, None]
+
+
+def skinny_swiglu_reference(x: torch.Tensor, w13: torch.Tensor, row_ssq: torch.Tensor | None = None,
+                            eps: float = 0.0) -> torch.Tensor:
     """The unfused module: ``F.linear`` (gate and up each rounded once to ``x``'s dtype), then
-    ``F.silu`` (rounded) times up (rounded)."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    ``F.silu`` (rounded) times up (rounded). With ``row_ssq``, gate and up are the fp32 products
+    scaled by each row's ``rsqrt(mean square + eps)`` before that rounding (``ROW_NORM``)."""
+    if row_ssq is None:
+        gate_up = F.linear(x, w13)
+    else:
+        gate_up = (F.linear(x.float(), w13.float()) * row_rstd_reference(row_ssq, x.shape[1], eps)).to(x.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def skinny_linear_add_norm_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                                     norm_weight: torch.Tensor, block_n: int
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s, s * g, ssq)``: ``s = residual + x @ weight^T`` (the product rounded, then the add rounded,
+    as the modules do), ``s * norm_weight`` rounded once, and the fp32 sums of ``s^2`` per row over
+    each ``block_n``-column tile, ``[tiles, M]`` (the kernel's partials: their sum is the row's)."""
+    s = residual + F.linear(x, weight)
+    s32 = s.float()
+    M, N = s.shape
+    tiles = triton.cdiv(N, block_n)
+    sq = F.pad(s32 * s32, (0, tiles * block_n - N)).view(M, tiles, block_n)
+    return s, (s32 * norm_weight.float()).to(s.dtype), sq.sum(-1).T.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,24 +909,56 @@ def _skinny_linear_fake(x, weight):
 
 
 @torch.library.custom_op("lfmspark::skinny_swiglu", mutates_args=())
-def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, row_ssq: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up`` with ``[gate | up] = x [M, H] @ w13[2F, H]^T`` -> ``[M, F]``, for ``M <= 16``
-    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s)."""
+    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s). With ``row_ssq`` (the
+    ``ssq`` of :func:`skinny_linear_add_norm`, ``x`` its ``s * g``), gate and up are scaled per row
+    by ``rsqrt(row_ssq.sum(0) / H + eps)``: the feed-forward of ``RMSNorm(s)``."""
     if use_triton(x):
-        return skinny_swiglu_triton(x, w13)
+        return skinny_swiglu_triton(x, w13, row_ssq=row_ssq, eps=eps)
     _check_swiglu(x, w13)
-    return skinny_swiglu_reference(x, w13)
+    _check_row_ssq(x, row_ssq)
+    return skinny_swiglu_reference(x, w13, row_ssq, eps)
 
 
 @skinny_swiglu.register_kernel("cuda")
-def _skinny_swiglu_cuda(x, w13):
-    return skinny_swiglu_triton(x, w13)
+def _skinny_swiglu_cuda(x, w13, row_ssq=None, eps=0.0):
+    return skinny_swiglu_triton(x, w13, row_ssq=row_ssq, eps=eps)
 
 
 @skinny_swiglu.register_fake
-def _skinny_swiglu_fake(x, w13):
+def _skinny_swiglu_fake(x, w13, row_ssq=None, eps=0.0):
     _check_swiglu(x, w13)
+    _check_row_ssq(x, row_ssq)
     return x.new_empty((x.shape[0], w13.shape[0] // 2))
+
+
+@torch.library.custom_op("lfmspark::skinny_linear_add_norm", mutates_args=())
+def skinny_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s, s * norm_weight, ssq)`` with ``s = residual + x [M, K] @ weight[N, K]^T`` (``[M, N]``, the
+    modules' roundings) and ``ssq`` ``[tiles, M]`` fp32 partial sums of ``s^2`` per row: what the next
+    RMSNorm's consumer takes (``skinny_swiglu``'s ``row_ssq``), so that no norm kernel runs between
+    the two products. Why: on the H200 the several-row add + RMSNorm kernels between the round's
+    products cost ~97 us per batch-1 round when all removed (docs/benchmarks.md, session 14)."""
+    if use_triton(x):
+        return skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
+    _check_add_norm(x, weight, residual, norm_weight)
+    return skinny_linear_add_norm_reference(x, weight, residual, norm_weight, add_norm_config(x, weight).block_n)
+
+
+@skinny_linear_add_norm.register_kernel("cuda")
+def _skinny_linear_add_norm_cuda(x, weight, residual, norm_weight):
+    return skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
+
+
+@skinny_linear_add_norm.register_fake
+def _skinny_linear_add_norm_fake(x, weight, residual, norm_weight):
+    _check_add_norm(x, weight, residual, norm_weight)
+    tiles = triton.cdiv(weight.shape[0], add_norm_config(x, weight).block_n)
+    return (residual.new_empty(residual.shape), residual.new_empty(residual.shape),
+            x.new_empty((tiles, x.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op("lfmspark::skinny_linear_pair", mutates_args=())

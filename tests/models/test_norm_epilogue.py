@@ -1,0 +1,165 @@
+"""The residual add and the feed-forward RMSNorm in the products' epilogues (models/layers.py
+``project_norm_feed_forward``, ``LFMSPARK_NORM_EPILOGUE``), exercised on CPU.
+
+On CUDA, 2-16 rows (the batch-1 verify and the draft's block) run a mixer's output projection as
+``lfmspark::skinny_linear_add_norm`` (residual add, ``s * g`` and the row statistics in its epilogue)
+and the gate/up product as ``lfmspark::skinny_swiglu`` with the norm's row scale. Here the route
+is forced on CPU by patching the routing predicate (as tests/models/test_fused_norm.py does) and
+the ops run their PyTorch references (the kernels are checked against those in
+tests/ops/test_skinny_add_norm.py); the comparison is the same model with the switch off (the
+modules: product, add, RMSNorm, SwiGLU). The feed-forward input is rounded at another point (``s *
+g`` instead of ``RMSNorm(s)``), so fp32 agrees to summation order and bf16 to rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.models.layers as layers
+from lfmspark.models.cache import DraftCache, TargetCache
+from lfmspark.models.lfm2 import ForwardMode
+from spec_fixtures import random_tiny_draft, random_tiny_target
+
+ADD_NORM = "skinny_linear_add_norm"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+class _CountingOps:
+    """Stands in for ``torch.ops.lfmspark`` in models/layers.py, counting the producer's calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.lfmspark, name)
+        if name != ADD_NORM:
+            return op
+
+        def counted(*args):
+            self.calls += 1
+            return op(*args)
+        return counted
+
+
+@pytest.fixture
+def several_row_route(monkeypatch) -> _CountingOps:
+    """CUDA's routing on the CPU: 1-16 rows on the skinny ops (their CPU implementations)."""
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
+    counting = _CountingOps()
+    monkeypatch.setattr(layers, "lfm", counting)
+    return counting
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _verify(model, monkeypatch, on: bool, dtype: torch.dtype):
+    """Prefill a prompt (17 rows: off the route), then VERIFY a 6-token window at batch 1 (6 rows)."""
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
+    cache = TargetCache.allocate(model.config, 2, 64, 8, dtype, "cpu")
+    prompt = torch.arange(3, 20)[None] % model.config.vocab_size
+    window = torch.tensor([[5, 35, 8, 9, 12, 40]])
+    slot = torch.tensor([1])
+    with torch.no_grad():
+        model(prompt, cache, slot, torch.tensor([0]), mode=ForwardMode.PREFILL)
+        out = model(window, cache, slot, torch.tensor([prompt.shape[1]]), mode=ForwardMode.VERIFY,
+                    aux_layer_ids=(0, 2))
+    return out, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_verify_matches_the_modules(monkeypatch, several_row_route, moe: bool, dtype: torch.dtype) -> None:
+    """Logits, aux taps and caches of a verify window agree with the switch off; the producer ran
+    once per dense feed-forward layer with it on (the MoE layers keep the modules), never off."""
+    model = random_tiny_target(moe, seed=5).to(dtype)
+    cfg = model.config
+    on, cache_on = _verify(model, monkeypatch, True, dtype)
+    dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
+    assert several_row_route.calls == dense
+    several_row_route.calls = 0
+    off, cache_off = _verify(model, monkeypatch, False, dtype)
+    assert several_row_route.calls == 0
+    assert _rel_err(on.logits, off.logits) < TOL[dtype]
+    assert _rel_err(on.aux, off.aux) < TOL[dtype]
+    for a, b in ((cache_on.k, cache_off.k), (cache_on.conv_tape, cache_off.conv_tape)):
+        assert _rel_err(a, b) < TOL[dtype]
+    if dtype == torch.float32:
+        assert torch.equal(on.logits.argmax(-1), off.logits.argmax(-1))
+
+
+def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None:
+    """The draft's block (4 rows) with and without the epilogue pair, one producer call per layer."""
+    draft = random_tiny_draft(block=4)
+    target = random_tiny_target(seed=2)
+    draft.attach_target(target.model.embed_tokens, target.lm_head)
+    cfg = draft.config
+    cache = DraftCache.allocate(cfg, 2, 32, torch.float32, "cpu")
+    aux = torch.randn(1, 6, len(cfg.target_layer_ids) * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    slot, start = torch.tensor([1]), torch.tensor([6])
+    with torch.no_grad():
+        draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
+    blocks = {}
+    for on in (True, False):
+        monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
+        several_row_route.calls = 0
+        c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+        with torch.no_grad():
+            blocks[on] = draft.block_hidden(torch.tensor([7]), c, slot, start)
+        assert several_row_route.calls == (cfg.num_hidden_layers if on else 0)
+    for a, b in zip(blocks[True], blocks[False], strict=True):
+        assert _rel_err(a, b) < TOL[torch.float32]
+
+
+def test_one_row_and_wide_windows_keep_their_paths(monkeypatch, several_row_route) -> None:
+    """A one-row decode (the fused GEMV route) and a 17-row prefill (off the skinny route) never
+    call the producer."""
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1")
+    model = random_tiny_target(seed=3)
+    cache = TargetCache.allocate(model.config, 1, 64, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.arange(17)[None], cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.PREFILL)
+        model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([17]), mode=ForwardMode.DECODE)
+    assert several_row_route.calls == 0
+
+
+def test_layer_compiles_with_the_pair(monkeypatch) -> None:
+    """A verify decoder layer under torch.compile(fullgraph=True) holds the producer op (its fake
+    registration traced) and matches the eager layer."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from lfmspark.models.lfm2 import Rows
+
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1")
+    model = random_tiny_target(seed=4)
+    cfg = model.config
+    cache = TargetCache.allocate(cfg, 1, 32, 8, torch.float32, "cpu")
+    rows = Rows(torch.tensor([0]), torch.tensor([0]), torch.tensor([5]))
+    g = torch.Generator().manual_seed(0)
+    h, delta = torch.randn(1, 5, cfg.hidden_size, generator=g), torch.randn(1, 5, cfg.hidden_size, generator=g)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return compile_fx(gm, example_inputs)
+
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        want = layer(h, delta, cache.layer_caches(cfg)[1], rows, ForwardMode.VERIFY, cache.rope)
+        torch._dynamo.reset()
+        got = torch.compile(layer, backend=backend, fullgraph=True)(
+            h, delta, cache.layer_caches(cfg)[1], rows, ForwardMode.VERIFY, cache.rope)
+    assert any(ADD_NORM in t for t in targets)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_is_validated(monkeypatch) -> None:
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "on")
+    with pytest.raises(ValueError, match="LFMSPARK_NORM_EPILOGUE='on'"):
+        layers.norm_epilogue_requested()
+    monkeypatch.delenv("LFMSPARK_NORM_EPILOGUE")
+    assert layers.norm_epilogue_requested()
