@@ -11,8 +11,8 @@ Environment switches (read at each call; under compile, at trace time):
   the GEMV kernels), the residual add, RMSNorm and the following projection run as one
   ``lfmspark::add_rmsnorm_gemv`` (:func:`norm_linear`, :func:`norm_feed_forward`); ``0`` keeps them
   separate (the add and norm then fuse under compile, the product is its own kernel).
-- ``LFMSPARK_NORM_EPILOGUE`` (``1`` default, ``0``): on the several-row CUDA route (2-16 rows: the
-  batch-1 verify and draft), a mixer's output projection adds the residual and computes the
+- ``LFMSPARK_NORM_EPILOGUE`` (``1`` default, ``0``): on the several-row CUDA route outside decode
+  steps (2-16 rows: the batch-1 verify and draft), a mixer's output projection adds the residual and computes the
   feed-forward RMSNorm's statistics in its epilogue, and the gate/up product applies the norm's
   row scale in its own (:func:`project_norm_feed_forward`): no norm kernel between the products.
 """
@@ -144,11 +144,14 @@ def norm_epilogue_requested() -> bool:
 
 
 def _norm_in_epilogues(y: torch.Tensor, h: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
-                       feed_forward: nn.Module) -> bool:
+                       feed_forward: nn.Module, decode: bool) -> bool:
     """Whether :func:`project_norm_feed_forward` runs its epilogue pair: 2-16 rows on the skinny
-    route, a dense :class:`SwiGLU`, the switch on, one dtype throughout."""
+    route outside a decode step, a dense :class:`SwiGLU`, the switch on, one dtype throughout.
+
+    Decode steps of 2-16 rows keep the modules: the verify of such a batch is wider than 16 rows
+    (cuBLAS and the modules), and speculative and target-only decoding should round alike."""
     rows = y.numel() // y.shape[-1]
-    return (isinstance(feed_forward, SwiGLU) and 2 <= rows <= SWIGLU_MAX_M and _routed_to_skinny(y)
+    return (not decode and isinstance(feed_forward, SwiGLU) and 2 <= rows <= SWIGLU_MAX_M and _routed_to_skinny(y)
             and norm_epilogue_requested()
             and y.dtype == h.dtype == proj.weight.dtype == norm.weight.dtype == feed_forward.w13.weight.dtype)
 
@@ -156,17 +159,19 @@ def _norm_in_epilogues(y: torch.Tensor, h: torch.Tensor, proj: nn.Linear, norm: 
 def project_norm_feed_forward(h: torch.Tensor, y: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
                               feed_forward: nn.Module, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, feed_forward(norm(s)))`` with ``s = h + proj(y)``: a mixer's output projection, the
-    residual add and the feed-forward after its RMSNorm.
+    residual add and the feed-forward after its RMSNorm. ``fuse``: the caller's decode step.
 
-    On 2-16 rows of the skinny route (:func:`_norm_in_epilogues`) the norm has no kernel of its own:
+    On 2-16 rows of the skinny route outside a decode step (:func:`_norm_in_epilogues`: the batch-1
+    verify, the draft's block, short prompt chunks) the norm has no kernel of its own:
     ``lfmspark::skinny_linear_add_norm`` adds the residual in the projection's epilogue and writes
     ``s``, ``s * norm.weight`` and the per-row partial sums of ``s^2``, and ``lfmspark::skinny_swiglu``
     multiplies ``s * norm.weight`` by the gate/up weights and scales each row by ``rsqrt(mean square
     + eps)`` in its epilogue. Why: each add + RMSNorm kernel sat between two products of the batch-1
     round (docs/benchmarks.md, session 14). Numerics: ``s`` is the modules'; the feed-forward's input
     is rounded once as ``s * weight`` where the module rounds ``s * rstd`` and then its product with
-    the weight, a difference within bf16 noise. Otherwise :func:`norm_feed_forward` over ``proj(y)``."""
-    if not _norm_in_epilogues(y, h, proj, norm, feed_forward):
+    the weight, a difference within bf16 noise; the one-row decode's fused kernel rounds as this
+    pair does (ops/add_rmsnorm_gemv.py). Otherwise :func:`norm_feed_forward` over ``proj(y)``."""
+    if not _norm_in_epilogues(y, h, proj, norm, feed_forward, decode=fuse):
         return norm_feed_forward(h, proj(y), norm, feed_forward, fuse)
     rows, width = y.numel() // y.shape[-1], h.shape[-1]
     s, scaled, ssq = lfm.skinny_linear_add_norm(y.reshape(rows, y.shape[-1]), proj.weight,

@@ -16,12 +16,18 @@ weights; the norm weight likewise. After the wait it loads ``h`` and ``delta``, 
 sum of squares and the normalised row, and multiply-accumulates. Program 0 stores ``s`` (all
 programs compute the same values). ``K`` is capped at ``MAX_K = 8192`` (a whole row per program).
 
-Numerics: those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.linear``, HF eager):
-``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s``
-(``s * rsqrt(mean(s^2) + eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot
-products rounded once to the dtype; for ``swiglu`` gate and up each rounded, ``silu(gate)`` rounded,
-the product rounded. The summation orders differ from the reference's, so bf16 outputs may differ
-by an ulp. Static grid, no host sync: CUDA-graph safe.
+Numerics (plain): those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.linear``, HF
+eager): ``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s`` (``s *
+rsqrt(mean(s^2) + eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot products
+rounded once to the dtype. ``swiglu`` (the feed-forward after ``ffn_norm``): those of the
+several-row verify, which runs the norm in its products' epilogues (models/layers.py
+``project_norm_feed_forward``): ``s * norm weight`` rounded once, the fp32 dot products scaled by
+``rsqrt(mean(s^2) + eps)``, gate and up each rounded, ``silu(gate)`` rounded, the product rounded. A
+batch-1 decode step and a verify window thus round the feed-forward's input at the same point, so
+speculation stays as close to target-only decoding in bf16 as the summation orders allow; the
+modules round it once more (``s * rstd``), a difference within bf16 noise. The summation orders
+differ from the reference's, so bf16 outputs may differ by an ulp. Static grid, no host sync:
+CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .skinny_linear import _load_w_block
+from .skinny_linear import _load_w_block, skinny_swiglu_reference
 from .tuning import tuned
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
@@ -87,17 +93,23 @@ def _add_rmsnorm_gemv_kernel(
         s = (s.to(tl.float32) + d.to(tl.float32)).to(dtype)   # the residual add, rounded as torch's
     if pid == 0:
         tl.store(s_ptr + ks, s, mask=k_ok)
-    # RMSNorm: fp32 statistics of the rounded sum (masked columns are 0), cast, times the weight
+    # RMSNorm: fp32 statistics of the rounded sum (masked columns are 0); plain: cast, times the
+    # weight (the module's roundings); SWIGLU: s * weight rounded once and the row scale applied to
+    # the fp32 sums, the roundings of the several-row verify (ops/skinny_linear.py ROW_NORM), so
+    # that a batch-1 decode step and a verify window compute the feed-forward alike
     x32 = s.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
-    xn = (x32 * inv).to(dtype).to(tl.float32)
-    xv = (nw.to(tl.float32) * xn).to(dtype).to(tl.float32)[None, :]
+    if SWIGLU:
+        xv = (nw.to(tl.float32) * x32).to(dtype).to(tl.float32)[None, :]
+    else:
+        xn = (x32 * inv).to(dtype).to(tl.float32)
+        xv = (nw.to(tl.float32) * xn).to(dtype).to(tl.float32)[None, :]
     y = tl.sum(w.to(tl.float32) * xv, axis=1)
     if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     if SWIGLU:
-        up = tl.sum(wu.to(tl.float32) * xv, axis=1).to(dtype).to(tl.float32)
-        gate = y.to(dtype).to(tl.float32)
+        up = (tl.sum(wu.to(tl.float32) * xv, axis=1) * inv).to(dtype).to(tl.float32)
+        gate = (y * inv).to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up
     tl.store(out_ptr + cols, y.to(dtype), mask=cols < N)
@@ -188,13 +200,16 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 def add_rmsnorm_gemv_reference(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                                weight: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused modules: residual add, ``RMSNorm``, ``F.linear`` (and ``silu(gate) * up``)."""
+    """Plain: the unfused modules, residual add, ``RMSNorm``, ``F.linear``. SwiGLU: the several-row
+    verify's feed-forward (``lfmspark::skinny_linear_add_norm``'s ``s * weight`` and its row sums of
+    squares, then ``lfmspark::skinny_swiglu`` with the row scale), which the modules match to one
+    rounding of the normalised input."""
     s = h.clone() if delta is None else h + delta
-    y = F.linear(rmsnorm_reference(s, norm_weight, eps), weight)
     if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return s, y
+        s32 = s.float()
+        return s, skinny_swiglu_reference((s32 * norm_weight.float()).to(s.dtype), weight,
+                                          s32.pow(2).sum(-1)[None, :], eps)
+    return s, F.linear(rmsnorm_reference(s, norm_weight, eps), weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The residual add and the feed-forward RMSNorm in the products' epilogues (models/layers.py
 ``project_norm_feed_forward``, ``LFMSPARK_NORM_EPILOGUE``), exercised on CPU.
 
-On CUDA, 2-16 rows (the batch-1 verify and the draft's block) run a mixer's output projection as
+On CUDA, 2-16 rows outside decode steps (the batch-1 verify, the draft's block) run a mixer's output projection as
 ``lfmspark::skinny_linear_add_norm`` (residual add, ``s * g`` and the row statistics in its epilogue)
 and the gate/up product as ``lfmspark::skinny_swiglu`` with the norm's row scale. Here the route
 is forced on CPU by patching the routing predicate (as tests/models/test_fused_norm.py does) and
@@ -113,16 +113,20 @@ def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None
         assert _rel_err(a, b) < TOL[torch.float32]
 
 
-def test_one_row_and_wide_windows_keep_their_paths(monkeypatch, several_row_route) -> None:
-    """A one-row decode (the fused GEMV route) and a 17-row prefill (off the skinny route) never
-    call the producer."""
+def test_decode_and_wide_windows_keep_their_paths(monkeypatch, several_row_route) -> None:
+    """A one-row decode (the fused GEMV route), a two-row decode (its batch's verify is wider than 16
+    rows and takes the modules, so its decode does too) and a 17-row prefill (off the skinny route)
+    never call the producer; a 5-row prefill does."""
     monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1")
     model = random_tiny_target(seed=3)
-    cache = TargetCache.allocate(model.config, 1, 64, 4, torch.float32, "cpu")
+    cache = TargetCache.allocate(model.config, 2, 64, 4, torch.float32, "cpu")
     with torch.no_grad():
         model(torch.arange(17)[None], cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.PREFILL)
         model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([17]), mode=ForwardMode.DECODE)
-    assert several_row_route.calls == 0
+        model(torch.tensor([[4], [5]]), cache, torch.tensor([0, 1]), torch.tensor([18, 0]), mode=ForwardMode.DECODE)
+        assert several_row_route.calls == 0
+        model(torch.arange(5)[None], cache, torch.tensor([1]), torch.tensor([1]), mode=ForwardMode.PREFILL)
+    assert several_row_route.calls == model.config.num_hidden_layers
 
 
 def test_layer_compiles_with_the_pair(monkeypatch) -> None:
