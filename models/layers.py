@@ -102,8 +102,9 @@ def _one_row(t: torch.Tensor) -> torch.Tensor:
 
 def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
                      swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # the feed-forward rounds as the verify's epilogue pair does while that is on (scale_last)
     s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
-                                weight, swiglu)
+                                weight, swiglu, swiglu and norm_epilogue_requested())
     # without delta the sum is h itself (the op's s is a copy of it)
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
@@ -148,8 +149,10 @@ def _norm_in_epilogues(y: torch.Tensor, h: torch.Tensor, proj: nn.Linear, norm: 
     """Whether :func:`project_norm_feed_forward` runs its epilogue pair: 2-16 rows on the skinny
     route outside a decode step, a dense :class:`SwiGLU`, the switch on, one dtype throughout.
 
-    Decode steps of 2-16 rows keep the modules: the verify of such a batch is wider than 16 rows
-    (cuBLAS and the modules), and speculative and target-only decoding should round alike."""
+    Decode steps of 2-16 rows keep the modules: with the served drafts (blocks of 9 or more) the
+    verify of such a batch is wider than 16 rows (cuBLAS and the modules), and speculative and
+    target-only decoding should round alike. (With a block under 8, a batch of 2-3 verifies at 16
+    rows or fewer on the pair while its decode keeps the modules: bf16 rounding differences only.)"""
     rows = y.numel() // y.shape[-1]
     return (not decode and isinstance(feed_forward, SwiGLU) and 2 <= rows <= SWIGLU_MAX_M and _routed_to_skinny(y)
             and norm_epilogue_requested()

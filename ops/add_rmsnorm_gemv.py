@@ -16,14 +16,14 @@ weights; the norm weight likewise. After the wait it loads ``h`` and ``delta``, 
 sum of squares and the normalised row, and multiply-accumulates. Program 0 stores ``s`` (all
 programs compute the same values). ``K`` is capped at ``MAX_K = 8192`` (a whole row per program).
 
-Numerics (plain): those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.linear``, HF
-eager): ``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s`` (``s *
-rsqrt(mean(s^2) + eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot products
-rounded once to the dtype. ``swiglu`` (the feed-forward after ``ffn_norm``): those of the
-several-row verify, which runs the norm in its products' epilogues (models/layers.py
-``project_norm_feed_forward``): ``s * norm weight`` rounded once, the fp32 dot products scaled by
-``rsqrt(mean(s^2) + eps)``, gate and up each rounded, ``silu(gate)`` rounded, the product rounded. A
-batch-1 decode step and a verify window thus round the feed-forward's input at the same point, so
+Numerics: those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.linear``, HF eager):
+``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s`` (``s * rsqrt(mean(s^2)
++ eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot products rounded once to
+the dtype; for ``swiglu`` gate and up each rounded, ``silu(gate)`` rounded, the product rounded.
+With ``scale_last`` (the feed-forward after ``ffn_norm`` while ``LFMSPARK_NORM_EPILOGUE`` is on,
+models/layers.py) those of the several-row verify, which runs that norm in its products' epilogues:
+``s * norm weight`` rounded once and the fp32 dot products scaled by ``rsqrt(mean(s^2) + eps)``. A
+batch-1 decode step and a verify window then round the feed-forward's input at the same point, so
 speculation stays as close to target-only decoding in bf16 as the summation orders allow; the
 modules round it once more (``s * rstd``), a difference within bf16 noise. The summation orders
 differ from the reference's, so bf16 outputs may differ by an ulp. Static grid, no host sync:
@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .skinny_linear import _load_w_block, skinny_swiglu_reference
+from .skinny_linear import _load_w_block, row_rstd_reference, skinny_swiglu_reference
 from .tuning import tuned
 
 MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
@@ -58,7 +58,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _add_rmsnorm_gemv_kernel(
     h_ptr, d_ptr, nw_ptr, w_ptr, s_ptr, out_ptr,
     N, K, stride_wn, eps,
-    HAS_DELTA: tl.constexpr, SWIGLU: tl.constexpr,
+    HAS_DELTA: tl.constexpr, SWIGLU: tl.constexpr, SCALE_LAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # N: output columns (for SWIGLU the gate/up width F: rows j and F + j of the weight)
@@ -93,13 +93,14 @@ def _add_rmsnorm_gemv_kernel(
         s = (s.to(tl.float32) + d.to(tl.float32)).to(dtype)   # the residual add, rounded as torch's
     if pid == 0:
         tl.store(s_ptr + ks, s, mask=k_ok)
-    # RMSNorm: fp32 statistics of the rounded sum (masked columns are 0); plain: cast, times the
-    # weight (the module's roundings); SWIGLU: s * weight rounded once and the row scale applied to
-    # the fp32 sums, the roundings of the several-row verify (ops/skinny_linear.py ROW_NORM), so
-    # that a batch-1 decode step and a verify window compute the feed-forward alike
+    # RMSNorm: fp32 statistics of the rounded sum (masked columns are 0); then cast, times the
+    # weight (the module's roundings), or with SCALE_LAST s * weight rounded once and the row scale
+    # applied to the fp32 sums, the roundings of the several-row verify's epilogue pair
+    # (ops/skinny_linear.py ROW_NORM), so that a batch-1 decode step and a verify window compute
+    # the feed-forward alike
     x32 = s.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
-    if SWIGLU:
+    if SCALE_LAST:
         xv = (nw.to(tl.float32) * x32).to(dtype).to(tl.float32)[None, :]
     else:
         xn = (x32 * inv).to(dtype).to(tl.float32)
@@ -107,9 +108,14 @@ def _add_rmsnorm_gemv_kernel(
     y = tl.sum(w.to(tl.float32) * xv, axis=1)
     if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
+    if SCALE_LAST:
+        y = y * inv
     if SWIGLU:
-        up = (tl.sum(wu.to(tl.float32) * xv, axis=1) * inv).to(dtype).to(tl.float32)
-        gate = (y * inv).to(dtype).to(tl.float32)
+        up = tl.sum(wu.to(tl.float32) * xv, axis=1)
+        if SCALE_LAST:
+            up = up * inv
+        up = up.to(dtype).to(tl.float32)
+        gate = y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up
     tl.store(out_ptr + cols, y.to(dtype), mask=cols < N)
@@ -165,7 +171,7 @@ def launch_params(K: int, swiglu: bool, block_n: int | None = None, num_warps: i
 
 
 def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, swiglu: bool, block_n: int | None = None,
+                            weight: torch.Tensor, swiglu: bool, scale_last: bool = False, block_n: int | None = None,
                             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on the Triton kernel. ``block_n``: output columns per program (gate columns for
     ``swiglu``, each with its up column) and ``num_warps``: launch overrides for tuning (defaults:
@@ -182,7 +188,8 @@ def add_rmsnorm_gemv_triton(h: torch.Tensor, delta: torch.Tensor | None, norm_we
     _add_rmsnorm_gemv_kernel[(triton.cdiv(N, block_n),)](
         h, h if delta is None else delta, norm_weight, weight, s, out,
         N, K, weight.stride(0), float(eps),
-        HAS_DELTA=delta is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K == block_k,
+        HAS_DELTA=delta is not None, SWIGLU=swiglu, SCALE_LAST=scale_last, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K == block_k,
         num_warps=num_warps, **pdl_kwargs(h, one_row_product=True),
     )
     return s, out
@@ -199,17 +206,25 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 
 def add_rmsnorm_gemv_reference(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                               weight: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain: the unfused modules, residual add, ``RMSNorm``, ``F.linear``. SwiGLU: the several-row
-    verify's feed-forward (``lfmspark::skinny_linear_add_norm``'s ``s * weight`` and its row sums of
-    squares, then ``lfmspark::skinny_swiglu`` with the row scale), which the modules match to one
-    rounding of the normalised input."""
+                               weight: torch.Tensor, swiglu: bool, scale_last: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused modules: residual add, ``RMSNorm``, ``F.linear`` (and ``silu(gate) * up``). With
+    ``scale_last``, the several-row verify's epilogue pair instead (for SwiGLU:
+    ``lfmspark::skinny_linear_add_norm``'s ``s * weight`` and row sum of squares, then
+    ``lfmspark::skinny_swiglu`` with the row scale); the modules match it to one rounding of the
+    normalised input."""
     s = h.clone() if delta is None else h + delta
-    if swiglu:
+    if scale_last:
         s32 = s.float()
-        return s, skinny_swiglu_reference((s32 * norm_weight.float()).to(s.dtype), weight,
-                                          s32.pow(2).sum(-1)[None, :], eps)
-    return s, F.linear(rmsnorm_reference(s, norm_weight, eps), weight)
+        scaled, ssq = (s32 * norm_weight.float()).to(s.dtype), s32.pow(2).sum(-1)[None, :]
+        if swiglu:
+            return s, skinny_swiglu_reference(scaled, weight, ssq, eps)
+        return s, (F.linear(scaled.float(), weight.float()) * row_rstd_reference(ssq, s.shape[-1], eps)).to(s.dtype)
+    y = F.linear(rmsnorm_reference(s, norm_weight, eps), weight)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return s, y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,23 +232,24 @@ def add_rmsnorm_gemv_reference(h: torch.Tensor, delta: torch.Tensor | None, norm
 
 @torch.library.custom_op("lfmspark::add_rmsnorm_gemv", mutates_args=())
 def add_rmsnorm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, swiglu: bool, scale_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, y)`` for one row ``h [1, K]``: ``s = h + delta`` (a copy of ``h`` when ``delta`` is None)
     and ``y = rmsnorm(s) @ weight[N, K]^T`` ``[1, N]``, or with ``swiglu`` ``silu(gate) * up`` ``[1, F]``
-    of the stacked ``weight [2F, K]``; all in ``h``'s dtype, ``K <= 8192``."""
+    of the stacked ``weight [2F, K]``; all in ``h``'s dtype, ``K <= 8192``. ``scale_last``: the
+    norm's weight in the input, its row scale on the fp32 sums (see the module doc)."""
     if use_triton(h):
-        return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu)
+        return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu, scale_last)
     _check(h, delta, norm_weight, weight, swiglu)  # the same limits on every device
-    return add_rmsnorm_gemv_reference(h, delta, norm_weight, eps, weight, swiglu)
+    return add_rmsnorm_gemv_reference(h, delta, norm_weight, eps, weight, swiglu, scale_last)
 
 
 @add_rmsnorm_gemv.register_kernel("cuda")
-def _add_rmsnorm_gemv_cuda(h, delta, norm_weight, eps, weight, swiglu):
-    return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu)
+def _add_rmsnorm_gemv_cuda(h, delta, norm_weight, eps, weight, swiglu, scale_last=False):
+    return add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu, scale_last)
 
 
 @add_rmsnorm_gemv.register_fake
-def _add_rmsnorm_gemv_fake(h, delta, norm_weight, eps, weight, swiglu):
+def _add_rmsnorm_gemv_fake(h, delta, norm_weight, eps, weight, swiglu, scale_last=False):
     _check(h, delta, norm_weight, weight, swiglu)
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return torch.empty_like(h, memory_format=torch.contiguous_format), h.new_empty((1, N))

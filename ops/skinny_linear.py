@@ -747,6 +747,8 @@ def _check_row_ssq(x: torch.Tensor, row_ssq: torch.Tensor | None) -> None:
                          f"got {tuple(row_ssq.shape)}")
     if row_ssq.dtype != torch.float32 or not row_ssq.is_contiguous():
         raise ValueError(f"row_ssq must be contiguous fp32 (skinny_linear_add_norm's ssq), got {row_ssq.dtype}")
+    if row_ssq.device != x.device:
+        raise ValueError(f"row_ssq must be on x's device {x.device}, got {row_ssq.device}")
 
 
 def skinny_swiglu_triton(x: torch.Tensor, w13: torch.Tensor, config: SkinnyConfig | None = None,
@@ -766,6 +768,9 @@ def _check_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     if norm_weight.shape != (N,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm_weight must be [N] = [{N}] in {x.dtype}, got {tuple(norm_weight.shape)} in "
                          f"{norm_weight.dtype}")
+    if not x.device == weight.device == residual.device == norm_weight.device:
+        raise ValueError(f"x, weight, residual and norm_weight must be on one device, got {x.device}, {weight.device}, "
+                         f"{residual.device} and {norm_weight.device}")
 
 
 def add_norm_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig:
@@ -784,7 +789,8 @@ def skinny_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residua
     (M, K), N = x.shape, weight.shape[0]
     if M == 0 or N == 0 or K == 0:
         return skinny_linear_add_norm_reference(x, weight, residual, norm_weight, config.block_n)
-    s, scaled = torch.empty_like(residual), torch.empty_like(residual)
+    # row-major [M, N] outputs: the kernel addresses them, and the residual, with one row stride
+    s, scaled = (torch.empty((M, N), dtype=x.dtype, device=x.device) for _ in range(2))
     ssq = torch.empty((triton.cdiv(N, config.block_n), M), dtype=torch.float32, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     _launch(x, weight, s, config, swiglu=False,

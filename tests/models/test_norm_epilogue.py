@@ -129,6 +129,34 @@ def test_decode_and_wide_windows_keep_their_paths(monkeypatch, several_row_route
     assert several_row_route.calls == model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_one_row_decode_rounds_as_the_pair(monkeypatch, on: bool) -> None:
+    """The one-row decode's fused SwiGLU GEMV takes the pair's roundings (``scale_last``) exactly
+    while the switch is on; its other fused products (operator norm, final norm) never do."""
+    flags = []
+
+    class Recording:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.lfmspark, name)
+            if name != "add_rmsnorm_gemv":
+                return op
+
+            def recorded(*args):
+                flags.append((args[5], args[6]))       # (swiglu, scale_last)
+                return op(*args)
+            return recorded
+
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
+    monkeypatch.setattr(layers, "lfm", Recording())
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
+    model = random_tiny_target(seed=6)
+    cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.DECODE)
+    assert {swiglu for swiglu, _ in flags} == {True, False}
+    assert all(scale_last == (swiglu and on) for swiglu, scale_last in flags)
+
+
 def test_layer_compiles_with_the_pair(monkeypatch) -> None:
     """A verify decoder layer under torch.compile(fullgraph=True) holds the producer op (its fake
     registration traced) and matches the eager layer."""

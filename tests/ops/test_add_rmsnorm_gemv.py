@@ -51,18 +51,20 @@ def _cast(x32: torch.Tensor, dtype: torch.dtype, truncate: bool) -> torch.Tensor
     return x32.to(dtype)
 
 
-def _emulated(h, delta, norm_weight, eps, weight, swiglu):
+def _emulated(h, delta, norm_weight, eps, weight, swiglu, scale_last=False):
     dtype, truncate = h.dtype, h.device.type == "cpu"
     s = h if delta is None else _cast(h.float() + delta.float(), dtype, truncate)
     x32 = s.float()
     inv = torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) / x32.shape[-1] + eps)
-    if not swiglu:
+    if scale_last:  # the several-row verify's roundings: s * weight rounded, the row scale on the sums
+        xv = _cast(norm_weight.float() * x32, dtype, truncate)
+        y = (xv.double() @ weight.double().T) * inv.double()
+    else:
         xn = _cast(x32 * inv, dtype, truncate)
         xv = _cast(norm_weight.float() * xn.float(), dtype, truncate)
-        return s, _cast((xv.double() @ weight.double().T).float(), dtype, truncate)
-    # the several-row verify's roundings: s * weight rounded, the row scale on the sums
-    xv = _cast(norm_weight.float() * x32, dtype, truncate)
-    y = (xv.double() @ weight.double().T) * inv.double()
+        y = xv.double() @ weight.double().T
+    if not swiglu:
+        return s, _cast(y.float(), dtype, truncate)
     gate, up = (_cast(t.float(), dtype, truncate).float() for t in y.chunk(2, dim=-1))
     act = _cast(gate / (1 + torch.exp(-gate)), dtype, truncate).float()
     return s, _cast(act * up, dtype, truncate)
@@ -87,14 +89,15 @@ def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("swiglu, scale_last", [(False, False), (True, False), (True, True), (False, True)],
+                         ids=["plain", "swiglu", "swiglu_scale_last", "plain_scale_last"])
 @pytest.mark.parametrize("N, K, eps", [(37, 1000, 1e-5), (21, 64, 1e-6), (64, 2048, 1e-5), (6, 40, 4.0)],
                          ids=["K1000", "K64", "K2048", "big_eps"])
-def test_kernel_matches_reference(triton_device, dtype, with_delta, swiglu, N, K, eps):
+def test_kernel_matches_reference(triton_device, dtype, with_delta, swiglu, scale_last, N, K, eps):
     h, delta, norm_weight, weight = _inputs(triton_device, dtype, N, K, swiglu, with_delta, seed=N + K)
-    s, y = add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu)
+    s, y = add_rmsnorm_gemv_triton(h, delta, norm_weight, eps, weight, swiglu, scale_last)
     assert s.shape == (1, K) and s.dtype == dtype and y.shape == (1, N) and y.dtype == dtype
-    want_s, want_y = _emulated(h, delta, norm_weight, eps, weight, swiglu)
+    want_s, want_y = _emulated(h, delta, norm_weight, eps, weight, swiglu, scale_last)
     assert torch.equal(s, want_s)
     assert _rel_err(y, want_y) < TIGHT[dtype]
     assert _rel_err(y, _composition(h, delta, norm_weight, eps, weight, swiglu)[1]) < LOOSE[dtype]
@@ -105,10 +108,11 @@ def test_kernel_matches_reference(triton_device, dtype, with_delta, swiglu, N, K
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
 @pytest.mark.parametrize("block_n, num_warps", [(1, None), (2, 4), (8, None), (16, 8)])
 def test_launch_overrides_compute_the_same(triton_device, swiglu, block_n, num_warps):
-    # N = 43: not a multiple of any block_n > 1
+    # N = 43: not a multiple of any block_n > 1; SwiGLU with the epilogue pair's roundings
     h, delta, norm_weight, weight = _inputs(triton_device, torch.float32, 43, 300, swiglu, True, seed=3)
-    s, y = add_rmsnorm_gemv_triton(h, delta, norm_weight, 1e-5, weight, swiglu, block_n=block_n, num_warps=num_warps)
-    want_s, want_y = _emulated(h, delta, norm_weight, 1e-5, weight, swiglu)
+    s, y = add_rmsnorm_gemv_triton(h, delta, norm_weight, 1e-5, weight, swiglu, swiglu, block_n=block_n,
+                                   num_warps=num_warps)
+    want_s, want_y = _emulated(h, delta, norm_weight, 1e-5, weight, swiglu, swiglu)
     assert torch.equal(s, want_s)
     assert _rel_err(y, want_y) < TIGHT[torch.float32]
 
@@ -147,22 +151,22 @@ def test_gate_and_up_halves_are_not_swapped(triton_device):
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
 @pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
 def test_reference_is_the_module_composition(dtype, swiglu, with_delta):
-    """Bit for bit: the CPU implementation is what the unfused model computes (plain), or what the
-    several-row verify's epilogue pair computes (SwiGLU: models/layers.py ``project_norm_feed_forward``,
-    whose inputs are made here as its producer makes them), which the modules match to bf16 noise."""
+    """Bit for bit: the CPU implementation is what the unfused model computes; with ``scale_last``
+    (SwiGLU), what the several-row verify's epilogue pair computes (models/layers.py
+    ``project_norm_feed_forward``, its inputs made here as its producer makes them), which the
+    modules match to bf16 noise."""
     h, delta, norm_weight, weight = _inputs("cpu", dtype, 24, 96, swiglu, with_delta, seed=9)
     s, y = add_rmsnorm_gemv_reference(h, delta, norm_weight, 1e-5, weight, swiglu)
     want_s, want_y = _composition(h, delta, norm_weight, 1e-5, weight, swiglu)
-    assert torch.equal(s, want_s)
+    assert torch.equal(s, want_s) and torch.equal(y, want_y)
+    op_s, op_y = torch.ops.lfmspark.add_rmsnorm_gemv(h, delta, norm_weight, 1e-5, weight, swiglu)
+    assert torch.equal(op_s, want_s) and torch.equal(op_y, want_y)
     if swiglu:
+        s_last, y_last = add_rmsnorm_gemv_reference(h, delta, norm_weight, 1e-5, weight, True, True)
         scaled = (s.float() * norm_weight.float()).to(dtype)
         pair = torch.ops.lfmspark.skinny_swiglu(scaled, weight, s.float().pow(2).sum(-1)[None, :], 1e-5)
-        assert torch.equal(y, pair)
-        assert _rel_err(y, want_y) < LOOSE[dtype]
-    else:
-        assert torch.equal(y, want_y)
-    op_s, op_y = torch.ops.lfmspark.add_rmsnorm_gemv(h, delta, norm_weight, 1e-5, weight, swiglu)
-    assert torch.equal(op_s, s) and torch.equal(op_y, y)
+        assert torch.equal(s_last, want_s) and torch.equal(y_last, pair)
+        assert _rel_err(y_last, want_y) < LOOSE[dtype]
 
 
 def test_n_zero(triton_device):

@@ -68,6 +68,28 @@ def test_add_norm_matches_reference(triton_device: str, dtype: torch.dtype, M: i
     torch.testing.assert_close(ssq.sum(0), s.float().pow(2).sum(-1), rtol=1e-5, atol=1e-4)
 
 
+def test_add_norm_takes_a_column_major_residual(triton_device: str) -> None:
+    """A residual that is not row-major is read as its values (the outputs are row-major)."""
+    N, K, cfg = CASES[0][:3]
+    x, w, residual, g = _inputs(triton_device, torch.float32, 10, N, K)
+    transposed = residual.T.contiguous().T
+    assert not transposed.is_contiguous()
+    got = skinny_linear_add_norm_triton(x, w, transposed, g, cfg)
+    want = skinny_linear_add_norm_triton(x, w, residual, g, cfg)
+    assert all(t.is_contiguous() for t in got)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_row_scale_on_the_regular_layout(triton_device: str) -> None:
+    """ROW_NORM with x as the A operand (swap_ab=False) scales the same rows."""
+    x, w, residual, g = _inputs(triton_device, torch.float32, 9, 64, 48)
+    _, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, CASES[2][2])
+    w13 = torch.randn(2 * 40, 64, generator=torch.Generator().manual_seed(2)).to(triton_device) / 8
+    got = skinny_swiglu_triton(scaled, w13, SkinnyConfig(block_n=32, block_k=32, split_k=2), row_ssq=ssq, eps=EPS)
+    assert _rel_err(got, skinny_swiglu_reference(scaled, w13, ssq, EPS)) < TOL[torch.float32]
+
+
 def test_add_norm_split_k_is_deterministic_and_resets_its_counters(triton_device: str) -> None:
     N, K, cfg = CASES[1][:3]
     args = _inputs(triton_device, torch.float32, 10, N, K)
@@ -138,11 +160,15 @@ def test_rejects_bad_inputs(route: str) -> None:
         add_norm(x, w, residual, g[:10])
     with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
         add_norm(x, w[:, :16], residual, g)
+    with pytest.raises(ValueError, match="on one device"):
+        add_norm(x, w, residual.to("meta"), g)
     w13 = torch.randn(32, 64)
     with pytest.raises(ValueError, match=r"row_ssq must be \[tiles, M\]"):
         swiglu(residual, w13, row_ssq=torch.ones(2, 9), eps=EPS)
     with pytest.raises(ValueError, match="contiguous fp32"):
         swiglu(residual, w13, row_ssq=torch.ones(2, 10, dtype=torch.float64), eps=EPS)
+    with pytest.raises(ValueError, match="x's device"):
+        swiglu(residual, w13, row_ssq=torch.ones(2, 10, device="meta"), eps=EPS)
 
 
 def test_opcheck() -> None:
