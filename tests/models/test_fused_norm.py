@@ -24,35 +24,19 @@ import lfmspark.models.layers as layers
 import lfmspark.ops.add_rmsnorm_gemv as fused_op_module
 from lfmspark.models.cache import TargetCache
 from lfmspark.models.lfm2 import ForwardMode
+from op_calls import OpCalls
 from spec_fixtures import random_tiny_target
 
 
-class _CountingOps:
-    """Stands in for ``torch.ops.lfmspark`` in models/layers.py, counting fused-op calls."""
-
-    def __init__(self):
-        self.calls: list[bool] = []          # the swiglu flag of each add_rmsnorm_gemv call
-
-    def __getattr__(self, name):
-        op = getattr(torch.ops.lfmspark, name)
-        if name != "add_rmsnorm_gemv":
-            return op
-
-        def counted(*args):
-            self.calls.append(args[5])
-            return op(*args)
-        return counted
-
-
 @pytest.fixture
-def one_row_route(monkeypatch) -> _CountingOps:
+def one_row_route(monkeypatch) -> OpCalls:
     """The CUDA routing on CPU: one row goes to the GEMV kernels (skinny_linear, swiglu_gemv and
     the fused op; their CPU implementations, the fused op's Triton kernel in the interpreter where
     it is on, i.e. on a machine without CUDA; its PyTorch reference otherwise)."""
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     monkeypatch.setattr(fused_op_module, "use_triton", lambda t: interpreter)
-    counting = _CountingOps()
+    counting = OpCalls("add_rmsnorm_gemv")
     monkeypatch.setattr(layers, "lfm", counting)
     return counting
 
@@ -104,7 +88,7 @@ def test_fused_decode_matches_unfused(monkeypatch, one_row_route, moe, dtype):
     # per step: operator_norm (every layer) + ffn_norm (dense SwiGLU layers only) + the final norm
     n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
     per_step = [False] * cfg.num_hidden_layers + [True] * n_dense + [False]
-    assert sorted(one_row_route.calls) == sorted(per_step * len(steps))
+    assert sorted(args[5] for args in one_row_route.calls) == sorted(per_step * len(steps))   # the swiglu flags
     one_row_route.calls.clear()
     unfused = _decode(model, ref_cache, steps, slot, len(prompt), monkeypatch, fused=False)
     assert one_row_route.calls == []
@@ -135,7 +119,7 @@ def test_only_one_row_decode_is_fused(monkeypatch, one_row_route):
 def test_cpu_without_the_route_is_unfused(monkeypatch):
     """On CPU (no patch) the default switch changes nothing: the op is never called."""
     monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
-    counting = _CountingOps()
+    counting = OpCalls("add_rmsnorm_gemv")
     monkeypatch.setattr(layers, "lfm", counting)
     model = _model(False, torch.float32)
     cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")

@@ -19,36 +19,21 @@ import torch
 import lfmspark.models.layers as layers
 from lfmspark.models.cache import DraftCache, TargetCache
 from lfmspark.models.lfm2 import ForwardMode
+from op_calls import OpCalls
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
 ADD_NORM = "skinny_linear_add_norm"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 
-class _CountingOps:
-    """Stands in for ``torch.ops.lfmspark`` in models/layers.py, counting the producer's calls."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __getattr__(self, name):
-        op = getattr(torch.ops.lfmspark, name)
-        if name != ADD_NORM:
-            return op
-
-        def counted(*args):
-            self.calls += 1
-            return op(*args)
-        return counted
-
-
 @pytest.fixture
-def several_row_route(monkeypatch) -> _CountingOps:
-    """CUDA's routing on the CPU: 1-16 rows on the skinny ops (their CPU implementations)."""
+def several_row_route(monkeypatch) -> OpCalls:
+    """CUDA's routing on the CPU: 1-16 rows on the skinny ops (their CPU implementations); records
+    the producer's calls."""
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
-    counting = _CountingOps()
-    monkeypatch.setattr(layers, "lfm", counting)
-    return counting
+    calls = OpCalls(ADD_NORM)
+    monkeypatch.setattr(layers, "lfm", calls)
+    return calls
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,10 +63,10 @@ def test_verify_matches_the_modules(monkeypatch, several_row_route, moe: bool, d
     cfg = model.config
     on, cache_on = _verify(model, monkeypatch, True, dtype)
     dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
-    assert several_row_route.calls == dense
-    several_row_route.calls = 0
+    assert len(several_row_route.calls) == dense
+    several_row_route.calls.clear()
     off, cache_off = _verify(model, monkeypatch, False, dtype)
-    assert several_row_route.calls == 0
+    assert several_row_route.calls == []
     assert _rel_err(on.logits, off.logits) < TOL[dtype]
     assert _rel_err(on.aux, off.aux) < TOL[dtype]
     for a, b in ((cache_on.k, cache_off.k), (cache_on.conv_tape, cache_off.conv_tape)):
@@ -104,11 +89,11 @@ def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None
     blocks = {}
     for on in (True, False):
         monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
-        several_row_route.calls = 0
+        several_row_route.calls.clear()
         c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
         with torch.no_grad():
             blocks[on] = draft.block_hidden(torch.tensor([7]), c, slot, start)
-        assert several_row_route.calls == (cfg.num_hidden_layers if on else 0)
+        assert len(several_row_route.calls) == (cfg.num_hidden_layers if on else 0)
     for a, b in zip(blocks[True], blocks[False], strict=True):
         assert _rel_err(a, b) < TOL[torch.float32]
 
@@ -124,35 +109,24 @@ def test_decode_and_wide_windows_keep_their_paths(monkeypatch, several_row_route
         model(torch.arange(17)[None], cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.PREFILL)
         model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([17]), mode=ForwardMode.DECODE)
         model(torch.tensor([[4], [5]]), cache, torch.tensor([0, 1]), torch.tensor([18, 0]), mode=ForwardMode.DECODE)
-        assert several_row_route.calls == 0
+        assert several_row_route.calls == []
         model(torch.arange(5)[None], cache, torch.tensor([1]), torch.tensor([1]), mode=ForwardMode.PREFILL)
-    assert several_row_route.calls == model.config.num_hidden_layers
+    assert len(several_row_route.calls) == model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("on", [True, False])
 def test_one_row_decode_rounds_as_the_pair(monkeypatch, on: bool) -> None:
     """The one-row decode's fused SwiGLU GEMV takes the pair's roundings (``scale_last``) exactly
     while the switch is on; its other fused products (operator norm, final norm) never do."""
-    flags = []
-
-    class Recording:
-        def __getattr__(self, name):
-            op = getattr(torch.ops.lfmspark, name)
-            if name != "add_rmsnorm_gemv":
-                return op
-
-            def recorded(*args):
-                flags.append((args[5], args[6]))       # (swiglu, scale_last)
-                return op(*args)
-            return recorded
-
+    fused = OpCalls("add_rmsnorm_gemv")
     monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
-    monkeypatch.setattr(layers, "lfm", Recording())
+    monkeypatch.setattr(layers, "lfm", fused)
     monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
     model = random_tiny_target(seed=6)
     cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")
     with torch.no_grad():
         model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.DECODE)
+    flags = [(args[5], args[6]) for args in fused.calls]    # (swiglu, scale_last)
     assert {swiglu for swiglu, _ in flags} == {True, False}
     assert all(scale_last == (swiglu and on) for swiglu, scale_last in flags)
 
