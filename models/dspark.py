@@ -28,7 +28,8 @@ from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, linear, linear_pair, project_norm_feed_forward
+from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, linear, linear_pair, norm_linear,
+                     project_norm_feed_forward)
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -95,9 +96,10 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, kv_weight: torch.Tensor,
-                k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
-                slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: Pending, kv_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor,
+                start: torch.Tensor, lens: torch.Tensor, next_norm: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Pending]:
         """One layer over the block ``x [B, G, H]`` plus the previous layer's pending MLP output
         ``delta`` (None for the first layer): the residual carry of models/lfm2.py, so the compiled
         layer fuses the add into ``input_layernorm``. Returns ``(x, delta)``, the residual stream
@@ -118,13 +120,21 @@ class DraftLayer(nn.Module):
         The unfused path gathers the block's RoPE cos/sin itself (``rope`` rows ``start + t``, which
         Inductor folds into the rotation's kernel): computed once per block and handed to every
         layer, they were a kernel of the draft's head region whose output crossed region boundaries,
-        so Inductor kept it even where, on the fused path, no layer reads it."""
+        so Inductor kept it even where, on the fused path, no layer reads it.
+
+        ``delta`` may be a ``NormedCarry`` of ``input_layernorm`` (``x`` is then the previous
+        layer's output), which the pair product finishes; with ``next_norm`` (the next layer's
+        ``input_layernorm`` weight, or the final norm's) this layer may hand one on
+        (models/layers.py ``project_norm_feed_forward``, ``LFMSPARK_NORM_CARRY``)."""
         attn = self.self_attn
         B, G, _ = x.shape
-        if delta is not None:
-            x = x + delta
-        h = self.input_layernorm(x)
-        qkv = linear_pair(h, attn.q_proj.weight, kv_weight)
+        x = completed(x, delta)
+        qkv = None
+        if isinstance(delta, NormedCarry):
+            qkv = linear_pair(x, attn.q_proj.weight, kv_weight, delta, self.input_layernorm.eps)
+        if qkv is None:
+            h = self.input_layernorm(x)
+            qkv = linear_pair(h, attn.q_proj.weight, kv_weight)
         if qkv is not None:
             # one eps serves q and k: q_norm's is the config's rms_norm_eps, as self.eps
             q = lfm.qkv_norm_rope_write(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0, slots,
@@ -137,7 +147,7 @@ class DraftLayer(nn.Module):
                                    lens, self.eps, self.is_neox)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
         return project_norm_feed_forward(x, o.reshape(B, G, -1), attn.o_proj, self.post_attention_layernorm, self.mlp,
-                                         fuse=False)
+                                         fuse=False, next_norm=next_norm)
 
 
 class MarkovHead(nn.Module):
@@ -258,16 +268,19 @@ class DSparkDraft(nn.Module):
         """Each layer's one-layer K/V slices ``[1, ...]`` (as :meth:`TargetCache.layer_caches`)."""
         return [(cache.k[i:i + 1], cache.v[i:i + 1]) for i in range(cache.k.shape[0])]
 
-    def run_layers(self, x: torch.Tensor, delta: torch.Tensor | None,
+    def run_layers(self, x: torch.Tensor, delta: Pending,
                    layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: torch.Tensor,
                    slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, layers: Sequence[nn.Module],
-                   first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   first: int = 0) -> tuple[torch.Tensor, Pending]:
         """Layers ``first, first + 1, ..`` over the block ``x`` plus the pending ``delta`` (None before
-        the first layer), each with its K/V slices (:meth:`layer_caches`). ``layers`` are those of
-        ``self.layers``, or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
+        the first layer), each with its K/V slices (:meth:`layer_caches`) and the weight of the norm
+        after it, which the layer may start in its epilogue (models/layers.py ``NormedCarry``).
+        ``layers`` are those of ``self.layers``, or stand-ins for them: the runtime passes compiled
+        wrappers (graphs/compile.py)."""
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, layer_caches, strict=True), start=first):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, rope, slots, start,
-                             lens)
+                             lens, next_norm.weight)
         return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
@@ -277,19 +290,29 @@ class DSparkDraft(nn.Module):
         x, delta = self.block_hidden(anchor, cache, slots, start)
         return self.head_and_walk(x, delta, anchor, pick)
 
-    def head_and_walk(self, x: torch.Tensor, delta: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker
+    def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker
                       ) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
-        :meth:`block_hidden`), then the Markov walk."""
-        h = self.norm(x + delta)
+        :meth:`block_hidden`), then the Markov walk. With a ``NormedCarry`` of the final norm, the
+        fused greedy walk (which reads the logits only) takes the LM head's product of the carry;
+        every other walk runs the norm on ``x``, as it also reads the normed states."""
+        if isinstance(delta, NormedCarry) and self._fused_walk(pick):
+            return self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick)
+        h = self.norm(completed(x, delta))
         return self.walk(self.lm_head(h), h, anchor, pick)
 
-    def walk(self, base: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor, pick: TokenPicker) -> DraftProposal:
+    def _fused_walk(self, pick: TokenPicker) -> bool:
+        """Whether :meth:`walk` takes the fused greedy path (tokens only; the normed states unread)."""
+        return pick is greedy_pick and (self.markov_head is None or self.markov_head.kind == "vanilla")
+
+    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker
+             ) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
         logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
         (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
-        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits."""
+        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits (``h``, the
+        normed states ``[B, G, H]``, is read there only)."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
         if pick is greedy_pick and head is None:

@@ -15,11 +15,19 @@ Environment switches (read at each call; under compile, at trace time):
   steps (2-16 rows: the batch-1 verify and draft), a mixer's output projection adds the residual and computes the
   feed-forward RMSNorm's statistics in its epilogue, and the gate/up product applies the norm's
   row scale in its own (:func:`project_norm_feed_forward`): no norm kernel between the products.
+- ``LFMSPARK_NORM_CARRY`` (``1`` default, ``0``; needs ``LFMSPARK_NORM_EPILOGUE=1``): on that route, the
+  norms *between* layers as well, where the callers ask for it (the target's verify, the draft's
+  block): a layer's down projection adds the residual and computes the next layer's RMSNorm
+  statistics in its epilogue and hands them on as a :class:`NormedCarry`, whose consumer (the
+  next ``in_proj`` / ``qkv_proj`` / draft q + K/V pair, or the LM head after the final norm) applies
+  the row scale in its own epilogue. The one-row decode GEMV rounds the same way
+  (:func:`norm_linear`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,19 +72,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor | None:
+def linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, carry: NormedCarry | None = None,
+                eps: float = 0.0) -> torch.Tensor | None:
     """``x @ [w_a; w_b].T`` (``[..., N_A + N_B]``) as one ``lfmspark::skinny_linear_pair`` launch when
     ``x`` has 2-16 rows on the skinny route (:func:`_routed_to_skinny`) and the weights are ones the
     op takes (a model in one dtype always qualifies); else None, and the caller runs its products
     as before. Why: two weights that must stay apart (the draft's q projection and its slice of
     the stacked K/V projections) cost one launch instead of two, without a stacked copy. One row
-    stays on the GEMV kernel, which has no pair variant."""
+    stays on the GEMV kernel, which has no pair variant. With ``carry`` (of the RMSNorm of ``eps``
+    that ``x`` would be the output of), the product of that norm's output, from the carry."""
     rows = x.numel() // x.shape[-1]
-    x2 = x.reshape(rows, x.shape[-1])
+    x2 = x.reshape(rows, x.shape[-1]) if carry is None else carry.scaled
     if not (_routed_to_skinny(x) and 2 <= rows <= _FEW_ROWS) or pair_problem(x2, w_a, w_b) is not None:
         return None
-    out = lfm.skinny_linear_pair(x2, w_a, w_b)
+    if carry is None:
+        out = lfm.skinny_linear_pair(x2, w_a, w_b)
+    else:
+        out = lfm.skinny_linear_pair(x2, w_a, w_b, carry.ssq, eps)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class NormedCarry(NamedTuple):
+    """A layer's output whose next RMSNorm is half done (``LFMSPARK_NORM_CARRY``, see the module doc):
+    the sum ``s`` travels as the residual stream ``h`` beside it; here are ``scaled = s * g`` ``[rows,
+    H]`` for the consumer norm's weight ``g`` and the per-tile row sums of ``s^2`` ``[tiles, rows]``
+    (fp32), what ``row_ssq`` takes. A consumer that cannot use them runs the norm on ``h`` instead."""
+
+    scaled: torch.Tensor
+    ssq: torch.Tensor
+
+
+# what a layer hands the next with its residual stream h: a pending feed-forward output (the layer's
+# output is h + delta), a NormedCarry (h is the output), or nothing (h is the output: the embeddings)
+Pending = torch.Tensor | NormedCarry | None
+
+
+def completed(h: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """The layer output that ``h`` and its ``pending`` part stand for."""
+    return h + pending if isinstance(pending, torch.Tensor) else h
 
 
 def fused_norm_requested() -> bool:
@@ -102,20 +135,28 @@ def _one_row(t: torch.Tensor) -> torch.Tensor:
 
 def _fused_norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
                      swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # the feed-forward rounds as the verify's epilogue pair does while that is on (scale_last)
+    # each product rounds its normalised input as the batch-1 verify's epilogues do while those are
+    # on (scale_last): the feed-forward's (LFMSPARK_NORM_EPILOGUE), and with LFMSPARK_NORM_CARRY those
+    # after a layer (delta given: the first layer's input, the embeddings, is normed by the module)
+    scale_last = norm_epilogue_requested() and (swiglu or (delta is not None and norm_carry_requested()))
     s, y = lfm.add_rmsnorm_gemv(_one_row(h), None if delta is None else _one_row(delta), norm.weight, norm.eps,
-                                weight, swiglu, swiglu and norm_epilogue_requested())
+                                weight, swiglu, scale_last)
     # without delta the sum is h itself (the op's s is a copy of it)
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
-def norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
+def norm_linear(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear, fuse: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None).
+    """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None or a
+    :class:`NormedCarry`).
 
-    With ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
+    With a carry (made for this ``norm``), one ``lfmspark::skinny_linear`` with its row scale. With
+    ``fuse`` (the caller's one-row decode path) and a single row on the GEMV route (see
     :func:`_fuses_norm`), the three run as one ``lfmspark::add_rmsnorm_gemv`` kernel; otherwise as
     the modules: the add, ``norm``, ``proj`` (bit-identical to calling them)."""
+    if isinstance(delta, NormedCarry):
+        y = lfm.skinny_linear(delta.scaled, proj.weight, delta.ssq, norm.eps)
+        return h, y.view(*h.shape[:-1], y.shape[-1])
     if fuse and _fuses_norm(h, norm, proj.weight):
         return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
     s = h if delta is None else h + delta
@@ -132,6 +173,16 @@ def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
         return s, feed_forward.w2(act)
     s = h if delta is None else h + delta
     return s, feed_forward(norm(s))
+
+
+def norm_carry_requested() -> bool:
+    """``LFMSPARK_NORM_CARRY`` (default ``1``): whether the norms between layers may ride in the
+    products' epilogues too (:class:`NormedCarry`; only while ``LFMSPARK_NORM_EPILOGUE`` is on)."""
+    value = os.environ.get("LFMSPARK_NORM_CARRY", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_NORM_CARRY={value!r}: use 1 (the norms between layers in the products' "
+                         "epilogues, with LFMSPARK_NORM_EPILOGUE=1) or 0 (off)")
+    return value == "1"
 
 
 def norm_epilogue_requested() -> bool:
@@ -159,10 +210,31 @@ def _norm_in_epilogues(y: torch.Tensor, h: torch.Tensor, proj: nn.Linear, norm: 
             and y.dtype == h.dtype == proj.weight.dtype == norm.weight.dtype == feed_forward.w13.weight.dtype)
 
 
+def _carries(s: torch.Tensor, next_norm: torch.Tensor | None) -> bool:
+    """Whether a layer with output ``s`` hands it on as a :class:`NormedCarry`: the caller asks for one
+    (``next_norm``, the weight of the RMSNorm that follows), 2-16 rows on the skinny route, both
+    switches on, one dtype."""
+    rows = s.numel() // s.shape[-1]
+    return (next_norm is not None and 2 <= rows <= _FEW_ROWS and _routed_to_skinny(s) and norm_epilogue_requested()
+            and norm_carry_requested() and next_norm.dtype == s.dtype)
+
+
+def _carry_of(out: torch.Tensor, next_norm: torch.Tensor) -> NormedCarry:
+    """The carry of a layer output made by other kernels (an MoE feed-forward's layer): the
+    statistics of ``skinny_linear_add_norm``'s epilogue in plain ops, one fused kernel under compile."""
+    out32 = out.reshape(-1, out.shape[-1]).float()
+    return NormedCarry((out32 * next_norm.float()).to(out.dtype), out32.pow(2).sum(-1)[None, :])
+
+
 def project_norm_feed_forward(h: torch.Tensor, y: torch.Tensor, proj: nn.Linear, norm: RMSNorm,
-                              feed_forward: nn.Module, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                              feed_forward: nn.Module, fuse: bool = True, next_norm: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, Pending]:
     """``(s, feed_forward(norm(s)))`` with ``s = h + proj(y)``: a mixer's output projection, the
     residual add and the feed-forward after its RMSNorm. ``fuse``: the caller's decode step.
+    ``next_norm``: the weight of the RMSNorm after the layer, which the caller may ask the layer
+    to start (``LFMSPARK_NORM_CARRY``): then, on the route below, ``(out, NormedCarry)`` for the
+    layer's output ``out = s + feed_forward(norm(s))``, the down projection adding the residual
+    and writing the statistics in its epilogue (``lfmspark::skinny_linear_add_norm``).
 
     On 2-16 rows of the skinny route outside a decode step (:func:`_norm_in_epilogues`: the batch-1
     verify, the draft's block, short prompt chunks) the norm has no kernel of its own:
@@ -175,11 +247,18 @@ def project_norm_feed_forward(h: torch.Tensor, y: torch.Tensor, proj: nn.Linear,
     the weight, a difference within bf16 noise; the one-row decode's fused kernel rounds as this
     pair does (ops/add_rmsnorm_gemv.py). Otherwise :func:`norm_feed_forward` over ``proj(y)``."""
     if not _norm_in_epilogues(y, h, proj, norm, feed_forward, decode=fuse):
-        return norm_feed_forward(h, proj(y), norm, feed_forward, fuse)
+        s, ff = norm_feed_forward(h, proj(y), norm, feed_forward, fuse)
+        if _carries(s, next_norm):
+            out = s + ff
+            return out, _carry_of(out, next_norm)
+        return s, ff
     rows, width = y.numel() // y.shape[-1], h.shape[-1]
     s, scaled, ssq = lfm.skinny_linear_add_norm(y.reshape(rows, y.shape[-1]), proj.weight,
                                                 h.reshape(rows, width), norm.weight)
     act = lfm.skinny_swiglu(scaled, feed_forward.w13.weight, ssq, norm.eps)
+    if _carries(s, next_norm):
+        out, scaled, ssq = lfm.skinny_linear_add_norm(act, feed_forward.w2.weight, s, next_norm)
+        return out.view(h.shape), NormedCarry(scaled, ssq)
     return s.view(h.shape), feed_forward.w2(act.view(*h.shape[:-1], act.shape[-1]))
 
 

@@ -39,7 +39,11 @@ kernel normalises the sum *after* its rounding to the activation dtype, as HF ea
 this module does, uncompiled and compiled. Several rows on CUDA (2-16: the batch-1 verify, short
 prompt chunks) run the mixer's ``out_proj`` with the residual add and the ``ffn_norm`` statistics in
 its epilogue and the norm's row scale in the gate/up product's (``LFMSPARK_NORM_EPILOGUE``,
-models/layers.py); other shapes and CPU take the unfused path.
+models/layers.py); other shapes and CPU take the unfused path. In a VERIFY forward those layers
+also start the next layer's ``operator_norm`` (the final ``embedding_norm`` after the last) in
+their down projection's epilogue and hand it on as a ``NormedCarry`` instead of a ``delta``
+(``LFMSPARK_NORM_CARRY``): its consumer, ``in_proj`` / ``qkv_proj`` or the LM head, applies the row
+scale in its own epilogue, so no norm kernel runs between the verify's layers.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import Linear, RMSNorm, SwiGLU, norm_linear, project_norm_feed_forward
+from .layers import Linear, Pending, RMSNorm, SwiGLU, completed, norm_linear, project_norm_feed_forward
 
 lfm = torch.ops.lfmspark
 
@@ -80,7 +84,7 @@ class PartialForward:
     :meth:`Lfm2ForCausalLM.advance` carries on (updated in place)."""
 
     h: torch.Tensor                       # [B, T, H] residual stream (the embeddings before layer 0)
-    delta: torch.Tensor | None            # the last layer's pending feed-forward output (None before layer 0)
+    delta: Pending                        # the last layer's pending output (models/layers.py; None before layer 0)
     rows: Rows
     rope: torch.Tensor                    # [P, head_dim] the cache's cos/sin table (fp32), read at rows.start + t
     aux_layer_ids: tuple[int, ...]
@@ -169,8 +173,9 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = Lfm2ShortConv(cfg)
         self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, layer_cache: LayerCache, rows: Rows,
-                mode: ForwardMode, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, delta: Pending, layer_cache: LayerCache, rows: Rows, mode: ForwardMode,
+                rope: torch.Tensor, next_norm: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, Pending]:
         """The layer over the residual stream ``h`` plus the previous layer's pending feed-forward
         output ``delta`` (None for the first layer, whose ``h`` is the embeddings; see the module doc).
 
@@ -188,7 +193,11 @@ class Lfm2DecoderLayer(nn.Module):
         Each add, its RMSNorm and the projection after it go through ``norm_linear`` /
         ``project_norm_feed_forward`` (models/layers.py): the modules one by one, at batch-1 DECODE on
         CUDA one fused kernel (see the module doc), and on 2-16 rows on CUDA the mixer's output
-        projection with the residual add and the norm's statistics in its epilogue."""
+        projection with the residual add and the norm's statistics in its epilogue.
+
+        ``delta`` may also be a ``NormedCarry`` (``h`` is then the previous layer's output), and
+        with ``next_norm`` (the weight of the norm after this layer) the layer may return one in
+        place of its delta (models/layers.py ``project_norm_feed_forward``)."""
         fuse = mode is ForwardMode.DECODE
         if self.is_attention:
             h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
@@ -196,8 +205,9 @@ class Lfm2DecoderLayer(nn.Module):
         else:
             h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
             mixed, out_proj = self.conv.mix(bcx, layer_cache, rows, mode), self.conv.out_proj
-        h, ff = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, fuse)
-        return h_in, h, ff
+        h, pending = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, fuse,
+                                               next_norm)
+        return h_in, h, pending
 
 
 class Lfm2Backbone(nn.Module):
@@ -236,14 +246,16 @@ class Lfm2ForCausalLM(nn.Module):
         h, delta, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
-            h, delta = h[picked], delta[picked]
+            h = completed(h, delta)[picked]   # a carry's statistics are of every column: dropped
+            delta = None
         return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
-                      aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, Pending, torch.Tensor | None]:
         """``(h, delta, aux)``: the last layer's output ``[B, T, H]`` (before the final norm) as its
-        residual stream ``h`` and pending feed-forward output ``delta``, left unadded so that the
+        residual stream ``h`` and pending part ``delta`` (a feed-forward output, or a ``NormedCarry``
+        of the final norm in a VERIFY forward), left unadded so that the
         caller's compiled tail fuses ``h + delta`` into the final norm (see the module doc), and the
         aux taps concatenated. :meth:`begin`, :meth:`advance` over every layer, :meth:`aux_taps`."""
         fwd = self.begin(input_ids, cache.rope, slots, start, lens, aux_layer_ids)
@@ -268,21 +280,30 @@ class Lfm2ForCausalLM(nn.Module):
         cache slices (:meth:`TargetCache.layer_caches`). ``layers`` are those of ``self.model.layers``,
         or stand-ins for them: the runtime passes compiled wrappers (graphs/compile.py)."""
         for layer, layer_cache in zip(layers, layer_caches, strict=True):
-            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.rope)
+            next_norm = self.next_norm_weight(fwd.done) if mode is ForwardMode.VERIFY else None
+            h_in, fwd.h, fwd.delta = layer(fwd.h, fwd.delta, layer_cache, fwd.rows, mode, fwd.rope, next_norm)
             if fwd.done - 1 in fwd.taps:    # layer i's input is layer i - 1's output (the embeddings for i = 0)
                 fwd.taps[fwd.done - 1] = h_in
             fwd.done += 1
         return fwd
+
+    def next_norm_weight(self, layer: int) -> torch.Tensor:
+        """The weight of the RMSNorm after decoder layer ``layer``: the next layer's ``operator_norm``,
+        or the final norm after the last layer. A VERIFY forward hands it to the layer, which may
+        start that norm in its last product's epilogue (see the module doc)."""
+        layers = self.model.layers
+        return layers[layer + 1].operator_norm.weight if layer + 1 < len(layers) else self.model.embedding_norm.weight
 
     def aux_taps(self, fwd: PartialForward) -> tuple[torch.Tensor, ...]:
         """The aux taps ``[B, T, H]`` of a finished forward, in ``aux_layer_ids`` order. The last layer's
         output is completed here (``h + delta``): no later layer adds it. Drafts never tap it
         (models/dspark.py refuses such drafts), so the runtime's verify never runs this add."""
         last = len(self.model.layers) - 1
-        return tuple(fwd.h + fwd.delta if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
+        return tuple(completed(fwd.h, fwd.delta) if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
 
-    def compute_logits(self, h: torch.Tensor, delta: torch.Tensor, fuse: bool = True) -> torch.Tensor:
-        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`). ``fuse``: a
+    def compute_logits(self, h: torch.Tensor, delta: Pending, fuse: bool = True) -> torch.Tensor:
+        """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`; with a
+        ``NormedCarry``, of ``h``, the LM head applying the final norm's row scale). ``fuse``: a
         single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
         decode step's one-row case); :meth:`forward` passes it for DECODE only."""
         return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]

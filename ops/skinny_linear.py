@@ -89,6 +89,13 @@ weights must share K, dtype and row stride (one ``stride_wn``). With the constex
 kernel's code is what it was (only the two unused arguments are new); split-K, its counters and the
 PDL contract are the plain product's. No GEMV variant: one row also runs on the tile kernel.
 
+Norm epilogues (models/layers.py, ``LFMSPARK_NORM_EPILOGUE`` / ``LFMSPARK_NORM_CARRY``): with
+``ADD_NORM`` (``lfmspark::skinny_linear_add_norm``) the epilogue adds a residual and writes the sum
+``s``, ``s * g`` for the next RMSNorm's weight ``g`` and each column tile's row sums of ``s^2``; with
+``ROW_NORM`` (the ``row_ssq`` of ``skinny_linear``, ``skinny_swiglu`` and ``skinny_linear_pair``) a
+product of that ``s * g`` scales each row's fp32 sums by ``rsqrt(mean square + eps)`` before its one
+rounding: together, the product of ``RMSNorm(s)`` with no norm kernel between the two launches.
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -720,10 +727,13 @@ def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyCo
     return out
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                         row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """The op on the Triton kernels (``config``: launch override, for tests and tuning; with ``row_ssq``
+    one row also runs on the ``tl.dot`` kernel, whose epilogue has the row scale)."""
     _check(x, weight)
-    return _product(x, weight, weight.shape[0], config, swiglu=False)
+    _check_row_ssq(x, row_ssq)
+    return _product(x, weight, weight.shape[0], config, swiglu=False, row_ssq=row_ssq, eps=eps)
 
 
 def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
@@ -834,22 +844,32 @@ def pair_config(M: int, N_A: int, N_B: int, K: int, elem_size: int, sms: int) ->
 
 
 def skinny_linear_pair_triton(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor,
-                              config: SkinnyConfig | None = None) -> torch.Tensor:
+                              config: SkinnyConfig | None = None, row_ssq: torch.Tensor | None = None,
+                              eps: float = 0.0) -> torch.Tensor:
     """``skinny_linear_pair`` on the ``tl.dot`` kernel (``config``: launch override, its ``block_n``
     dividing ``N_A``; ``gemv`` is ignored)."""
     _check_pair(x, w_a, w_b)
-    return _product(x, w_a, w_a.shape[0] + w_b.shape[0], config, swiglu=False, weight_b=w_b)
+    _check_row_ssq(x, row_ssq)
+    return _product(x, w_a, w_a.shape[0] + w_b.shape[0], config, swiglu=False, weight_b=w_b, row_ssq=row_ssq,
+                    eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------
 # references
 
-def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, row_ssq: torch.Tensor | None = None,
+                            eps: float = 0.0) -> torch.Tensor:
+    """``F.linear``; with ``row_ssq``, the fp32 product scaled by each row's ``rsqrt(mean square + eps)``
+    (the mean over ``x``'s width), then rounded once (``ROW_NORM``)."""
+    if row_ssq is None:
+        return F.linear(x, weight)
+    return (F.linear(x.float(), weight.float()) * row_rstd_reference(row_ssq, x.shape[1], eps)).to(x.dtype)
 
 
-def skinny_linear_pair_reference(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
-    return torch.cat([F.linear(x, w_a), F.linear(x, w_b)], dim=-1)
+def skinny_linear_pair_reference(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor,
+                                 row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    return torch.cat([skinny_linear_reference(x, w_a, row_ssq, eps), skinny_linear_reference(x, w_b, row_ssq, eps)],
+                     dim=-1)
 
 
 def row_rstd_reference(row_ssq: torch.Tensor, width: int, eps: float) -> torch.Tensor:
@@ -895,22 +915,27 @@ def skinny_linear_add_norm_reference(x: torch.Tensor, weight: torch.Tensor, resi
 # CUDA graph replays a launch any number of times.
 
 @torch.library.custom_op("lfmspark::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, row_ssq: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``. With ``row_ssq`` (the
+    ``ssq`` of :func:`skinny_linear_add_norm`, ``x`` its ``s * g``), each row is scaled by
+    ``rsqrt(row_ssq.sum(0) / K + eps)`` before the one rounding: the product of ``RMSNorm(s)``."""
     if use_triton(x):
-        return skinny_linear_triton(x, weight)
+        return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps)
     _check(x, weight)  # the same limits on every device
-    return skinny_linear_reference(x, weight)
+    _check_row_ssq(x, row_ssq)
+    return skinny_linear_reference(x, weight, row_ssq, eps)
 
 
 @skinny_linear.register_kernel("cuda")
-def _skinny_linear_cuda(x, weight):
-    return skinny_linear_triton(x, weight)
+def _skinny_linear_cuda(x, weight, row_ssq=None, eps=0.0):
+    return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps)
 
 
 @skinny_linear.register_fake
-def _skinny_linear_fake(x, weight):
+def _skinny_linear_fake(x, weight, row_ssq=None, eps=0.0):
     _check(x, weight)
+    _check_row_ssq(x, row_ssq)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -968,21 +993,25 @@ def _skinny_linear_add_norm_fake(x, weight, residual, norm_weight):
 
 
 @torch.library.custom_op("lfmspark::skinny_linear_pair", mutates_args=())
-def skinny_linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
+def skinny_linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, row_ssq: torch.Tensor | None = None,
+                       eps: float = 0.0) -> torch.Tensor:
     """``x [M, K] @ [w_a; w_b]^T`` -> ``[M, N_A + N_B]`` in ``x``'s dtype, for ``M <= 64``, in one
-    launch and without stacking the weights (``N_A`` a multiple of 16, one row stride)."""
+    launch and without stacking the weights (``N_A`` a multiple of 16, one row stride). ``row_ssq``,
+    ``eps``: the row scale of ``skinny_linear``."""
     if use_triton(x):
-        return skinny_linear_pair_triton(x, w_a, w_b)
+        return skinny_linear_pair_triton(x, w_a, w_b, row_ssq=row_ssq, eps=eps)
     _check_pair(x, w_a, w_b)
-    return skinny_linear_pair_reference(x, w_a, w_b)
+    _check_row_ssq(x, row_ssq)
+    return skinny_linear_pair_reference(x, w_a, w_b, row_ssq, eps)
 
 
 @skinny_linear_pair.register_kernel("cuda")
-def _skinny_linear_pair_cuda(x, w_a, w_b):
-    return skinny_linear_pair_triton(x, w_a, w_b)
+def _skinny_linear_pair_cuda(x, w_a, w_b, row_ssq=None, eps=0.0):
+    return skinny_linear_pair_triton(x, w_a, w_b, row_ssq=row_ssq, eps=eps)
 
 
 @skinny_linear_pair.register_fake
-def _skinny_linear_pair_fake(x, w_a, w_b):
+def _skinny_linear_pair_fake(x, w_a, w_b, row_ssq=None, eps=0.0):
     _check_pair(x, w_a, w_b)
+    _check_row_ssq(x, row_ssq)
     return x.new_empty((x.shape[0], w_a.shape[0] + w_b.shape[0]))

@@ -36,6 +36,7 @@ import torch
 
 from ..models.cache import DraftCache, LayerCache, TargetCache
 from ..models.dspark import DSparkDraft, greedy_pick
+from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
 from ..ops.skinny_linear import split_counter_set
@@ -82,7 +83,7 @@ class Drafted:
 @dataclass
 class Verified:
     hidden: torch.Tensor          # [B, W, H] the target's last-layer output is hidden + delta, left unadded:
-    delta: torch.Tensor           # [B, W, H] the logits, taken at acceptance, fuse the add (models/lfm2.py)
+    delta: Pending                # the logits, taken at acceptance, fuse the add or the carried norm (models/lfm2.py)
     aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
     rows: Rows                    # the window's slots, start (= s) and lens (all W columns), from the verify head
 
@@ -210,7 +211,7 @@ class Steps:
         return self.finish_draft(inp, x, delta)
 
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
         """The draft up to its second layer: the block's embeddings and lens, and its first layer.
         Returns ``(x, delta, s, lens)``, what the later layers take (each reads its RoPE rows itself:
         on the fused path none does, so nothing gathers them)."""
@@ -220,7 +221,7 @@ class Steps:
                                          self.draft.layers[:1])
         return x, delta, row.s, lens
 
-    def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: torch.Tensor) -> Drafted:
+    def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s

@@ -9,7 +9,7 @@ valid values before any compile or request. The README lists them.
 from __future__ import annotations
 
 from ..graphs.compile import inductor_pdl_requested
-from ..models.layers import fused_norm_requested, norm_epilogue_requested, skinny_rows
+from ..models.layers import fused_norm_requested, norm_carry_requested, norm_epilogue_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.tuning import tuning_overrides
 from .steps import commit_overlap_requested
@@ -23,5 +23,6 @@ def check_switches() -> None:
     skinny_rows()
     fused_norm_requested()
     norm_epilogue_requested()
+    norm_carry_requested()
     tuning_overrides()
     commit_overlap_requested()

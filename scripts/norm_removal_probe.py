@@ -6,7 +6,9 @@ session 14): run ``lfmspark bench`` with them removed. Timing only: the numbers 
 
 On 2-16 CUDA rows outside decode steps (the batch-1 verify and the draft's block), MODE:
 - ``none``: unchanged (the baseline of the same process layout);
-- ``remaining``: the add + RMSNorm kernels the norm epilogue (``LFMSPARK_NORM_EPILOGUE``) leaves: the
+- ``remaining`` (run it with ``LFMSPARK_NORM_CARRY=0``, which it measured the code before; with the
+  carry on it removes only what the carry leaves): the add + RMSNorm kernels the norm epilogue
+  (``LFMSPARK_NORM_EPILOGUE``) leaves: the
   target layers' ``operator_norm`` (its pending add and norm skipped, the projection fed the pending
   output) and the draft layers' ``input_layernorm`` (identity; its add stays);
 - ``all``: those, and the feed-forward norms of both models as well (the mixer's output projection
@@ -35,7 +37,7 @@ def _patch_operator_norms() -> None:
     norm_linear = lfm2.norm_linear
 
     def skipped(h, delta, norm, proj, fuse=True):
-        if fuse or not _several_rows(h):
+        if fuse or isinstance(delta, layers.NormedCarry) or not _several_rows(h):
             return norm_linear(h, delta, norm, proj, fuse)
         x = h if delta is None else delta
         return x, proj(x)

@@ -10,6 +10,8 @@ Tolerances: fp32, only the summation order differs (1e-5 relative); bf16, a few 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,7 +19,9 @@ import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.models.layers import RMSNorm
 from lfmspark.ops.skinny_linear import (SkinnyConfig, _split_counters, add_norm_config,
                                         skinny_linear_add_norm_reference, skinny_linear_add_norm_triton,
-                                        skinny_swiglu_reference, skinny_swiglu_triton, split_k_plan)
+                                        skinny_linear_pair_reference, skinny_linear_pair_triton,
+                                        skinny_linear_reference, skinny_linear_triton, skinny_swiglu_reference,
+                                        skinny_swiglu_triton, split_k_plan)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 EPS = 1e-5
@@ -135,6 +139,42 @@ def test_row_scale_reaches_each_row(triton_device: str) -> None:
     torch.testing.assert_close(out, torch.nn.functional.silu(c * gate) * (c * up), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N, K, cfg", CASES, ids=["tails", "split_k", "regular", "wide_tile"])
+def test_row_scaled_products_match_the_modules(triton_device: str, dtype: torch.dtype, N: int, K: int,
+                                               cfg: SkinnyConfig) -> None:
+    """The norms between layers (models/layers.py ``NormedCarry``): the producer's ``s * g`` and row
+    sums, through ``skinny_linear`` / ``skinny_linear_pair`` with ``row_ssq``, against their
+    references and against the modules (RMSNorm of the sum, then the product)."""
+    M, H = 10, 64
+    x, w, residual, g = _inputs(triton_device, dtype, M, H, 48, seed=N)
+    s, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, CASES[0][2])
+    gen = torch.Generator().manual_seed(K)
+    w_next = (torch.randn(N, H, generator=gen) / H ** 0.5).to(triton_device, dtype)
+    # the pair's first weight: whole column tiles
+    w_a = (torch.randn(cfg.block_n, H, generator=gen) / H ** 0.5).to(triton_device, dtype)
+    norm = RMSNorm(H, EPS).to(triton_device)
+    norm.weight.data = g
+    product_cfg = replace(cfg, split_k=min(cfg.split_k, 2))   # K = H = 64: at most two 32-wide splits
+    got = skinny_linear_triton(scaled, w_next, product_cfg, row_ssq=ssq, eps=EPS)
+    assert _rel_err(got, skinny_linear_reference(scaled, w_next, ssq, EPS)) < TOL[dtype]
+    assert _rel_err(got, torch.nn.functional.linear(norm(s), w_next)) < TOL[dtype]
+    pair = skinny_linear_pair_triton(scaled, w_a, w_next, product_cfg, row_ssq=ssq, eps=EPS)
+    assert _rel_err(pair, skinny_linear_pair_reference(scaled, w_a, w_next, ssq, EPS)) < TOL[dtype]
+    assert _rel_err(pair, torch.cat([norm(s) @ w_a.T, norm(s) @ w_next.T], dim=-1)) < TOL[dtype]
+
+
+def test_row_scaled_product_reaches_each_row(triton_device: str) -> None:
+    """``skinny_linear``'s row scale: rows of known mean squares come out divided by their rms."""
+    M, H, N = 4, 64, 48
+    x = torch.randn(M, H, device=triton_device)
+    w = torch.randn(N, H, device=triton_device) / H ** 0.5
+    ssq = torch.tensor([[1.0, 4.0, 16.0, 64.0]], device=triton_device) * H
+    out = skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32, swap_ab=True), row_ssq=ssq, eps=0.0)
+    c = torch.tensor([1.0, 0.5, 0.25, 0.125], device=triton_device)[:, None]
+    torch.testing.assert_close(out, c * (x @ w.T), rtol=1e-5, atol=1e-6)
+
+
 def test_op_on_cpu_matches_kernel_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
     """The op's reference route and its kernel route return the same shapes (the fake's), so a
     compiled graph may take either; and the defaults follow add_norm_config."""
@@ -169,12 +209,21 @@ def test_rejects_bad_inputs(route: str) -> None:
         swiglu(residual, w13, row_ssq=torch.ones(2, 10, dtype=torch.float64), eps=EPS)
     with pytest.raises(ValueError, match="x's device"):
         swiglu(residual, w13, row_ssq=torch.ones(2, 10, device="meta"), eps=EPS)
+    linear = lfm.skinny_linear if route == "op" else skinny_linear_triton
+    pair = lfm.skinny_linear_pair if route == "op" else skinny_linear_pair_triton
+    with pytest.raises(ValueError, match=r"row_ssq must be \[tiles, M\]"):
+        linear(residual, w13, row_ssq=torch.ones(2, 9), eps=EPS)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        pair(residual, w13[:16], w13, row_ssq=torch.ones(2, 10).bfloat16(), eps=EPS)
 
 
 def test_opcheck() -> None:
     torch.library.opcheck(lfm.skinny_linear_add_norm, _inputs("cpu", torch.float32, 10, 96, 64))
     x, _, _, _ = _inputs("cpu", torch.float32, 10, 96, 64)
     torch.library.opcheck(lfm.skinny_swiglu, (x, torch.randn(48, 64), torch.rand(3, 10) + 1, EPS))
+    torch.library.opcheck(lfm.skinny_linear, (x, torch.randn(48, 64), torch.rand(3, 10) + 1, EPS))
+    torch.library.opcheck(lfm.skinny_linear_pair, (x, torch.randn(16, 64), torch.randn(32, 64), torch.rand(3, 10) + 1,
+                                                   EPS))
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,3 +269,20 @@ def test_gpu_pair_graph_replay() -> None:
     assert all(torch.equal(a, b) for a, b in zip(outs, first, strict=True))
     eager = pair()
     assert all(torch.equal(a, b) for a, b in zip(eager, first, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [3072, 6144, 65536])
+def test_gpu_row_scaled_served_shapes(N: int) -> None:
+    """The norms between layers at the served shapes: a down projection (2048 x 8192) with the next
+    norm in its epilogue, then qkv_proj / in_proj / the LM head, and the draft's q + K/V pair, with
+    the row scale, against the modules."""
+    x, w2, residual, g = _inputs("cuda", torch.bfloat16, 10, 2048, 8192, seed=N)
+    s, scaled, ssq = lfm.skinny_linear_add_norm(x, w2, residual, g)
+    norm = RMSNorm(2048, EPS).cuda()
+    norm.weight.data = g
+    w = (torch.randn(N, 2048, device="cuda") / 2048 ** 0.5).bfloat16()
+    got = lfm.skinny_linear(scaled, w, ssq, EPS)
+    assert _rel_err(got, torch.nn.functional.linear(norm(s), w)) < TOL[torch.bfloat16]
+    pair = lfm.skinny_linear_pair(scaled, w[:2048], w[-1024:], ssq, EPS)
+    assert _rel_err(pair, torch.nn.functional.linear(norm(s), torch.cat([w[:2048], w[-1024:]]))) < TOL[torch.bfloat16]

@@ -1,0 +1,228 @@
+"""The norms between layers in the products' epilogues (models/layers.py ``NormedCarry``,
+``LFMSPARK_NORM_CARRY``), exercised on CPU.
+
+On CUDA, in a target VERIFY and the draft's block of 2-16 rows, a layer's down projection runs as
+``lfmspark::skinny_linear_add_norm`` with the *next* norm's weight (the next layer's
+``operator_norm`` / ``input_layernorm``, or the final norm) and hands on ``s * g`` and the row sums
+of ``s^2``; the next product (``skinny_linear`` / ``skinny_linear_pair`` with ``row_ssq``, the LM head
+included) applies the row scale. Here the route is forced on CPU as in test_norm_epilogue.py, the
+ops run their PyTorch references (the kernels are checked against those in
+tests/ops/test_skinny_add_norm.py), and the comparison is the same model with both switches off
+(the modules). Each norm's input is rounded at another point (``s * g`` instead of
+``RMSNorm(s)``), so fp32 agrees to summation order and bf16 to rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.models.layers as layers
+from lfmspark.models.cache import DraftCache, TargetCache
+from lfmspark.models.dspark import greedy_pick
+from lfmspark.models.lfm2 import ForwardMode, Rows
+from op_calls import OpCalls
+from spec_fixtures import random_tiny_draft, random_tiny_target
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+class RouteCalls:
+    """``torch.ops.lfmspark`` for models/layers.py with the calls of the producer and of the
+    row-scaled consumers recorded (a consumer call passes ``row_ssq``: more than its two or three
+    tensors)."""
+
+    def __init__(self):
+        self.producer = OpCalls("skinny_linear_add_norm")
+        self.linear = OpCalls("skinny_linear")
+        self.pair = OpCalls("skinny_linear_pair")
+
+    def __getattr__(self, attr: str):
+        for calls in (self.producer, self.linear, self.pair):
+            if attr == calls.name:
+                return getattr(calls, attr)
+        return getattr(torch.ops.lfmspark, attr)
+
+    def clear(self) -> None:
+        for calls in (self.producer, self.linear, self.pair):
+            calls.calls.clear()
+
+    def row_scaled(self) -> tuple[int, int]:
+        """(skinny_linear, skinny_linear_pair) calls that took ``row_ssq``."""
+        return (sum(len(c) > 2 and c[2] is not None for c in self.linear.calls),
+                sum(len(c) > 3 and c[3] is not None for c in self.pair.calls))
+
+
+@pytest.fixture
+def route(monkeypatch) -> RouteCalls:
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
+    calls = RouteCalls()
+    monkeypatch.setattr(layers, "lfm", calls)
+    return calls
+
+
+def _switches(monkeypatch, on: bool) -> None:
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
+    monkeypatch.setenv("LFMSPARK_NORM_CARRY", "1" if on else "0")
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _verify(model, dtype: torch.dtype, logits_index: torch.Tensor | None = None):
+    """Prefill a prompt (17 rows: off the route), then VERIFY a 6-token window at batch 1 (6 rows)."""
+    cache = TargetCache.allocate(model.config, 2, 64, 8, dtype, "cpu")
+    prompt = torch.arange(3, 20)[None] % model.config.vocab_size
+    window = torch.tensor([[5, 35, 8, 9, 12, 40]])
+    slot = torch.tensor([1])
+    with torch.no_grad():
+        model(prompt, cache, slot, torch.tensor([0]), mode=ForwardMode.PREFILL)
+        out = model(window, cache, slot, torch.tensor([prompt.shape[1]]), mode=ForwardMode.VERIFY,
+                    aux_layer_ids=(0, 2), logits_index=logits_index)
+    return out, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_verify_matches_the_modules(monkeypatch, route, moe: bool, dtype: torch.dtype) -> None:
+    """Logits, aux taps and caches of a verify window agree with both switches off. With them on,
+    each dense layer runs the producer twice (the feed-forward's norm and the next one) and every
+    norm after a layer is finished by its consumer: the later layers' input products and the LM
+    head (an MoE layer hands its output on through plain ops)."""
+    model = random_tiny_target(moe, seed=5).to(dtype)
+    cfg = model.config
+    _switches(monkeypatch, True)
+    on, cache_on = _verify(model, dtype)
+    dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
+    assert len(route.producer.calls) == 2 * dense
+    assert route.row_scaled() == (cfg.num_hidden_layers, 0)   # layers 1.. and the LM head
+    route.clear()
+    _switches(monkeypatch, False)
+    off, cache_off = _verify(model, dtype)
+    assert route.producer.calls == [] and route.row_scaled() == (0, 0)
+    assert _rel_err(on.logits, off.logits) < TOL[dtype]
+    assert _rel_err(on.aux, off.aux) < TOL[dtype]
+    for a, b in ((cache_on.k, cache_off.k), (cache_on.conv_tape, cache_off.conv_tape)):
+        assert _rel_err(a, b) < TOL[dtype]
+    if dtype == torch.float32:
+        assert torch.equal(on.logits.argmax(-1), off.logits.argmax(-1))
+
+
+def test_picked_logits_drop_the_carry(monkeypatch, route) -> None:
+    """A VERIFY forward that projects one column per row (``logits_index``) runs the final norm on
+    the completed output: the carry's statistics cover every column."""
+    model = random_tiny_target(seed=7)
+    index = torch.tensor([3])
+    _switches(monkeypatch, True)
+    on, _ = _verify(model, torch.float32, index)
+    _switches(monkeypatch, False)
+    off, _ = _verify(model, torch.float32, index)
+    assert on.logits.shape == off.logits.shape == (1, model.config.vocab_size)
+    assert _rel_err(on.logits, off.logits) < TOL[torch.float32]
+
+
+def test_carry_only_in_verify_and_draft(monkeypatch, route) -> None:
+    """A 5-row prefill takes the feed-forward pair but no carry; decode steps take neither."""
+    _switches(monkeypatch, True)
+    model = random_tiny_target(seed=3)
+    cache = TargetCache.allocate(model.config, 2, 64, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.arange(5)[None], cache, torch.tensor([1]), torch.tensor([0]), mode=ForwardMode.PREFILL)
+        model(torch.tensor([[4], [5]]), cache, torch.tensor([0, 1]), torch.tensor([0, 5]), mode=ForwardMode.DECODE)
+    assert len(route.producer.calls) == model.config.num_hidden_layers
+    assert route.row_scaled() == (0, 0)
+
+
+def _draft_setup():
+    draft = random_tiny_draft(block=4)
+    target = random_tiny_target(seed=2)
+    draft.attach_target(target.model.embed_tokens, target.lm_head)
+    cfg = draft.config
+    cache = DraftCache.allocate(cfg, 2, 32, torch.float32, "cpu")
+    aux = torch.randn(1, 6, len(cfg.target_layer_ids) * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    slot, start = torch.tensor([1]), torch.tensor([6])
+    with torch.no_grad():
+        draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
+    return draft, cache, slot, start
+
+
+def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> None:
+    """The draft's block (4 rows): hidden states, greedy proposal and a sampling-style walk (which
+    reads the normed states, so it runs the final norm itself) agree with both switches off; with
+    them on, two producer calls per layer, the later layers' pair products and the greedy LM head
+    finish the carried norms."""
+    draft, cache, slot, start = _draft_setup()
+    n_layers = draft.config.num_hidden_layers
+    anchor = torch.tensor([7])
+
+    def argmax_pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:   # not greedy_pick: the general walk
+        return logits_k.argmax(-1)
+
+    runs = {}
+    for on in (True, False):
+        _switches(monkeypatch, on)
+        route.clear()
+        fresh = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+        with torch.no_grad():
+            x, pending = draft.block_hidden(anchor, fresh, slot, start)
+            greedy = draft.head_and_walk(x, pending, anchor, greedy_pick)
+            general = draft.head_and_walk(x, pending, anchor, argmax_pick)
+        runs[on] = (layers.completed(x, pending), greedy, general)
+        assert len(route.producer.calls) == (2 * n_layers if on else 0)
+        assert route.row_scaled() == ((1, n_layers - 1) if on else (0, 0))
+    (h_on, greedy_on, general_on), (h_off, greedy_off, general_off) = runs[True], runs[False]
+    assert _rel_err(h_on, h_off) < TOL[torch.float32]
+    assert torch.equal(greedy_on.tokens, greedy_off.tokens)
+    assert torch.equal(general_on.tokens, greedy_on.tokens)
+    assert _rel_err(general_on.logits, general_off.logits) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_one_row_decode_rounds_as_the_carry(monkeypatch, carry: bool) -> None:
+    """The one-row decode's fused GEMVs round as the verify's consumers: while the carry is on, every
+    plain product after a layer (operator norms of layers 1.., the LM head) takes ``scale_last``;
+    the first layer's (after the embeddings) never does."""
+    fused = OpCalls("add_rmsnorm_gemv")
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
+    monkeypatch.setattr(layers, "lfm", fused)
+    monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1")
+    monkeypatch.setenv("LFMSPARK_NORM_CARRY", "1" if carry else "0")
+    model = random_tiny_target(seed=6)
+    cache = TargetCache.allocate(model.config, 1, 32, 4, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.tensor([[4]]), cache, torch.tensor([0]), torch.tensor([0]), mode=ForwardMode.DECODE)
+    plain = [(args[1] is not None, args[6]) for args in fused.calls if not args[5]]   # (has delta, scale_last)
+    assert len(plain) == model.config.num_hidden_layers + 1
+    assert plain[0] == (False, False)
+    assert all(scale_last == carry for has_delta, scale_last in plain[1:]) and all(d for d, _ in plain[1:])
+
+
+def test_verify_layer_compiles_with_the_carry(monkeypatch) -> None:
+    """A verify decoder layer taking and handing on a carry under torch.compile(fullgraph=True)
+    matches the eager layer."""
+    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
+    _switches(monkeypatch, True)
+    model = random_tiny_target(seed=4)
+    cfg = model.config
+    cache = TargetCache.allocate(cfg, 1, 32, 8, torch.float32, "cpu")
+    rows = Rows(torch.tensor([0]), torch.tensor([0]), torch.tensor([5]))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 5, cfg.hidden_size, generator=g)
+    carry = layers._carry_of(h, model.model.layers[1].operator_norm.weight)
+    layer = model.model.layers[1]
+    args = (h, carry, cache.layer_caches(cfg)[1], rows, ForwardMode.VERIFY, cache.rope, model.next_norm_weight(1))
+    with torch.no_grad():
+        want = layer(*args)
+        torch._dynamo.reset()
+        got = torch.compile(layer, backend="inductor", fullgraph=True)(*args)
+    assert isinstance(want[2], layers.NormedCarry) and isinstance(got[2], layers.NormedCarry)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_is_validated(monkeypatch) -> None:
+    monkeypatch.setenv("LFMSPARK_NORM_CARRY", "yes")
+    with pytest.raises(ValueError, match="LFMSPARK_NORM_CARRY='yes'"):
+        layers.norm_carry_requested()
+    monkeypatch.delenv("LFMSPARK_NORM_CARRY")
+    assert layers.norm_carry_requested()
