@@ -177,11 +177,17 @@ def _skinny_linear_kernel(
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
+    if ADD_NORM:  # the norm weight is a parameter: requested before the wait, as the weights are
+        g = tl.load(g_ptr + cols, mask=cols < N, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if ROW_NORM:  # requested before the K loop, so that its latency hides behind the weight stream
-        rstd = _row_rstd(ssq_in_ptr, n_ssq_in, rows, row_ok, M, inv_k, eps, SSQ_TILES)
+    if ROW_NORM:  # requested before the K loop and reduced after it: its latency hides behind the weight
+        # stream, and the x loads below are not held up behind the reduction
+        ssq_part = _load_row_ssq(ssq_in_ptr, n_ssq_in, rows, row_ok, M, SSQ_TILES)
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
+    if ADD_NORM:  # requested now, not in the epilogue, so that the split-K fix-up waits for its partials alone
+        res = tl.load(res_ptr + out_offs, mask=out_mask, other=0.0)
     acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
     if SWIGLU:
         acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
@@ -199,10 +205,10 @@ def _skinny_linear_kernel(
     if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     if ROW_NORM:  # the fp32 sums (or a split's partials: the scaling is linear)
+        rstd = _row_rstd(ssq_part, row_ok, inv_k, eps)
         acc = _scale_rows(acc, rstd, SWAP_AB)
         if SWIGLU:
             acc_u = _scale_rows(acc_u, rstd, SWAP_AB)
-    out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if SPLIT:
         ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
         tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
@@ -215,14 +221,14 @@ def _skinny_linear_kernel(
             else:
                 total_u = total  # not read by the plain epilogue
             if ADD_NORM:
-                _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_out_ptr, out_offs, out_mask, total, rows,
-                                row_ok, cols, N, M, pid_n, SWAP_AB)
+                _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, total, rows, row_ok, M,
+                                pid_n, SWAP_AB)
             else:
                 _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
     elif ADD_NORM:
-        _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, cols,
-                        N, M, pid_n, SWAP_AB)
+        _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, M, pid_n,
+                        SWAP_AB)
     else:
         _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
 
@@ -322,18 +328,19 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_ptr, offs, mask, total, rows, row_ok, cols, N, M, pid_n,
+def _store_add_norm(out_ptr, res, g, sg_ptr, ssq_ptr, offs, mask, total, rows, row_ok, M, pid_n,
                     SWAP_AB: tl.constexpr):
-    # the ADD_NORM epilogue on the tile's fp32 sums: the module's roundings for the product (rounded
-    # once, as F.linear) and the residual add (bf16 + bf16, rounded), then s * g rounded once, and
-    # the per-row sums of s^2 over the tile's columns (in fp32 from the rounded s, as RMSNorm's
-    # statistics are), one partial per column tile: the consumer adds them in a fixed order
+    # the ADD_NORM epilogue on the tile's fp32 sums, with the tile's residual res and the norm weight's
+    # columns g already loaded: the module's roundings for the product (rounded once, as F.linear)
+    # and the residual add (bf16 + bf16, rounded), then s * g rounded once, and the per-row sums of
+    # s^2 over the tile's columns (in fp32 from the rounded s, as RMSNorm's statistics are), one
+    # partial per column tile: the consumer adds them in a fixed order
     dtype = out_ptr.dtype.element_ty
     delta = total.to(dtype).to(tl.float32)
-    s = (tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + delta).to(dtype)
+    s = (res.to(tl.float32) + delta).to(dtype)
     tl.store(out_ptr + offs, s, mask=mask)
     s32 = tl.where(mask, s.to(tl.float32), 0.0)
-    g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    g = g.to(tl.float32)
     if SWAP_AB:  # tile [BLOCK_N columns, BLOCK_M rows]
         sg = s32 * g[:, None]
         ssq = tl.sum(s32 * s32, axis=0)
@@ -345,12 +352,17 @@ def _store_add_norm(out_ptr, res_ptr, g_ptr, sg_ptr, ssq_ptr, offs, mask, total,
 
 
 @triton.jit
-def _row_rstd(ssq_ptr, n_tiles, rows, row_ok, M, inv_k, eps, SSQ_TILES: tl.constexpr):
-    # rsqrt(mean square + eps) per row from the producer's n_tiles partial sums ssq [n_tiles, M]
-    # (.cg: written by the previous kernel, read from L2); 0 for padding rows, whose sums are 0
+def _load_row_ssq(ssq_ptr, n_tiles, rows, row_ok, M, SSQ_TILES: tl.constexpr):
+    # the producer's n_tiles partial sums of squares ssq [n_tiles, M] of the tile's rows, [SSQ_TILES,
+    # BLOCK_M] (.cg: written by the previous kernel, read from L2; 0 past n_tiles and for padding rows)
     t = tl.arange(0, SSQ_TILES)
-    part = tl.load(ssq_ptr + t[:, None] * M + rows[None, :], mask=(t < n_tiles)[:, None] & row_ok[None, :],
+    return tl.load(ssq_ptr + t[:, None] * M + rows[None, :], mask=(t < n_tiles)[:, None] & row_ok[None, :],
                    other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _row_rstd(part, row_ok, inv_k, eps):
+    # rsqrt(mean square + eps) per row from its partial sums (_load_row_ssq); 0 for padding rows
     return tl.where(row_ok, tl.rsqrt(tl.sum(part, axis=0) * inv_k + eps), 0.0)
 
 

@@ -11,7 +11,9 @@ monkeypatched, as tests/models/test_fused_norm.py does); the unfused path is tod
 by making ``linear_pair`` decline. With the ops' CPU references the two paths are bit-identical:
 the products are the same ``F.linear`` calls, and the op's reference is the unfused RMSNorm and
 RoPE. On the Triton kernels (interpreter; CUDA in the ``gpu`` tests) the products' summation order
-and the kernel's reductions differ, so results agree to rounding.
+and the kernel's reductions differ, so results agree to rounding. The norms between layers
+(``LFMSPARK_NORM_CARRY``, which would feed the pair a carried norm) stay off here:
+tests/models/test_norm_carry.py covers them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from reference_dspark import reference_block
 V, H, TAPS = 96, 32, 3
 PAIR, QKV, KV = ("lfmspark.skinny_linear_pair.default", "lfmspark.qkv_norm_rope_write.default",
                  "lfmspark.kv_norm_rope_write.default")
+
+
+@pytest.fixture(autouse=True)
+def _no_norm_carry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_NORM_CARRY", "0")
 
 
 def _config(neox: bool = False, block: int = 5, heads: int = 4, head_dim: int = 8, hidden: int = H) -> DraftConfig:
