@@ -89,11 +89,6 @@ def _markov_walk_step_kernel(
     w_first = _load_rank_chunk(w_ptrs, 0, RANK, BLOCK_R)
     if PDL:  # everything else (the previous step's partials, base, the anchor) comes from earlier kernels
         tl.extra.cuda.gdc_wait()
-    # this slot's base logits depend on no earlier step: requested first, so that their latency hides
-    # behind the previous token's reduction, the w1 gather and the products instead of following them
-    ok = row_ok[:, None] & col_ok[None, :]
-    base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
-                   other=0.0)
     if FIRST:
         prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0)
     else:
@@ -117,7 +112,10 @@ def _markov_walk_step_kernel(
             e, w = e.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(e, tl.trans(w), acc, input_precision=DOT_PRECISION)
     bias = _round_to_weight_dtype(acc, ROUND)
-    best_v, best_i = block_argmax(base.to(tl.float32) + bias, cols[None, :], ok, 1)
+    ok = row_ok[:, None] & col_ok[None, :]
+    base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
+                   other=0.0).to(tl.float32)
+    best_v, best_i = block_argmax(base + bias, cols[None, :], ok, 1)
     part = (k * B + rows) * NB + j
     tl.store(pv_ptr + part, best_v, mask=row_ok)
     tl.store(pi_ptr + part, best_i, mask=row_ok)
