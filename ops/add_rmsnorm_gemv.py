@@ -20,10 +20,11 @@ Numerics: those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.li
 ``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s`` (``s * rsqrt(mean(s^2)
 + eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot products rounded once to
 the dtype; for ``swiglu`` gate and up each rounded, ``silu(gate)`` rounded, the product rounded.
-With ``scale_last`` (the feed-forward after ``ffn_norm`` while ``LFMSPARK_NORM_EPILOGUE`` is on,
-models/layers.py) those of the several-row verify, which runs that norm in its products' epilogues:
+With ``scale_last`` (the feed-forward after ``ffn_norm`` while ``LFMSPARK_NORM_EPILOGUE`` is on, and
+with ``LFMSPARK_NORM_CARRY`` also the products after a layer's norm: models/layers.py) those of the
+several-row verify, which runs those norms in its products' epilogues:
 ``s * norm weight`` rounded once and the fp32 dot products scaled by ``rsqrt(mean(s^2) + eps)``. A
-batch-1 decode step and a verify window then round the feed-forward's input at the same point, so
+batch-1 decode step and a verify window then round each such product's input at the same point, so
 speculation stays as close to target-only decoding in bf16 as the summation orders allow; the
 modules round it once more (``s * rstd``), a difference within bf16 noise. The summation orders
 differ from the reference's, so bf16 outputs may differ by an ulp. Static grid, no host sync:
