@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import ATTENTION, CONV, DraftConfig, TargetConfig
 from lfmspark.models.presets import random_draft, random_target
 
@@ -114,3 +115,18 @@ def derangement_of(perm: torch.Tensor) -> torch.Tensor:
 def with_config(model, **changes):
     model.config = dataclasses.replace(model.config, **changes)
     return model
+
+
+def random_tiny_draft_with_context(block: int = 4):
+    """A tiny draft attached to a tiny target's embedding and LM head, with 6 context positions
+    injected into slot 1 of a fresh cache. Returns ``(draft, cache, slot, start)``."""
+    draft = random_tiny_draft(block=block)
+    target = random_tiny_target(seed=2)
+    draft.attach_target(target.model.embed_tokens, target.lm_head)
+    cfg = draft.config
+    cache = DraftCache.allocate(cfg, 2, 32, torch.float32, "cpu")
+    aux = torch.randn(1, 6, len(cfg.target_layer_ids) * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    slot, start = torch.tensor([1]), torch.tensor([6])
+    with torch.no_grad():
+        draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
+    return draft, cache, slot, start

@@ -22,9 +22,8 @@ from lfmspark.models.cache import DraftCache, TargetCache
 from lfmspark.models.dspark import greedy_pick
 from lfmspark.models.lfm2 import ForwardMode, Rows
 from op_calls import OpCalls
-from spec_fixtures import random_tiny_draft, random_tiny_target
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+from spec_fixtures import random_tiny_draft_with_context, random_tiny_target
+from verify_window import TOL, assert_verify_close, rel_err, verify_window
 
 
 class RouteCalls:
@@ -66,23 +65,6 @@ def _switches(monkeypatch, on: bool) -> None:
     monkeypatch.setenv("LFMSPARK_NORM_CARRY", "1" if on else "0")
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _verify(model, dtype: torch.dtype, logits_index: torch.Tensor | None = None):
-    """Prefill a prompt (17 rows: off the route), then VERIFY a 6-token window at batch 1 (6 rows)."""
-    cache = TargetCache.allocate(model.config, 2, 64, 8, dtype, "cpu")
-    prompt = torch.arange(3, 20)[None] % model.config.vocab_size
-    window = torch.tensor([[5, 35, 8, 9, 12, 40]])
-    slot = torch.tensor([1])
-    with torch.no_grad():
-        model(prompt, cache, slot, torch.tensor([0]), mode=ForwardMode.PREFILL)
-        out = model(window, cache, slot, torch.tensor([prompt.shape[1]]), mode=ForwardMode.VERIFY,
-                    aux_layer_ids=(0, 2), logits_index=logits_index)
-    return out, cache
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_verify_matches_the_modules(monkeypatch, route, moe: bool, dtype: torch.dtype) -> None:
@@ -93,20 +75,15 @@ def test_verify_matches_the_modules(monkeypatch, route, moe: bool, dtype: torch.
     model = random_tiny_target(moe, seed=5).to(dtype)
     cfg = model.config
     _switches(monkeypatch, True)
-    on, cache_on = _verify(model, dtype)
+    on, cache_on = verify_window(model, dtype)
     dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
     assert len(route.producer.calls) == 2 * dense
     assert route.row_scaled() == (cfg.num_hidden_layers, 0)   # layers 1.. and the LM head
     route.clear()
     _switches(monkeypatch, False)
-    off, cache_off = _verify(model, dtype)
+    off, cache_off = verify_window(model, dtype)
     assert route.producer.calls == [] and route.row_scaled() == (0, 0)
-    assert _rel_err(on.logits, off.logits) < TOL[dtype]
-    assert _rel_err(on.aux, off.aux) < TOL[dtype]
-    for a, b in ((cache_on.k, cache_off.k), (cache_on.conv_tape, cache_off.conv_tape)):
-        assert _rel_err(a, b) < TOL[dtype]
-    if dtype == torch.float32:
-        assert torch.equal(on.logits.argmax(-1), off.logits.argmax(-1))
+    assert_verify_close(on, cache_on, off, cache_off, dtype)
 
 
 def test_picked_logits_drop_the_carry(monkeypatch, route) -> None:
@@ -115,11 +92,11 @@ def test_picked_logits_drop_the_carry(monkeypatch, route) -> None:
     model = random_tiny_target(seed=7)
     index = torch.tensor([3])
     _switches(monkeypatch, True)
-    on, _ = _verify(model, torch.float32, index)
+    on, _ = verify_window(model, torch.float32, index)
     _switches(monkeypatch, False)
-    off, _ = _verify(model, torch.float32, index)
+    off, _ = verify_window(model, torch.float32, index)
     assert on.logits.shape == off.logits.shape == (1, model.config.vocab_size)
-    assert _rel_err(on.logits, off.logits) < TOL[torch.float32]
+    assert rel_err(on.logits, off.logits) < TOL[torch.float32]
 
 
 def test_carry_only_in_verify_and_draft(monkeypatch, route) -> None:
@@ -134,25 +111,12 @@ def test_carry_only_in_verify_and_draft(monkeypatch, route) -> None:
     assert route.row_scaled() == (0, 0)
 
 
-def _draft_setup():
-    draft = random_tiny_draft(block=4)
-    target = random_tiny_target(seed=2)
-    draft.attach_target(target.model.embed_tokens, target.lm_head)
-    cfg = draft.config
-    cache = DraftCache.allocate(cfg, 2, 32, torch.float32, "cpu")
-    aux = torch.randn(1, 6, len(cfg.target_layer_ids) * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    slot, start = torch.tensor([1]), torch.tensor([6])
-    with torch.no_grad():
-        draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
-    return draft, cache, slot, start
-
-
 def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> None:
     """The draft's block (4 rows): hidden states, greedy proposal and a sampling-style walk (which
     reads the normed states, so it runs the final norm itself) agree with both switches off; with
     them on, two producer calls per layer, the later layers' pair products and the greedy LM head
     finish the carried norms."""
-    draft, cache, slot, start = _draft_setup()
+    draft, cache, slot, start = random_tiny_draft_with_context()
     n_layers = draft.config.num_hidden_layers
     anchor = torch.tensor([7])
 
@@ -172,10 +136,10 @@ def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> No
         assert len(route.producer.calls) == (2 * n_layers if on else 0)
         assert route.row_scaled() == ((1, n_layers - 1) if on else (0, 0))
     (h_on, greedy_on, general_on), (h_off, greedy_off, general_off) = runs[True], runs[False]
-    assert _rel_err(h_on, h_off) < TOL[torch.float32]
+    assert rel_err(h_on, h_off) < TOL[torch.float32]
     assert torch.equal(greedy_on.tokens, greedy_off.tokens)
     assert torch.equal(general_on.tokens, greedy_on.tokens)
-    assert _rel_err(general_on.logits, general_off.logits) < TOL[torch.float32]
+    assert rel_err(general_on.logits, general_off.logits) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("carry", [True, False])

@@ -21,10 +21,10 @@ import lfmspark.models.layers as layers
 from lfmspark.models.cache import DraftCache, TargetCache
 from lfmspark.models.lfm2 import ForwardMode
 from op_calls import OpCalls
-from spec_fixtures import random_tiny_draft, random_tiny_target
+from spec_fixtures import random_tiny_draft_with_context, random_tiny_target
+from verify_window import TOL, assert_verify_close, rel_err, verify_window
 
 ADD_NORM = "skinny_linear_add_norm"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 
 @pytest.fixture
@@ -38,22 +38,9 @@ def several_row_route(monkeypatch) -> OpCalls:
     return calls
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _verify(model, monkeypatch, on: bool, dtype: torch.dtype):
-    """Prefill a prompt (17 rows: off the route), then VERIFY a 6-token window at batch 1 (6 rows)."""
     monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
-    cache = TargetCache.allocate(model.config, 2, 64, 8, dtype, "cpu")
-    prompt = torch.arange(3, 20)[None] % model.config.vocab_size
-    window = torch.tensor([[5, 35, 8, 9, 12, 40]])
-    slot = torch.tensor([1])
-    with torch.no_grad():
-        model(prompt, cache, slot, torch.tensor([0]), mode=ForwardMode.PREFILL)
-        out = model(window, cache, slot, torch.tensor([prompt.shape[1]]), mode=ForwardMode.VERIFY,
-                    aux_layer_ids=(0, 2))
-    return out, cache
+    return verify_window(model, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -69,25 +56,13 @@ def test_verify_matches_the_modules(monkeypatch, several_row_route, moe: bool, d
     several_row_route.calls.clear()
     off, cache_off = _verify(model, monkeypatch, False, dtype)
     assert several_row_route.calls == []
-    assert _rel_err(on.logits, off.logits) < TOL[dtype]
-    assert _rel_err(on.aux, off.aux) < TOL[dtype]
-    for a, b in ((cache_on.k, cache_off.k), (cache_on.conv_tape, cache_off.conv_tape)):
-        assert _rel_err(a, b) < TOL[dtype]
-    if dtype == torch.float32:
-        assert torch.equal(on.logits.argmax(-1), off.logits.argmax(-1))
+    assert_verify_close(on, cache_on, off, cache_off, dtype)
 
 
 def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None:
     """The draft's block (4 rows) with and without the epilogue pair, one producer call per layer."""
-    draft = random_tiny_draft(block=4)
-    target = random_tiny_target(seed=2)
-    draft.attach_target(target.model.embed_tokens, target.lm_head)
+    draft, cache, slot, start = random_tiny_draft_with_context()
     cfg = draft.config
-    cache = DraftCache.allocate(cfg, 2, 32, torch.float32, "cpu")
-    aux = torch.randn(1, 6, len(cfg.target_layer_ids) * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    slot, start = torch.tensor([1]), torch.tensor([6])
-    with torch.no_grad():
-        draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
     blocks = {}
     for on in (True, False):
         monkeypatch.setenv("LFMSPARK_NORM_EPILOGUE", "1" if on else "0")
@@ -97,7 +72,7 @@ def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None
             blocks[on] = draft.block_hidden(torch.tensor([7]), c, slot, start)
         assert len(several_row_route.calls) == (cfg.num_hidden_layers if on else 0)
     for a, b in zip(blocks[True], blocks[False], strict=True):
-        assert _rel_err(a, b) < TOL[torch.float32]
+        assert rel_err(a, b) < TOL[torch.float32]
 
 
 def test_decode_and_wide_windows_keep_their_paths(monkeypatch, several_row_route) -> None:
