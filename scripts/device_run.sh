@@ -68,10 +68,11 @@ for step in $STEPS; do
         env $envs timeout ${T_ALLOC:-120} python3 scripts/alloc_state_probe.py --preset lfm2.5-1.2b $extra \
           --json $RUN/alloc_$name.json 2>&1 | tee $RUN/alloc_$name.log | grep -E "step|Error" | cut -c1-120
       done ;;
-    normprobe)  # the round with the norm kernels removed (timing only; scripts/norm_removal_probe.py), NORM_MODES
+    normprobe)  # the round with the norm kernels removed (timing only; scripts/norm_removal_probe.py), NORM_MODES;
+                # LFMSPARK_NORM_CARRY from NORM_CARRY, default 0 (what `remaining` measures against)
       for mode in ${NORM_MODES:-none remaining}; do
         echo "--- $mode"
-        timeout ${T_NORM:-150} python3 scripts/norm_removal_probe.py $mode bench --preset lfm2.5-1.2b --batch-sizes 1 \
+        LFMSPARK_NORM_CARRY=${NORM_CARRY:-0} timeout ${T_NORM:-150} python3 scripts/norm_removal_probe.py $mode bench --preset lfm2.5-1.2b --batch-sizes 1 \
           --runs 2 --no-hf --no-phase-split --imposed-acceptance 0.8 --profile-dir $RUN/profile_norm_$mode \
           --json $RUN/norm_$mode.json > $RUN/norm_$mode.log 2>&1 || tail -20 $RUN/norm_$mode.log
       done

@@ -49,9 +49,9 @@ def _patch_feed_forward_norms() -> None:
     """Target and draft layers: the mixer's projection straight into the SwiGLU (no add, no norm)."""
     project = layers.project_norm_feed_forward
 
-    def skipped(h, y, proj, norm, feed_forward, fuse=True):
+    def skipped(h, y, proj, norm, feed_forward, fuse=True, next_norm=None):
         if fuse or not _several_rows(y) or not isinstance(feed_forward, layers.SwiGLU):
-            return project(h, y, proj, norm, feed_forward, fuse)
+            return project(h, y, proj, norm, feed_forward, fuse, next_norm)
         x = proj(y)
         return x, feed_forward(x)
 

@@ -130,6 +130,49 @@ def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch, tri
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _norm_carry_chain(x: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, g_ffn: torch.Tensor,
+                      w13: torch.Tensor, w2: torch.Tensor, g_next: torch.Tensor, w_in: torch.Tensor,
+                      w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A verify layer's tail and the next layer's input products on the norm epilogues
+    (models/layers.py ``NormedCarry``): out_proj with the residual and the feed-forward norm's
+    statistics, the gate/up product with the row scale, w2 with the residual and the next norm's
+    statistics, then two consumers of that carry (in_proj, the draft's q + K/V pair). Each kernel
+    reads outputs of its predecessor and of kernels before it, weights and norm weights before its
+    PDL wait."""
+    s, scaled, ssq = lfm.skinny_linear_add_norm(x, w_o, residual, g_ffn)
+    act = lfm.skinny_swiglu(scaled, w13, ssq, 1e-5)
+    out, scaled, ssq = lfm.skinny_linear_add_norm(act, w2, s, g_next)
+    return out, lfm.skinny_linear(scaled, w_in, ssq, 1e-5), lfm.skinny_linear_pair(scaled, w_a, w_b, ssq, 1e-5)
+
+
+@pytest.mark.gpu
+def test_norm_carry_chain_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm epilogues' producer / consumer chain (LFM2.5-1.2B's verify shapes, 10 rows; split-K
+    fix-ups in out_proj and w2) replayed from a CUDA graph with PDL equals the chain without PDL."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    H, F = 2048, 8192
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16) * scale / shape[-1] ** 0.5
+
+    norm_weight = [1 + 0.2 * torch.randn(H, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    args = (rand(10, H, scale=H ** 0.5), rand(10, H, scale=H ** 0.5), rand(H, H), norm_weight[0], rand(2 * F, H),
+            rand(H, F), norm_weight[1], rand(3 * H, H), rand(H, H), rand(H // 2, H))
+    monkeypatch.setenv("LFMSPARK_PDL", "0")
+    want = _norm_carry_chain(*args)
+    monkeypatch.setenv("LFMSPARK_PDL", "1")
+    _norm_carry_chain(*args)  # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _norm_carry_chain(*args)
+    assert all(t.abs().max() > 0.1 for t in want)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_every_kernel_takes_the_pdl_constexpr() -> None:
     """Launchers pass ``PDL=`` to every kernel; the interpreter ignores unknown keywords, so a kernel
     missing the parameter only fails on a GPU. Checked here for all of ``lfmspark.ops``."""

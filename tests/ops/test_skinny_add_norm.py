@@ -146,16 +146,19 @@ def test_row_scaled_products_match_the_modules(triton_device: str, dtype: torch.
     """The norms between layers (models/layers.py ``NormedCarry``): the producer's ``s * g`` and row
     sums, through ``skinny_linear`` / ``skinny_linear_pair`` with ``row_ssq``, against their
     references and against the modules (RMSNorm of the sum, then the product)."""
-    M, H = 10, 64
-    x, w, residual, g = _inputs(triton_device, dtype, M, H, 48, seed=N)
-    s, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, CASES[0][2])
+    M, H = 10, 48
+    x, w, residual, g = _inputs(triton_device, dtype, M, H, 40, seed=N)
+    # three column tiles of the producer: the consumers add three partial sums per row
+    s, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, SkinnyConfig(block_n=16, block_k=32,
+                                                                                   swap_ab=True))
+    assert ssq.shape == (3, M)
     gen = torch.Generator().manual_seed(K)
     w_next = (torch.randn(N, H, generator=gen) / H ** 0.5).to(triton_device, dtype)
     # the pair's first weight: whole column tiles
     w_a = (torch.randn(cfg.block_n, H, generator=gen) / H ** 0.5).to(triton_device, dtype)
     norm = RMSNorm(H, EPS).to(triton_device)
     norm.weight.data = g
-    product_cfg = replace(cfg, split_k=min(cfg.split_k, 2))   # K = H = 64: at most two 32-wide splits
+    product_cfg = replace(cfg, split_k=min(cfg.split_k, 2))   # K = H = 48: at most two 32-wide splits
     got = skinny_linear_triton(scaled, w_next, product_cfg, row_ssq=ssq, eps=EPS)
     assert _rel_err(got, skinny_linear_reference(scaled, w_next, ssq, EPS)) < TOL[dtype]
     assert _rel_err(got, torch.nn.functional.linear(norm(s), w_next)) < TOL[dtype]
@@ -165,11 +168,13 @@ def test_row_scaled_products_match_the_modules(triton_device: str, dtype: torch.
 
 
 def test_row_scaled_product_reaches_each_row(triton_device: str) -> None:
-    """``skinny_linear``'s row scale: rows of known mean squares come out divided by their rms."""
+    """``skinny_linear``'s row scale: rows of known mean squares (each sum given in three partials)
+    come out divided by their rms."""
     M, H, N = 4, 64, 48
     x = torch.randn(M, H, device=triton_device)
     w = torch.randn(N, H, device=triton_device) / H ** 0.5
-    ssq = torch.tensor([[1.0, 4.0, 16.0, 64.0]], device=triton_device) * H
+    ssq = torch.tensor([[1.0, 4.0, 16.0, 64.0]], device=triton_device) * H * torch.tensor([[0.5], [0.25], [0.25]],
+                                                                                        device=triton_device)
     out = skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32, swap_ab=True), row_ssq=ssq, eps=0.0)
     c = torch.tensor([1.0, 0.5, 0.25, 0.125], device=triton_device)[:, None]
     torch.testing.assert_close(out, c * (x @ w.T), rtol=1e-5, atol=1e-6)
