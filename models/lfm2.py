@@ -58,7 +58,8 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import Linear, Pending, RMSNorm, SwiGLU, completed, norm_linear, project_norm_feed_forward
+from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, norm_linear,
+                     project_norm_feed_forward)
 
 lfm = torch.ops.lfmspark
 
@@ -246,8 +247,9 @@ class Lfm2ForCausalLM(nn.Module):
         h, delta, aux = self.hidden_states(input_ids, cache, slots, start, lens, mode, aux_layer_ids)
         if logits_index is not None:
             picked = torch.arange(h.shape[0], device=h.device), logits_index
-            h = completed(h, delta)[picked]   # a carry's statistics are of every column: dropped
-            delta = None
+            if isinstance(delta, NormedCarry):   # its statistics are of every column: dropped (h is complete)
+                delta = None
+            h, delta = h[picked], None if delta is None else delta[picked]
         return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
