@@ -171,7 +171,11 @@ def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch
 
 def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                               config: WalkConfig | None = None) -> torch.Tensor:
-    """The op on the Triton kernels (``config``: launch override, for tests and tuning)."""
+    """The op on the Triton kernels: the persistent walk (ops/markov_walk_persistent.py) where it
+    applies and ``LFMSPARK_WALK`` allows it, else the step kernels (always with ``config``, a launch
+    override of the step kernel, for tests and tuning)."""
+    from .markov_walk_persistent import (markov_greedy_walk_persistent, persistent_walk_requested,
+                                         persistent_walk_usable)  # that module imports this one
     _check(base, anchor, w1, w2)
     B, G, V = base.shape
     rank = w2.shape[1]
@@ -182,6 +186,8 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     w1 = w1 if w1.stride(1) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(1) == 1 else w2.contiguous()
     anchor = anchor.contiguous()
+    if config is None and persistent_walk_requested() and persistent_walk_usable(base.device, B):
+        return markov_greedy_walk_persistent(base, anchor, w1, w2)
     cfg = config or walk_config(B, V, rank)
     nb = triton.cdiv(V, cfg.block_v)
     block_b = 16 if B <= 16 else 32

@@ -25,8 +25,8 @@ for step in $STEPS; do
     ttft)    # first- vs second-request prefill per shape, with the Triton kernels each compiled
       timeout ${T_TTFT:-200} python3 scripts/ttft_probe.py --preset ${TTFT_PRESET:-lfm2.5-1.2b} ${TTFT_ARGS:-} \
         --json $RUN/ttft.json 2>&1 | tee $RUN/ttft.log | grep -v "^      " | tail -40 ;;
-    walk)    # the Markov walk's launch-config sweep
-      timeout ${T_WALK:-120} python3 benchmarks/kernels/argmax_walk.py --sweep --batches ${WALK_BATCHES:-1} --json $RUN/walk.json 2>&1 \
+    walk)    # the Markov walk's launch-config sweep (WALK_ARGS=--persistent-sweep: the persistent walk's)
+      timeout ${T_WALK:-120} python3 benchmarks/kernels/argmax_walk.py ${WALK_ARGS:---sweep} --batches ${WALK_BATCHES:-1} --json $RUN/walk.json 2>&1 \
         | tee $RUN/walk.log | head -${WALK_LINES:-24} ;;
     kernels)
       timeout ${T_KERNELS:-150} python3 benchmarks/kernels/run_all.py --json $RUN/kernels.json > $RUN/kernels.log 2>&1

@@ -274,7 +274,7 @@ def test_engine_construction_limits(target, draft):
 @pytest.mark.parametrize("switch, value", [
     ("LFMSPARK_PDL", "yes"), ("LFMSPARK_PDL_TRIGGER", "early"), ("LFMSPARK_INDUCTOR_PDL", "on"),
     ("LFMSPARK_SKINNY_LINEAR", "most"), ("LFMSPARK_FUSED_NORM", "true"), ("LFMSPARK_NORM_EPILOGUE", "yes"),
-    ("LFMSPARK_NORM_CARRY", "2"), ("LFMSPARK_TUNE", "gemv.block=4"),
+    ("LFMSPARK_NORM_CARRY", "2"), ("LFMSPARK_TUNE", "gemv.block=4"), ("LFMSPARK_WALK", "grid"),
 ])
 def test_a_misspelt_switch_is_refused_when_the_engine_is_built(target, monkeypatch, switch, value):
     """Switches act at launch or trace time (on a CPU some never do): the engine checks them all first."""

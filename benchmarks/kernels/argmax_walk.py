@@ -7,7 +7,8 @@ Bytes: argmax reads the logits once; the walk reads ``base`` once and ``w2`` onc
 each, from L2 after the first on the H200; GB/s above the HBM copy rate means L2 hits).
 
     python benchmarks/kernels/argmax_walk.py
-    python benchmarks/kernels/argmax_walk.py --sweep     # the walk's launch configs (WalkConfig)
+    python benchmarks/kernels/argmax_walk.py --sweep     # the step kernels' launch configs (WalkConfig)
+    python benchmarks/kernels/argmax_walk.py --persistent-sweep   # the persistent walk's (PersistentWalkConfig)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
+from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig, markov_greedy_walk_persistent
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -77,6 +79,50 @@ def sweep(batches: list[int]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["B"], r.get("us_per_walk", 1e9)))
 
 
+def _cold_l2_us(fn, flush_src: torch.Tensor, flush_dst: torch.Tensor) -> float:
+    """Microseconds of ``fn`` after a copy that evicts L2 (as the LM head's 268 MB read does before
+    the walk in the round): a graph of copy + ``fn`` minus a graph of the copy alone."""
+    def both():
+        flush_dst.copy_(flush_src)
+        fn()
+    return (time_ms(both) - time_ms(lambda: flush_dst.copy_(flush_src))) * 1e3
+
+
+def persistent_sweep(batches: list[int]) -> list[dict]:
+    """The persistent walk's configs against the step kernels' default, each timed after an L2
+    flush and checked against the reference on order-independent inputs (weights multiples of 1/8)."""
+    dev, rows = "cuda", []
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randint(-16, 17, (V, RANK), generator=g) / 8).to(dev, torch.bfloat16)
+    w2 = (torch.randint(-16, 17, (V, RANK), generator=g) / 8).to(dev, torch.bfloat16)
+    flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
+    flush_dst = torch.empty_like(flush_src)
+    configs = [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw, num_stages=ns)
+               for bv, res, nw, ns in [(64, 0, 4, 2), (64, 0, 8, 2), (64, 2, 8, 2), (64, 2, 4, 2),
+                                       (128, 0, 4, 2), (128, 0, 8, 2), (128, 0, 8, 3), (128, 1, 8, 2),
+                                       (128, 1, 4, 2), (128, 1, 16, 2), (128, 2, 8, 2), (128, 2, 16, 2),
+                                       (256, 0, 8, 2), (256, 1, 8, 2), (256, 1, 16, 2)]]
+    for B in batches:
+        base = (torch.randint(-40, 41, (B, G, V), generator=g) / 4).to(dev, torch.bfloat16)
+        anchor = torch.randint(0, V, (B,), generator=g).to(dev)
+        want = markov_greedy_walk_reference(base.cpu().float(), anchor.cpu(), w1.cpu(), w2.cpu())
+        steps = walk_config(B, V, RANK)
+        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
+        rows.append({"B": B, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2),
+                     "same_tokens": torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, steps).cpu(), want)})
+        for cfg in configs:
+            try:
+                same = torch.equal(markov_greedy_walk_persistent(base, anchor, w1, w2, cfg).cpu(), want)
+                us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, cfg), flush_src, flush_dst)
+            except Exception as exc:  # e.g. out of registers / shared memory: report, go on
+                rows.append({"B": B, "kernel": "persistent", "config": str(cfg), "error": f"{type(exc).__name__}: "
+                             f"{str(exc)[:80]}"})
+                continue
+            rows.append({"B": B, "kernel": "persistent", "config": str(cfg), "us_per_walk": round(us, 2),
+                         "same_tokens": same})
+    return sorted(rows, key=lambda r: (r["B"], r.get("us_per_walk", 1e9)))
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -84,11 +130,16 @@ if __name__ == "__main__":
     from tabulate import tabulate
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="sweep the walk's launch configs instead")
+    ap.add_argument("--sweep", action="store_true", help="sweep the step kernels' launch configs instead")
+    ap.add_argument("--persistent-sweep", action="store_true", help="sweep the persistent walk's configs instead")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = sweep([int(b) for b in args.batches.split(",")]) if args.sweep else run(copy_bandwidth_gbps())
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.persistent_sweep:
+        result = persistent_sweep(batches)
+    else:
+        result = sweep(batches) if args.sweep else run(copy_bandwidth_gbps())
     print(tabulate(result, headers="keys"))
     if args.json:
         with open(args.json, "w") as f:

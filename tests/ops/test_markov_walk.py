@@ -25,8 +25,11 @@ import triton
 import triton.language as tl
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops import markov_walk_persistent
 from lfmspark.ops.markov_walk import (WalkConfig, _round_to_weight_dtype, markov_greedy_walk_reference,
                                       markov_greedy_walk_triton, walk_config)
+from lfmspark.ops.markov_walk_persistent import (PersistentWalkConfig, markov_greedy_walk_persistent,
+                                                 persistent_walk_usable, programs_for)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SMALL = WalkConfig(block_v=64, block_r=16, num_warps=4)   # many column blocks at test sizes
@@ -212,6 +215,91 @@ def test_default_config() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# the persistent walk (one launch, a grid barrier per slot; one program in the interpreter)
+
+PERSISTENT = [PersistentWalkConfig(block_v=32, resident=0, num_warps=4),
+              PersistentWalkConfig(block_v=64, resident=1, num_warps=4),
+              PersistentWalkConfig(block_v=32, resident=2, num_warps=4),
+              PersistentWalkConfig(block_v=32, resident=1, num_warps=4, programs=3)]
+
+
+def _same_persistent(base, anchor, w1, w2, config: PersistentWalkConfig) -> None:
+    out = markov_greedy_walk_persistent(base, anchor, w1, w2, config)
+    ref = markov_greedy_walk_reference(base.cpu(), anchor.cpu(), w1.cpu(), w2.cpu())
+    assert out.dtype == torch.int64 and out.shape == base.shape[:2]
+    assert torch.equal(out.cpu(), ref), (config, out, ref)
+
+
+@pytest.mark.parametrize("config", PERSISTENT, ids=["stream", "res1", "res2", "p3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B, G, V, r", [(1, 9, 500, 48), (16, 3, 97, 16), (5, 9, 320, 64)])
+def test_persistent_matches_reference(triton_device: str, config: PersistentWalkConfig, dtype: torch.dtype,
+                                      B: int, G: int, V: int, r: int) -> None:
+    """Resident blocks (0-2), several blocks per program, V not a multiple of the block, rank not a
+    power of two, 1-16 rows."""
+    _same_persistent(*_grid_inputs(triton_device, dtype, B, G, V, r, seed=B * 7 + r), config)
+
+
+def test_persistent_ties_nan_and_flat_logits(triton_device: str) -> None:
+    """The step kernels' edge cases through the persistent walk: first index among equal maxima
+    across blocks and programs, NaN wins, a half-precision base with a strided slot."""
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 2, 3, 300, 16, seed=7)
+    base[0, 1, 200] = float("nan")
+    base[1, 0, 150] = base[1, 0, 20] = float("nan")
+    base[0, 2] = 1.0                                   # flat: the bias alone decides, ties to the first
+    for config in PERSISTENT:
+        _same_persistent(base, anchor, w1, w2, config)
+    wide = torch.zeros(2, 5, 300, device=triton_device, dtype=torch.bfloat16)
+    wide[:, 1:4] = base.bfloat16()
+    _same_persistent(wide[:, 1:4], anchor, w1, w2, PERSISTENT[1])
+
+
+def test_persistent_walk_is_the_default_up_to_16_rows(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a config: the persistent walk for 1-16 rows unless ``LFMSPARK_WALK=steps``; the step
+    kernels beyond 16 rows and whenever a step config is given."""
+    calls = []
+    real = markov_walk_persistent.markov_greedy_walk_persistent
+    monkeypatch.setattr(markov_walk_persistent, "markov_greedy_walk_persistent",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for B, walk, config, persistent in [(16, "persistent", None, True), (17, "persistent", None, False),
+                                        (3, "steps", None, False), (3, "persistent", SMALL, False)]:
+        monkeypatch.setenv("LFMSPARK_WALK", walk)
+        calls.clear()
+        _same(*_grid_inputs(triton_device, torch.bfloat16, B, 3, 200, 16, seed=B), config)
+        assert calls == ([B] if persistent else []), (B, walk, config)
+    monkeypatch.setenv("LFMSPARK_WALK", "grid")
+    with pytest.raises(ValueError, match="LFMSPARK_WALK='grid'"):
+        markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 1, 3, 200, 16, seed=1))
+
+
+def test_persistent_walk_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    assert persistent_walk_usable(cuda, 16) and not persistent_walk_usable(cuda, 17)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")   # fewer SMs than the device reports
+    assert not persistent_walk_usable(cuda, 1)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
+    assert persistent_walk_usable(cuda, 1)
+
+
+def test_programs_for_the_served_vocabulary() -> None:
+    """At most one program per SM, each with whole blocks, covering the vocabulary."""
+    cpu = torch.device("cpu")
+    assert programs_for(65536, 128, cpu, 132) == (128, 4)
+    assert programs_for(65536, 64, cpu, 132) == (128, 8)
+    assert programs_for(65536, 128, cpu, 1) == (1, 512)
+    assert programs_for(300, 64, cpu, 132) == (5, 1)
+    for V, bv, limit in [(500, 32, 3), (151936, 128, 132), (97, 64, 8)]:
+        P, n = programs_for(V, bv, cpu, limit)
+        assert P <= limit and P * n * bv >= V and (P - 1) * n * bv < V
+
+
+def test_persistent_rejects_bad_resident() -> None:
+    with pytest.raises(ValueError, match="resident = 3"):
+        markov_greedy_walk_persistent(*_op_args(), PersistentWalkConfig(resident=3))
+
+
+# ---------------------------------------------------------------------------------------------
 # op registration, dispatch, torch.compile
 
 def _op_args():
@@ -251,6 +339,56 @@ def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("B", [1, 4, 20])
 def test_gpu_served_shape(B: int) -> None:
     _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [PersistentWalkConfig(resident=r, num_warps=w) for r, w in [(0, 8), (1, 8), (2, 16)]]
+                         + [PersistentWalkConfig(block_v=64, resident=2, num_warps=8)], ids=["r0", "r1", "r2", "bv64"])
+@pytest.mark.parametrize("B", [1, 4, 16])
+def test_gpu_persistent_served_shape(B: int, config: PersistentWalkConfig) -> None:
+    """One program per SM, each with its slice of ``w2``, a real grid barrier per slot."""
+    _same_persistent(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B), config)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_served_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_WALK", "steps")
+    _same(*_grid_inputs("cuda", torch.bfloat16, 4, 9, 65536, 256, seed=3))
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_barrier_state_survives_many_replays() -> None:
+    """Two walks over two weights in one graph after a large product (PDL edges into and out of the
+    walk), replayed 200 times: tokens follow the inputs, and each barrier counter is back at 0 or
+    2**31 (its rest states) after every replay."""
+    base, anchor, w1, w2 = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=1)
+    w2b = w2.flip(0).contiguous()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    m = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def both():
+        y = x @ m
+        return (torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2),
+                torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2b), y)
+
+    both()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_a, out_b, _ = both()
+    syncs = [markov_walk_persistent._sync_for(w) for w in (w2, w2b)]
+    for rep in range(200):
+        if rep % 50 == 0:
+            new = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=100 + rep)
+            base.copy_(new[0])
+            anchor.copy_(new[1])
+        graph.replay()
+        if rep % 50 == 0:
+            args = (base.cpu(), anchor.cpu(), w1.cpu())
+            assert torch.equal(out_a.cpu(), markov_greedy_walk_reference(*args, w2.cpu()))
+            assert torch.equal(out_b.cpu(), markov_greedy_walk_reference(*args, w2b.cpu()))
+    torch.cuda.synchronize()
+    for sync in syncs:
+        assert sync.item() in (0, -2 ** 31)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,241 @@
+"""The greedy Markov walk (ops/markov_walk.py) in one persistent launch: ``G`` steps, one grid barrier each.
+
+Why: the step kernels re-read the whole ``w2`` (``[65536, 256]`` bf16, 33.5 MB) from L2 / HBM at every
+one of the block's nine slots and pay a launch hand-off per slot: 78 us of the 1.21 ms batch-1 round
+(docs/benchmarks.md, session 15). Every slot multiplies the same matrix, so here each program owns a
+fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column blocks in
+registers (loaded before the PDL wait, beside the LM head's tail) and streams the rest of its slice,
+which stays in L2, and the slots are separated by a grid barrier instead of launches.
+
+Design: grid ``(P,)``, one program per SM at most, so every program is resident at once (the barrier
+needs that; ``programs_for`` sizes it from the SM count). Program ``j`` owns columns
+``[j * N_BLOCKS * BLOCK_V, (j + 1) * N_BLOCKS * BLOCK_V)``. Step ``k``: ``e = w1[prev]``, the bias
+and argmax over its columns (the step kernel's numerics: ``tl.dot``, fp32 sum rounded once to the
+weight dtype, first index among equal maxima, NaN wins), one partial ``(max, index)`` per row to
+``[G, BLOCK_B, P]`` scratch, then the barrier, then every program reduces the ``P`` partials of its
+rows to ``prev`` (program 0 also stores the token). Rows: at most ``BLOCK_B = 16`` (the launcher
+takes the step kernels beyond that).
+
+The barrier is one uint32 in ``sync``, 0 or ``2**31`` at rest: each program adds 1 (program 0
+adds ``2**31 - (P - 1)``) after its partial stores (a CTA barrier, then a release add) and spins with
+acquire reads until bit 31 differs from what its add returned; the last arrival flips it and leaves
+the low bits as they were, so the counter needs no reset (the scheme of Inductor's cooperative
+reductions). Consequences: one ``sync`` must not serve two walks running at the same time (the
+launcher keeps one per weight and device), and a grid larger than what can be resident at once
+would spin forever, which is why ``P`` never exceeds the SM count and why an MPS thread limit
+selects the step kernels (:func:`persistent_walk_usable`). PDL: the trigger at entry is safe, as a
+successor's programs can only launch once all ``P`` programs have executed it, i.e. are resident.
+
+The Triton interpreter runs programs one after another, so there the grid is a single program
+(``P = 1``: its barrier is its own add), which still runs every line of the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import pdl_kwargs
+from .argmax_rows import block_argmax, combine_argmax
+from .markov_walk import _ROUND, _round_to_weight_dtype
+from .tuning import tuned
+
+MAX_ROWS = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+@triton.jit
+def _block_scores(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk,
+                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``(max, first index)`` per row of ``base[:, k, cols] + round(e @ w.T)`` over the valid columns."""
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
+                   other=0.0).to(tl.float32)
+    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
+        e, w = e.to(tl.float32), w.to(tl.float32)
+    bias = _round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
+    return block_argmax(base + bias, cols[None, :], ok, 1)
+
+
+@triton.jit
+def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2):
+    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept)."""
+    ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2 + rk[None, :]
+    if RANK == rk.shape[0]:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, P):
+    """Return once all ``P`` programs have called this (see the module doc)."""
+    tl.debug_barrier()                    # every thread's partial stores precede the release below
+    # program 0 adds 2**31 - (P - 1), the others 1: the last arrival flips bit 31, the rest ends as it was
+    one = tl.full((), 1, tl.uint32)
+    top = one << 31
+    arrive = tl.where(tl.program_id(0) == 0, top - (P.to(tl.uint32) - one), one)
+    before = tl.atomic_add(sync_ptr, arrive, sem="release")
+    flipped = False
+    while not flipped:
+        now = tl.atomic_add(sync_ptr, 0, sem="acquire")
+        flipped = ((before ^ now) & top) != 0
+    tl.debug_barrier()                    # no thread reads the partials before the acquire
+
+
+@triton.jit
+def _markov_walk_persistent_kernel(
+    base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, tok_ptr, sync_ptr,
+    B, G, V, P,
+    stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, BLOCK_P: tl.constexpr, ROUND: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py; safe at entry (module doc)
+        tl.extra.cuda.gdc_launch_dependents()
+    j = tl.program_id(0)
+    sync_ptr = sync_ptr.to(tl.pointer_type(tl.uint32))
+    first_col = j * (N_BLOCKS * BLOCK_V)
+    rows = tl.arange(0, BLOCK_B)
+    row_ok = rows < B
+    rk = tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BLOCK_V)
+    # the resident blocks depend on no earlier kernel: requested before the wait
+    if RESIDENT >= 1:
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+    if RESIDENT >= 2:
+        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0)
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = row_ok[:, None] & (offs_p < P)[None, :]
+    for k in range(G):
+        e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :]
+        e = tl.load(e_ptrs, mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
+        best_v = tl.full((BLOCK_B,), float("-inf"), tl.float32)
+        best_i = tl.full((BLOCK_B,), 2147483647, tl.int32)
+        if RESIDENT >= 1:
+            best_v, best_i = _block_scores(e, w_res0, base_ptr, rows, row_ok, first_col + offs_v, k, V, stride_bb,
+                                           stride_bk, ROUND, DOT_PRECISION, UPCAST)
+        if RESIDENT >= 2:
+            v, i = _block_scores(e, w_res1, base_ptr, rows, row_ok, first_col + BLOCK_V + offs_v, k, V, stride_bb,
+                                 stride_bk, ROUND, DOT_PRECISION, UPCAST)
+            best_v, best_i = combine_argmax(best_v, best_i, v, i)
+        for blk in range(RESIDENT, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
+            cols = first_col + blk * BLOCK_V + offs_v
+            w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
+            v, i = _block_scores(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk, ROUND,
+                                 DOT_PRECISION, UPCAST)
+            best_v, best_i = combine_argmax(best_v, best_i, v, i)
+        part = (k * BLOCK_B + rows) * P + j
+        tl.store(pv_ptr + part, best_v, mask=row_ok)
+        tl.store(pi_ptr + part, best_i, mask=row_ok)
+        _grid_barrier(sync_ptr, P)
+        # the partials of all programs, in column order; .cg: from L2, never a stale L1 line
+        pp = (k * BLOCK_B + rows)[:, None] * P + offs_p[None, :]
+        v = tl.load(pv_ptr + pp, mask=p_ok, other=0.0, cache_modifier=".cg")
+        i = tl.load(pi_ptr + pp, mask=p_ok, other=0, cache_modifier=".cg")
+        prev = tl.where(row_ok, block_argmax(v, i, p_ok, 1)[1], 0)
+        if j == 0:
+            tl.store(tok_ptr + rows * stride_tb + k, prev.to(tl.int64), mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+@dataclass(frozen=True)
+class PersistentWalkConfig:
+    """Launch parameters: ``block_v`` columns per block, the first ``resident`` (0-2) of a program's
+    blocks kept in registers, ``programs`` (None: as many as the SMs allow; the interpreter: 1)."""
+    block_v: int = 128
+    resident: int = 1
+    num_warps: int = 8
+    num_stages: int = 2
+    programs: int | None = None
+
+
+def persistent_walk_config() -> PersistentWalkConfig:
+    """Defaults, overridable by ``LFMSPARK_TUNE`` kind ``walk_grid`` (ops/tuning.py)."""
+    d = PersistentWalkConfig()
+    return PersistentWalkConfig(block_v=tuned("walk_grid", "block_v", d.block_v),
+                                resident=tuned("walk_grid", "resident", d.resident),
+                                num_warps=tuned("walk_grid", "num_warps", d.num_warps),
+                                num_stages=tuned("walk_grid", "num_stages", d.num_stages))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def persistent_walk_requested() -> bool:
+    """``LFMSPARK_WALK`` (default ``persistent``): the greedy Markov walk in one persistent launch, or
+    ``steps``: one launch per slot (ops/markov_walk.py)."""
+    value = os.environ.get("LFMSPARK_WALK", "persistent")
+    if value not in ("persistent", "steps"):
+        raise ValueError(f"LFMSPARK_WALK={value!r}: use persistent (the walk in one launch) or steps (one launch "
+                         "per block slot)")
+    return value == "persistent"
+
+
+def persistent_walk_usable(device: torch.device, B: int) -> bool:
+    """Whether the persistent walk may run: at most ``MAX_ROWS`` rows, and every SM available to this
+    process (under an MPS thread limit fewer may be, and a grid that cannot be resident at once
+    would never pass its barrier)."""
+    mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    return B <= MAX_ROWS and (device.type != "cuda" or mps in (None, "", "100"))
+
+
+def programs_for(V: int, block_v: int, device: torch.device, programs: int | None) -> tuple[int, int]:
+    """``(P, N_BLOCKS)``: the fewest column blocks per program that keep ``P`` within the SM count
+    (or ``programs``), then the programs that covers the vocabulary with."""
+    limit = programs or _sm_count(device)
+    n_col_blocks = triton.cdiv(V, block_v)
+    n_blocks = triton.cdiv(n_col_blocks, min(limit, n_col_blocks))
+    return triton.cdiv(n_col_blocks, n_blocks), n_blocks
+
+
+_SYNC: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _sync_for(w2: torch.Tensor) -> torch.Tensor:
+    """The barrier counter of walks over ``w2`` (module doc: one per weight and device)."""
+    key = (w2.device, w2.data_ptr())
+    if key not in _SYNC:
+        _SYNC[key] = torch.zeros(1, dtype=torch.int32, device=w2.device)
+    return _SYNC[key]
+
+
+def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                                  config: PersistentWalkConfig | None = None) -> torch.Tensor:
+    """The walk in one launch; inputs already checked and laid out by ``markov_greedy_walk_triton``
+    (``base [B, G, V]`` with unit column stride, contiguous ``w1`` / ``w2`` rows, ``B <= MAX_ROWS``)."""
+    B, G, V = base.shape
+    rank = w2.shape[1]
+    cfg = config or persistent_walk_config()
+    if not 0 <= cfg.resident <= 2:
+        raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks in registers")
+    interpreted = base.device.type != "cuda"
+    P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
+    tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
+    pv = torch.empty((G, MAX_ROWS, P), dtype=torch.float32, device=base.device)
+    pi = torch.empty((G, MAX_ROWS, P), dtype=torch.int32, device=base.device)
+    _markov_walk_persistent_kernel[(P,)](
+        base, anchor, w1, w2, pv, pi, tokens, _sync_for(w2),
+        B, G, V, P,
+        base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
+        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
+        N_BLOCKS=n_blocks, RESIDENT=min(cfg.resident, n_blocks), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        ROUND=_ROUND[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
+        UPCAST=interpreted and w2.dtype != torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
+    )
+    return tokens
