@@ -114,7 +114,7 @@ def _markov_walk_persistent_kernel(
         w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0)
+    prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = row_ok[:, None] & (offs_p < P)[None, :]
     for k in range(G):
