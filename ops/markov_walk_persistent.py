@@ -52,16 +52,16 @@ MAX_ROWS = 16
 # kernel
 
 @triton.jit
-def _block_scores(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk,
+def _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk,
                   ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``(max, first index)`` per row of ``base[:, k, cols] + round(e @ w.T)`` over the valid columns."""
+    """``base[:, k, cols] + round(e @ w.T)`` and the column indices, ``(-inf, 2**31 - 1)`` where invalid."""
     ok = row_ok[:, None] & (cols < V)[None, :]
     base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
                    other=0.0).to(tl.float32)
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         e, w = e.to(tl.float32), w.to(tl.float32)
     bias = _round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
-    return block_argmax(base + bias, cols[None, :], ok, 1)
+    return tl.where(ok, base + bias, float("-inf")), tl.where(ok, cols[None, :], 2147483647)
 
 
 @triton.jit
@@ -74,17 +74,21 @@ def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2):
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, P):
+def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
     """Return once all ``P`` programs have called this (see the module doc)."""
     tl.debug_barrier()                    # every thread's partial stores precede the release below
     # program 0 adds 2**31 - (P - 1), the others 1: the last arrival flips bit 31, the rest ends as it was
     one = tl.full((), 1, tl.uint32)
     top = one << 31
-    arrive = tl.where(tl.program_id(0) == 0, top - (P.to(tl.uint32) - one), one)
+    arrive = tl.where(tl.program_id(0) == 0, top - (tl.cast(P, tl.uint32) - one), one)
     before = tl.atomic_add(sync_ptr, arrive, sem="release")
     flipped = False
     while not flipped:
-        now = tl.atomic_add(sync_ptr, 0, sem="acquire")
+        if POLL_ASM:  # a plain acquire load: polls need no read-modify-write at the counter's L2 slice
+            now = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [sync_ptr],
+                                            dtype=tl.uint32, is_pure=False, pack=1)
+        else:
+            now = tl.atomic_add(sync_ptr, 0, sem="acquire")
         flipped = ((before ^ now) & top) != 0
     tl.debug_barrier()                    # no thread reads the partials before the acquire
 
@@ -95,8 +99,8 @@ def _markov_walk_persistent_kernel(
     B, G, V, P,
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-    N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, BLOCK_P: tl.constexpr, ROUND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py; safe at entry (module doc)
         tl.extra.cuda.gdc_launch_dependents()
@@ -120,25 +124,29 @@ def _markov_walk_persistent_kernel(
     for k in range(G):
         e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :]
         e = tl.load(e_ptrs, mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
-        best_v = tl.full((BLOCK_B,), float("-inf"), tl.float32)
-        best_i = tl.full((BLOCK_B,), 2147483647, tl.int32)
+        # per lane the best of its columns over the blocks (ascending, so a tie keeps the first), one
+        # reduction across the lanes at the end
         if RESIDENT >= 1:
-            best_v, best_i = _block_scores(e, w_res0, base_ptr, rows, row_ok, first_col + offs_v, k, V, stride_bb,
-                                           stride_bk, ROUND, DOT_PRECISION, UPCAST)
+            w0 = w_res0
+        else:
+            w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        lane_v, lane_i = _block_values(e, w0, base_ptr, rows, row_ok, first_col + offs_v, k, V, stride_bb, stride_bk,
+                                       ROUND, DOT_PRECISION, UPCAST)
         if RESIDENT >= 2:
-            v, i = _block_scores(e, w_res1, base_ptr, rows, row_ok, first_col + BLOCK_V + offs_v, k, V, stride_bb,
+            v, i = _block_values(e, w_res1, base_ptr, rows, row_ok, first_col + BLOCK_V + offs_v, k, V, stride_bb,
                                  stride_bk, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = combine_argmax(best_v, best_i, v, i)
-        for blk in range(RESIDENT, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
             cols = first_col + blk * BLOCK_V + offs_v
             w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
-            v, i = _block_scores(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk, ROUND,
+            v, i = _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk, ROUND,
                                  DOT_PRECISION, UPCAST)
-            best_v, best_i = combine_argmax(best_v, best_i, v, i)
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        best_v, best_i = block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
         part = (k * BLOCK_B + rows) * P + j
         tl.store(pv_ptr + part, best_v, mask=row_ok)
         tl.store(pi_ptr + part, best_i, mask=row_ok)
-        _grid_barrier(sync_ptr, P)
+        _grid_barrier(sync_ptr, P, POLL_ASM)
         # the partials of all programs, in column order; .cg: from L2, never a stale L1 line
         pp = (k * BLOCK_B + rows)[:, None] * P + offs_p[None, :]
         v = tl.load(pv_ptr + pp, mask=p_ok, other=0.0, cache_modifier=".cg")
@@ -155,7 +163,7 @@ def _markov_walk_persistent_kernel(
 class PersistentWalkConfig:
     """Launch parameters: ``block_v`` columns per block, the first ``resident`` (0-2) of a program's
     blocks kept in registers, ``programs`` (None: as many as the SMs allow; the interpreter: 1)."""
-    block_v: int = 128
+    block_v: int = 256
     resident: int = 1
     num_warps: int = 8
     num_stages: int = 2
@@ -225,6 +233,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks in registers")
     interpreted = base.device.type != "cuda"
     P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
+    resident = min(cfg.resident, n_blocks)
     tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
     pv = torch.empty((G, MAX_ROWS, P), dtype=torch.float32, device=base.device)
     pi = torch.empty((G, MAX_ROWS, P), dtype=torch.int32, device=base.device)
@@ -233,9 +242,9 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         B, G, V, P,
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
-        N_BLOCKS=n_blocks, RESIDENT=min(cfg.resident, n_blocks), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
         ROUND=_ROUND[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
-        UPCAST=interpreted and w2.dtype != torch.float32,
+        UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
     )
     return tokens

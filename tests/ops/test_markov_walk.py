@@ -342,8 +342,9 @@ def test_gpu_served_shape(B: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [PersistentWalkConfig(resident=r, num_warps=w) for r, w in [(0, 8), (1, 8), (2, 16)]]
-                         + [PersistentWalkConfig(block_v=64, resident=2, num_warps=8)], ids=["r0", "r1", "r2", "bv64"])
+@pytest.mark.parametrize("config", [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w)
+                                    for bv, r, w in [(128, 0, 8), (256, 1, 8), (128, 2, 16), (64, 2, 8)]],
+                         ids=["bv128r0", "bv256r1", "bv128r2", "bv64r2"])
 @pytest.mark.parametrize("B", [1, 4, 16])
 def test_gpu_persistent_served_shape(B: int, config: PersistentWalkConfig) -> None:
     """One program per SM, each with its slice of ``w2``, a real grid barrier per slot."""
