@@ -3,9 +3,14 @@
 Why: the step kernels re-read the whole ``w2`` (``[65536, 256]`` bf16, 33.5 MB) from L2 / HBM at every
 one of the block's nine slots and pay a launch hand-off per slot: 78 us of the 1.21 ms batch-1 round
 (docs/benchmarks.md, session 15). Every slot multiplies the same matrix, so here each program owns a
-fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column blocks in
-registers (loaded before the PDL wait, beside the LM head's tail) and streams the rest of its slice,
-which stays in L2, and the slots are separated by a grid barrier instead of launches.
+fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column blocks on chip
+(Triton stages the loop-invariant ``tl.dot`` operand in shared memory once; loaded before the PDL
+wait, beside the LM head's tail) and streams the rest of its slice, and the slots are separated by
+a grid barrier instead of launches. Measured on the H200 (session 16, L2 flushed before each walk):
+86 us against the step kernels' 82 at one row, 102-108 against 126 at four, so the launcher takes it
+for 2-16 rows (``MIN_ROWS``, ``MAX_ROWS``). A slot still costs ~9.5 us: the barrier, the partials'
+and ``w1[prev]``'s L2 round trips and one program per SM streaming half its slice form a serial
+chain the step kernels overlap across launches.
 
 Design: grid ``(P,)``, one program per SM at most, so every program is resident at once (the barrier
 needs that; ``programs_for`` sizes it from the SM count). Program ``j`` owns columns
@@ -45,6 +50,7 @@ from .argmax_rows import block_argmax, combine_argmax
 from .markov_walk import _ROUND, _round_to_weight_dtype
 from .tuning import tuned
 
+MIN_ROWS = 2    # one row: the step kernels' walk was faster on the H200 (81.5 against 86.4 us; docs/benchmarks.md)
 MAX_ROWS = 16
 
 
@@ -195,11 +201,11 @@ def persistent_walk_requested() -> bool:
 
 
 def persistent_walk_usable(device: torch.device, B: int) -> bool:
-    """Whether the persistent walk may run: at most ``MAX_ROWS`` rows, and every SM available to this
-    process (under an MPS thread limit fewer may be, and a grid that cannot be resident at once
-    would never pass its barrier)."""
+    """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` to ``MAX_ROWS`` rows
+    (where it was the faster one), and every SM available to this process (under an MPS thread limit
+    fewer may be, and a grid that cannot be resident at once would never pass its barrier)."""
     mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return B <= MAX_ROWS and (device.type != "cuda" or mps in (None, "", "100"))
+    return MIN_ROWS <= B <= MAX_ROWS and (device.type != "cuda" or mps in (None, "", "100"))
 
 
 def programs_for(V: int, block_v: int, device: torch.device, programs: int | None) -> tuple[int, int]:

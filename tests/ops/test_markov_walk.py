@@ -254,14 +254,15 @@ def test_persistent_ties_nan_and_flat_logits(triton_device: str) -> None:
     _same_persistent(wide[:, 1:4], anchor, w1, w2, PERSISTENT[1])
 
 
-def test_persistent_walk_is_the_default_up_to_16_rows(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a config: the persistent walk for 1-16 rows unless ``LFMSPARK_WALK=steps``; the step
-    kernels beyond 16 rows and whenever a step config is given."""
+def test_persistent_walk_is_the_default_for_2_to_16_rows(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a config: the persistent walk for 2-16 rows unless ``LFMSPARK_WALK=steps``; the step
+    kernels for one row, beyond 16 rows and whenever a step config is given."""
     calls = []
     real = markov_walk_persistent.markov_greedy_walk_persistent
     monkeypatch.setattr(markov_walk_persistent, "markov_greedy_walk_persistent",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    for B, walk, config, persistent in [(16, "persistent", None, True), (17, "persistent", None, False),
+    for B, walk, config, persistent in [(16, "persistent", None, True), (2, "persistent", None, True),
+                                        (1, "persistent", None, False), (17, "persistent", None, False),
                                         (3, "steps", None, False), (3, "persistent", SMALL, False)]:
         monkeypatch.setenv("LFMSPARK_WALK", walk)
         calls.clear()
@@ -269,17 +270,18 @@ def test_persistent_walk_is_the_default_up_to_16_rows(triton_device: str, monkey
         assert calls == ([B] if persistent else []), (B, walk, config)
     monkeypatch.setenv("LFMSPARK_WALK", "grid")
     with pytest.raises(ValueError, match="LFMSPARK_WALK='grid'"):
-        markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 1, 3, 200, 16, seed=1))
+        markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 2, 3, 200, 16, seed=1))
 
 
 def test_persistent_walk_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    assert persistent_walk_usable(cuda, 16) and not persistent_walk_usable(cuda, 17)
+    assert persistent_walk_usable(cuda, 2) and persistent_walk_usable(cuda, 16)
+    assert not persistent_walk_usable(cuda, 1) and not persistent_walk_usable(cuda, 17)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")   # fewer SMs than the device reports
-    assert not persistent_walk_usable(cuda, 1)
+    assert not persistent_walk_usable(cuda, 4)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
-    assert persistent_walk_usable(cuda, 1)
+    assert persistent_walk_usable(cuda, 4)
 
 
 def test_programs_for_the_served_vocabulary() -> None:
