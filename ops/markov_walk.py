@@ -42,28 +42,12 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 from .argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
+from .markov_walk_persistent import markov_greedy_walk_persistent, persistent_walk_requested, persistent_walk_usable
 from .tuning import tuned
-
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
+from .weight_rounding import ROUND_MODE, round_to_weight_dtype
 
 # ---------------------------------------------------------------------------------------------
 # kernels
-
-@triton.jit
-def _round_to_weight_dtype(x, ROUND: tl.constexpr):
-    """fp32 ``x`` rounded to the weight dtype (0: fp32, 1: bf16, 2: fp16) and back to fp32. bf16
-    rounds to nearest even by bit arithmetic, the same on the GPU and in the interpreter (which
-    truncates on a plain cast); NaN stays NaN."""
-    if ROUND == 1:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u + (0x7FFF + ((u >> 16) & 1))
-        r = ((u >> 16) << 16).to(tl.float32, bitcast=True)
-        x = tl.where(x != x, x, r)
-    elif ROUND == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
 
 @triton.jit
 def _markov_walk_step_kernel(
@@ -111,7 +95,7 @@ def _markov_walk_step_kernel(
         if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
             e, w = e.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(e, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    bias = _round_to_weight_dtype(acc, ROUND)
+    bias = round_to_weight_dtype(acc, ROUND)
     ok = row_ok[:, None] & col_ok[None, :]
     base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
                    other=0.0).to(tl.float32)
@@ -159,9 +143,9 @@ def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch
     if anchor.shape[0] != B or w2.shape[0] != V or w1.shape[1] != w2.shape[1] or w1.shape[0] < V:
         raise ValueError(f"shape mismatch: base {tuple(base.shape)}, anchor {tuple(anchor.shape)}, "
                          f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
-    if base.dtype not in _ROUND or anchor.dtype != torch.int64:
+    if base.dtype not in ROUND_MODE or anchor.dtype != torch.int64:
         raise ValueError(f"base must be fp32, bf16 or fp16 and anchor int64, got {base.dtype} and {anchor.dtype}")
-    if w1.dtype != w2.dtype or w2.dtype not in _ROUND:
+    if w1.dtype != w2.dtype or w2.dtype not in ROUND_MODE:
         raise ValueError(f"w1 and w2 must share a float dtype (fp32, bf16, fp16), got {w1.dtype} and {w2.dtype}")
     if V == 0 or w2.shape[1] == 0:
         raise ValueError("empty vocabulary or rank")
@@ -174,8 +158,6 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     """The op on the Triton kernels: the persistent walk (ops/markov_walk_persistent.py) where it
     applies and ``LFMSPARK_WALK`` allows it, else the step kernels (always with ``config``, a launch
     override of the step kernel, for tests and tuning)."""
-    from .markov_walk_persistent import (markov_greedy_walk_persistent, persistent_walk_requested,
-                                         persistent_walk_usable)  # that module imports this one
     _check(base, anchor, w1, w2)
     B, G, V = base.shape
     rank = w2.shape[1]
@@ -186,7 +168,7 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     w1 = w1 if w1.stride(1) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(1) == 1 else w2.contiguous()
     anchor = anchor.contiguous()
-    if config is None and persistent_walk_requested() and persistent_walk_usable(base.device, B):
+    if config is None and persistent_walk_requested() and persistent_walk_usable(base.device, B, rank):
         return markov_greedy_walk_persistent(base, anchor, w1, w2)
     cfg = config or walk_config(B, V, rank)
     nb = triton.cdiv(V, cfg.block_v)
@@ -200,7 +182,7 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
             k, B, V, nb,
             base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
             RANK=rank, BLOCK_B=block_b, BLOCK_V=cfg.block_v, BLOCK_R=cfg.block_r, BLOCK_P=block_p(nb),
-            FIRST=k == 0, ROUND=_ROUND[w2.dtype],
+            FIRST=k == 0, ROUND=ROUND_MODE[w2.dtype],
             DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=base.device.type != "cuda" and w2.dtype != torch.float32,
             num_warps=cfg.num_warps, **pdl_kwargs(base),

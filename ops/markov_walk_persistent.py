@@ -47,11 +47,12 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
-from .markov_walk import _ROUND, _round_to_weight_dtype
 from .tuning import tuned
+from .weight_rounding import ROUND_MODE, round_to_weight_dtype
 
 MIN_ROWS = 2    # one row: the step kernels' walk was faster on the H200 (81.5 against 86.4 us; docs/benchmarks.md)
-MAX_ROWS = 16
+MAX_ROWS = 16   # one 16-row MMA tile
+MAX_RANK = 256  # the whole rank in one tl.dot: a larger one would not fit a program's shared memory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk
                    other=0.0).to(tl.float32)
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         e, w = e.to(tl.float32), w.to(tl.float32)
-    bias = _round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
+    bias = round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
     return tl.where(ok, base + bias, float("-inf")), tl.where(ok, cols[None, :], 2147483647)
 
 
@@ -168,7 +169,7 @@ def _markov_walk_persistent_kernel(
 @dataclass(frozen=True)
 class PersistentWalkConfig:
     """Launch parameters: ``block_v`` columns per block, the first ``resident`` (0-2) of a program's
-    blocks kept in registers, ``programs`` (None: as many as the SMs allow; the interpreter: 1)."""
+    blocks kept on chip (shared memory) across the slots, ``programs`` (None: as many as the SMs allow; the interpreter: 1)."""
     block_v: int = 256
     resident: int = 1
     num_warps: int = 8
@@ -187,7 +188,7 @@ def persistent_walk_config() -> PersistentWalkConfig:
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def persistent_walk_requested() -> bool:
@@ -200,12 +201,14 @@ def persistent_walk_requested() -> bool:
     return value == "persistent"
 
 
-def persistent_walk_usable(device: torch.device, B: int) -> bool:
+def persistent_walk_usable(device: torch.device, B: int, rank: int) -> bool:
     """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` to ``MAX_ROWS`` rows
-    (where it was the faster one), and every SM available to this process (under an MPS thread limit
-    fewer may be, and a grid that cannot be resident at once would never pass its barrier)."""
+    (where it was the faster one), a rank up to ``MAX_RANK``, NVIDIA (the barrier polls with PTX), and
+    every SM available to this process (under an MPS thread limit fewer may be, and a grid that
+    cannot be resident at once would never pass its barrier)."""
     mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return MIN_ROWS <= B <= MAX_ROWS and (device.type != "cuda" or mps in (None, "", "100"))
+    return (MIN_ROWS <= B <= MAX_ROWS and rank <= MAX_RANK and torch.version.hip is None
+            and (device.type != "cuda" or mps in (None, "", "100")))
 
 
 def programs_for(V: int, block_v: int, device: torch.device, programs: int | None) -> tuple[int, int]:
@@ -221,9 +224,16 @@ _SYNC: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _sync_for(w2: torch.Tensor) -> torch.Tensor:
-    """The barrier counter of walks over ``w2`` (module doc: one per weight and device)."""
+    """The barrier counter of walks over ``w2`` (module doc: one per weight and device). Created
+    outside CUDA-graph capture only: a ``torch.zeros`` inside a capture is merely recorded, and a walk
+    run before that graph's first replay would find a counter that is not at rest (the barrier
+    would then let programs through early, silently)."""
     key = (w2.device, w2.data_ptr())
     if key not in _SYNC:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the persistent Markov walk over these weights is first called inside a CUDA-graph "
+                               "capture: run it once before capturing (Engine.warmup does), or set "
+                               "LFMSPARK_WALK=steps")
         _SYNC[key] = torch.zeros(1, dtype=torch.int32, device=w2.device)
     return _SYNC[key]
 
@@ -235,8 +245,11 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
     B, G, V = base.shape
     rank = w2.shape[1]
     cfg = config or persistent_walk_config()
+    if not 1 <= B <= MAX_ROWS or rank > MAX_RANK:
+        raise ValueError(f"the persistent walk takes 1-{MAX_ROWS} rows and a rank up to {MAX_RANK}, got {B} rows and "
+                         f"rank {rank}: use markov_greedy_walk_triton, which takes the step kernels there")
     if not 0 <= cfg.resident <= 2:
-        raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks in registers")
+        raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks on chip")
     interpreted = base.device.type != "cuda"
     P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
     resident = min(cfg.resident, n_blocks)
@@ -249,7 +262,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
-        ROUND=_ROUND[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
+        ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
         UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
     )

@@ -25,11 +25,11 @@ import triton
 import triton.language as tl
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops import markov_walk_persistent
-from lfmspark.ops.markov_walk import (WalkConfig, _round_to_weight_dtype, markov_greedy_walk_reference,
-                                      markov_greedy_walk_triton, walk_config)
-from lfmspark.ops.markov_walk_persistent import (PersistentWalkConfig, markov_greedy_walk_persistent,
+from lfmspark.ops import markov_walk, markov_walk_persistent
+from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
+from lfmspark.ops.markov_walk_persistent import (PersistentWalkConfig, _grid_barrier, markov_greedy_walk_persistent,
                                                  persistent_walk_usable, programs_for)
+from lfmspark.ops.weight_rounding import round_to_weight_dtype
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SMALL = WalkConfig(block_v=64, block_r=16, num_warps=4)   # many column blocks at test sizes
@@ -178,7 +178,7 @@ def test_random_weights_pick_a_near_argmax(triton_device: str) -> None:
 def _round_kernel(x_ptr, out_ptr, N, ROUND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    tl.store(out_ptr + offs, _round_to_weight_dtype(tl.load(x_ptr + offs, mask=ok), ROUND), mask=ok)
+    tl.store(out_ptr + offs, round_to_weight_dtype(tl.load(x_ptr + offs, mask=ok), ROUND), mask=ok)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")   # the interpreter's fp16 inf
@@ -258,8 +258,8 @@ def test_persistent_walk_is_the_default_for_2_to_16_rows(triton_device: str, mon
     """Without a config: the persistent walk for 2-16 rows unless ``LFMSPARK_WALK=steps``; the step
     kernels for one row, beyond 16 rows and whenever a step config is given."""
     calls = []
-    real = markov_walk_persistent.markov_greedy_walk_persistent
-    monkeypatch.setattr(markov_walk_persistent, "markov_greedy_walk_persistent",
+    real = markov_walk.markov_greedy_walk_persistent
+    monkeypatch.setattr(markov_walk, "markov_greedy_walk_persistent",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     for B, walk, config, persistent in [(16, "persistent", None, True), (2, "persistent", None, True),
                                         (1, "persistent", None, False), (17, "persistent", None, False),
@@ -276,12 +276,39 @@ def test_persistent_walk_is_the_default_for_2_to_16_rows(triton_device: str, mon
 def test_persistent_walk_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    assert persistent_walk_usable(cuda, 2) and persistent_walk_usable(cuda, 16)
-    assert not persistent_walk_usable(cuda, 1) and not persistent_walk_usable(cuda, 17)
+    assert persistent_walk_usable(cuda, 2, 256) and persistent_walk_usable(cuda, 16, 48)
+    assert not persistent_walk_usable(cuda, 1, 256) and not persistent_walk_usable(cuda, 17, 256)
+    assert not persistent_walk_usable(cuda, 4, 320)                  # the rank must fit one program's shared memory
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")   # fewer SMs than the device reports
-    assert not persistent_walk_usable(cuda, 4)
+    assert not persistent_walk_usable(cuda, 4, 256)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
-    assert persistent_walk_usable(cuda, 4)
+    assert persistent_walk_usable(cuda, 4, 256)
+
+
+def test_persistent_rejects_what_it_cannot_run(triton_device: str) -> None:
+    """More than 16 rows or a rank above 256: a clear error instead of garbage rows or a launch that
+    cannot fit (the op's launcher takes the step kernels there)."""
+    with pytest.raises(ValueError, match="1-16 rows and a rank up to 256, got 18 rows"):
+        markov_greedy_walk_persistent(*_grid_inputs(triton_device, torch.bfloat16, 18, 2, 100, 16, seed=1))
+    args = _grid_inputs(triton_device, torch.bfloat16, 2, 2, 100, 320, seed=2)
+    with pytest.raises(ValueError, match="rank 320"):
+        markov_greedy_walk_persistent(*args)
+    _same(*args)                                     # the op itself runs it on the step kernels
+
+
+def test_barrier_counter_is_never_first_made_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A counter created inside a CUDA-graph capture would hold garbage until that graph's first
+    replay, so the first walk over a weight must run outside a capture."""
+    w2 = torch.zeros(8, 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run it once before capturing"):
+        markov_walk_persistent._sync_for(w2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    sync = markov_walk_persistent._sync_for(w2)
+    assert sync.tolist() == [0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert markov_walk_persistent._sync_for(w2) is sync    # an existing counter is fine inside a capture
 
 
 def test_programs_for_the_served_vocabulary() -> None:
@@ -343,14 +370,54 @@ def test_gpu_served_shape(B: int) -> None:
     _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B))
 
 
+GPU_CONFIGS = [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w)
+               for bv, r, w in [(128, 0, 8), (256, 1, 8), (128, 2, 16), (64, 2, 8)]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w)
-                                    for bv, r, w in [(128, 0, 8), (256, 1, 8), (128, 2, 16), (64, 2, 8)]],
-                         ids=["bv128r0", "bv256r1", "bv128r2", "bv64r2"])
+@pytest.mark.parametrize("index", range(len(GPU_CONFIGS)), ids=["bv128r0", "bv256r1", "bv128r2", "bv64r2"])
 @pytest.mark.parametrize("B", [1, 4, 16])
-def test_gpu_persistent_served_shape(B: int, config: PersistentWalkConfig) -> None:
-    """One program per SM, each with its slice of ``w2``, a real grid barrier per slot."""
-    _same_persistent(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B), config)
+def test_gpu_persistent_served_shape(B: int, index: int) -> None:
+    """One program per SM, each with its slice of ``w2``, a real grid barrier per slot (other inputs
+    per config, so partials a previous walk left in reused scratch cannot pass for this one's)."""
+    _same_persistent(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B * 10 + index), GPU_CONFIGS[index])
+
+
+@triton.jit
+def _barrier_stress_kernel(slots_ptr, sync_ptr, bad_ptr, delay_ptr, P, STEPS: tl.constexpr, BLOCK_P: tl.constexpr):
+    # each step: a delay that grows with the program id (later programs arrive late), one slot written,
+    # the barrier, then every program checks every slot of the step
+    j = tl.program_id(0)
+    sync_ptr = sync_ptr.to(tl.pointer_type(tl.uint32))
+    offs = tl.arange(0, BLOCK_P)
+    bad = 0
+    for k in range(STEPS):
+        spin = 0
+        for _ in range(((j * 7 + k * 13) % P) * 4):
+            spin += tl.load(delay_ptr, volatile=True)
+        tl.store(slots_ptr + k * P + j, k * P + j + 1 + spin)
+        _grid_barrier(sync_ptr, P, True)
+        seen = tl.load(slots_ptr + k * P + offs, mask=offs < P, other=0, cache_modifier=".cg")
+        bad += tl.sum(((seen != k * P + offs + 1) & (offs < P)).to(tl.int32))
+    tl.store(bad_ptr + j, bad)
+
+
+@pytest.mark.gpu
+def test_gpu_grid_barrier_orders_every_program() -> None:
+    """The barrier alone, one program per SM with skewed arrivals over 50 steps: after each barrier
+    every program sees every program's write of that step, and the counter is back at rest."""
+    P = torch.cuda.get_device_properties(0).multi_processor_count
+    steps = 50
+    slots = torch.zeros(steps * P, dtype=torch.int32, device="cuda")
+    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+    bad = torch.full((P,), -1, dtype=torch.int32, device="cuda")
+    delay = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        _barrier_stress_kernel[(P,)](slots, sync, bad, delay, P, STEPS=steps, BLOCK_P=triton.next_power_of_2(P),
+                                     num_warps=4)
+        torch.cuda.synchronize()
+        assert bad.tolist() == [0] * P
+        assert sync.item() in (0, -2 ** 31)
 
 
 @pytest.mark.gpu
