@@ -169,7 +169,8 @@ def _markov_walk_persistent_kernel(
 @dataclass(frozen=True)
 class PersistentWalkConfig:
     """Launch parameters: ``block_v`` columns per block, the first ``resident`` (0-2) of a program's
-    blocks kept on chip (shared memory) across the slots, ``programs`` (None: as many as the SMs allow; the interpreter: 1)."""
+    blocks kept on chip (shared memory) across the slots, ``programs`` (None: as many as the SMs
+    allow; the interpreter: 1)."""
     block_v: int = 256
     resident: int = 1
     num_warps: int = 8

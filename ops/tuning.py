@@ -79,7 +79,8 @@ def _parse(value: str) -> dict[str, int]:
         except ValueError:
             raise ValueError(f"LFMSPARK_TUNE: {key} needs an integer, got {number!r}") from None
         if n < (0 if param in _ZERO_OK else 1) or (param in _POWER_OF_TWO and n & (n - 1)):
-            raise ValueError(f"LFMSPARK_TUNE: {key} must be a positive integer"
+            sign = "non-negative" if param in _ZERO_OK else "positive"
+            raise ValueError(f"LFMSPARK_TUNE: {key} must be a {sign} integer"
                              f"{' and a power of two' if param in _POWER_OF_TWO else ''}, got {n}")
         if key in overrides:
             raise ValueError(f"LFMSPARK_TUNE: {key} is given twice")

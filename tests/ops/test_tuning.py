@@ -114,6 +114,11 @@ def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(got, skinny_linear.skinny_linear_reference(x, w), rtol=1e-4, atol=1e-4)
 
 
+def test_resident_blocks_may_be_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TUNE", "walk_grid.resident=0")
+    assert tuned("walk_grid", "resident", 1) == 0
+
+
 @pytest.mark.parametrize("value, message", [
     ("gemv.block_k", "kind.parameter=integer"),
     ("gemv.bogus=4", "valid keys: gemv.block_n"),
@@ -121,6 +126,7 @@ def test_a_tuned_launch_computes_the_same_product(monkeypatch: pytest.MonkeyPatc
     ("tile.block_k=x", "tile.block_k needs an integer, got 'x'"),
     ("tile.block_k=96", "power of two, got 96"),
     ("tile.num_stages=0", "positive integer, got 0"),
+    ("walk_grid.resident=-1", "non-negative integer, got -1"),
     ("gemv.block_k=1024,gemv.block_k=2048", "given twice"),
     ("tile@2048x2048.block_n=16,tile@2048x2048.block_n=32", "given twice"),
     ("walk@65536x256.block_v=128", "for the kinds gemv, tile, tile_swiglu"),
