@@ -26,6 +26,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.argmax_rows import argmax_last
 from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
+from ..ops.window_attention import fits_window, window_attention_requested
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
 from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, linear, linear_pair, norm_linear,
@@ -112,7 +113,9 @@ class DraftLayer(nn.Module):
         ``lfmspark::skinny_linear_pair`` launch over ``q_proj`` and this layer's ``kv_proj`` slice, and
         one ``lfmspark::qkv_norm_rope_write`` (as the target's attention) normalises and rotates q and
         k and writes K/V: two launches where the unfused path below takes six (two products,
-        Inductor's three q norm + RoPE kernels, the K/V write). The numbers are the unfused path's:
+        Inductor's three q norm + RoPE kernels, the K/V write); with ``LFMSPARK_WINDOW_ATTENTION``
+        (the default) ``lfmspark::qkv_window_attention`` does that inside the attention's launch
+        (ops/window_attention.py). The numbers are the unfused path's:
         the op computes the ``q_norm`` module's RMSNorm and ``apply_rope`` in fp32 on the same table
         rows (``start + t``) with the same roundings; only the products' fp32 summation order may
         differ (the pair's split-K is chosen for its total width), by an ulp in bf16.
@@ -135,17 +138,22 @@ class DraftLayer(nn.Module):
         if qkv is None:
             h = self.input_layernorm(x)
             qkv = linear_pair(h, attn.q_proj.weight, kv_weight)
-        if qkv is not None:
-            # one eps serves q and k: q_norm's is the config's rms_norm_eps, as self.eps
-            q = lfm.qkv_norm_rope_write(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0, slots,
-                                        start, lens, self.eps, self.is_neox)
+        scale = attn.head_dim ** -0.5
+        # one eps serves q and k: q_norm's is the config's rms_norm_eps, as self.eps
+        if qkv is not None and window_attention_requested() and fits_window(G, attn.n_heads, k_cache.shape[-2]):
+            o = lfm.qkv_window_attention(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0, slots,
+                                         start, lens, self.eps, self.is_neox, False, scale)
         else:
-            q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
-            cos, sin = gather_cos_sin(rope, window_positions(start, G))
-            q = apply_rope(q.float(), cos[:, :, None, :], sin[:, :, None, :], self.is_neox).to(x.dtype)
-            lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
-                                   lens, self.eps, self.is_neox)
-        o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, attn.head_dim ** -0.5)
+            if qkv is not None:
+                q = lfm.qkv_norm_rope_write(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0,
+                                            slots, start, lens, self.eps, self.is_neox)
+            else:
+                q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
+                cos, sin = gather_cos_sin(rope, window_positions(start, G))
+                q = apply_rope(q.float(), cos[:, :, None, :], sin[:, :, None, :], self.is_neox).to(x.dtype)
+                lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
+                                       lens, self.eps, self.is_neox)
+            o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, scale)
         return project_norm_feed_forward(x, o.reshape(B, G, -1), attn.o_proj, self.post_attention_layernorm, self.mlp,
                                          fuse=False, next_norm=next_norm)
 

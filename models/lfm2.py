@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
+from ..ops.window_attention import fits_window, window_attention_requested
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
 from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, norm_linear,
@@ -125,9 +126,15 @@ class Lfm2Attention(nn.Module):
         (these modules' weights) and neox RoPE at ``rows.start + t`` (the cache's fp32 table, one
         rounding; HF rounds cos/sin to the activation dtype first, a difference within bf16 noise),
         writes K and V of the first ``rows.lens`` tokens to the cache and returns the queries: three
-        launches before (Inductor's q and k kernels and the K/V write)."""
+        launches before (Inductor's q and k kernels and the K/V write). Windows of at most one
+        attention row tile (decode, verify) fold that launch into the attention's:
+        ``lfmspark::qkv_window_attention`` (ops/window_attention.py, ``LFMSPARK_WINDOW_ATTENTION``)."""
         B, T, _ = qkv.shape
         k_cache, v_cache = kv
+        if window_attention_requested() and fits_window(T, self.n_heads, self.n_kv):
+            o = lfm.qkv_window_attention(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
+                                         rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True, True, self.scale)
+            return o.reshape(B, T, self.n_heads * self.head_dim)
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
         o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)

@@ -295,7 +295,10 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # reference
 
 def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                              slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+                              slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+                              window_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's oracle; with ``window_lens``, the window's keys at or past ``window_lens[b]`` are
+    hidden too (ops/window_attention.py's semantics)."""
     B, T, n_heads, hd = q.shape
     S, n_kv = k_cache.shape[2], k_cache.shape[3]
     group = n_heads // n_kv
@@ -305,7 +308,7 @@ def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if slot < 0:
             continue
         s0 = int(start[b])
-        end = min(s0 + T, S)
+        end = min(s0 + T if window_lens is None else s0 + min(int(window_lens[b]), T), S)
         k = k_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)   # [end, H, hd]
         v = v_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q[b].float(), k) * scale

@@ -88,20 +88,19 @@ def _norm_weight(x, r, w, ACT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
-                     BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
-    """Per-head RMSNorm (weight row ``w_row``) and RoPE (``cos``/``sin [1, HD/2]``) of the first
-    ``n_heads`` heads at ``src`` (contiguous, ``HD`` apart), stored at ``dst`` (heads ``stride_dh``
-    apart) in ``dst``'s dtype; ``n_heads == 0`` loads and stores nothing."""
+def _norm_rope(src, rows_ok, w_row, w_live, cos, sin, eps,
+               R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
+    """Per-head RMSNorm (weight row ``w_row``) and RoPE (``cos``/``sin``, broadcastable to ``[R, HD/2]``)
+    of ``R`` heads: row ``i`` is the head at ``src[i] .. src[i] + HD`` (``src [R, 1]`` pointers), loaded
+    where ``rows_ok [R, 1]``; ``w_live == 0`` skips the weight's loads too. Returns the rotated pair
+    halves ``(o1, o2) [R, HD/2]`` in fp32, before their final rounding (pair ``j`` is elements
+    ``(j, j + HD/2)`` for neox, ``(2j, 2j + 1)`` interleaved)."""
     HALF: tl.constexpr = HD // 2
-    h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     d = tl.arange(0, HD)[None, :]
-    mh = h < n_heads
-    mj = j < tl.where(n_heads > 0, HALF, 0)
-    m = mh & (j < HALF)
-    md = mh & (d < HD)
-    # the weight elements of pair j: (j, j + HD/2) for neox, (2j, 2j + 1) interleaved
+    mj = j < tl.where(w_live > 0, HALF, 0)
+    m = rows_ok & (j < HALF)
+    md = rows_ok & (d < HD)
     if IS_NEOX:
         e1 = j
         e2 = j + HALF
@@ -110,27 +109,50 @@ def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
         e2 = 2 * j + 1
     w1 = _round(tl.load(w_row + e1, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
     w2 = _round(tl.load(w_row + e2, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
-    # every load and store below is contiguous per head: the pairs are separated in registers
+    # every load is contiguous per head: the pairs are separated in registers
     if IS_NEOX:
-        x1 = tl.load(src + h * HD + j, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + h * HD + HALF + j, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + j, mask=m, other=0.0).to(tl.float32)
         y = x1 * x1 + x2 * x2
     else:
-        x = tl.load(src + h * HD + d, mask=md, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, HALF, 2]))    # even, odd elements
-        y = tl.sum(tl.reshape(x * x, [BLOCK_H, 2, HALF]), axis=1)  # = x[:, :HALF]^2 + x[:, HALF:]^2
-    r = tl.math.rsqrt(_halving_sum(y, BLOCK_H, HALF) * (1.0 / HD) + eps)[:, None]
+        x = tl.load(src + d, mask=md, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [R, HALF, 2]))          # even, odd elements
+        y = tl.sum(tl.reshape(x * x, [R, 2, HALF]), axis=1)    # = x[:, :HALF]^2 + x[:, HALF:]^2
+    r = tl.math.rsqrt(_halving_sum(y, R, HALF) * (1.0 / HD) + eps)[:, None]
     k1 = _norm_weight(x1, r, w1, ACT)
     k2 = _norm_weight(x2, r, w2, ACT)
-    o1 = k1 * cos - k2 * sin
-    o2 = k2 * cos + k1 * sin
+    return k1 * cos - k2 * sin, k2 * cos + k1 * sin
+
+
+@triton.jit
+def _join_pairs(o1, o2, R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The ``[R, HD]`` heads, in element order, of pair halves ``o1, o2 [R, HD/2]`` (see :func:`_norm_rope`)."""
+    if IS_NEOX:
+        x = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), [R, HD])
+    else:
+        x = tl.reshape(tl.join(o1, o2), [R, HD])
+    return x
+
+
+@triton.jit
+def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
+                     BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
+    """:func:`_norm_rope` of the first ``n_heads`` heads at ``src`` (contiguous, ``HD`` apart), stored
+    at ``dst`` (heads ``stride_dh`` apart) in ``dst``'s dtype; ``n_heads == 0`` loads and stores nothing."""
+    HALF: tl.constexpr = HD // 2
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    d = tl.arange(0, HD)[None, :]
+    mh = h < n_heads
+    o1, o2 = _norm_rope(src + h * HD, mh, w_row, n_heads, cos, sin, eps, BLOCK_H, HD, IS_NEOX, ACT)
     dst = dst + h * stride_dh
     if IS_NEOX:
+        m = mh & (j < HALF)
         tl.store(dst + j, _round(o1, dst.dtype.element_ty), mask=m)
         tl.store(dst + HALF + j, _round(o2, dst.dtype.element_ty), mask=m)
     else:
         o = tl.reshape(tl.join(o1, o2), [BLOCK_H, HD])          # re-interleave
-        tl.store(dst + d, _round(o, dst.dtype.element_ty), mask=md)
+        tl.store(dst + d, _round(o, dst.dtype.element_ty), mask=mh & (d < HD))
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from ..models.layers import fused_norm_requested, norm_carry_requested, norm_epi
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.markov_walk_persistent import persistent_walk_requested
 from ..ops.tuning import tuning_overrides
+from ..ops.window_attention import window_attention_requested
 from .steps import commit_overlap_requested
 
 
@@ -28,3 +29,4 @@ def check_switches() -> None:
     tuning_overrides()
     commit_overlap_requested()
     persistent_walk_requested()
+    window_attention_requested()

@@ -1,6 +1,7 @@
 """The draft layer's fused q/K/V path (models/dspark.py ``DraftLayer.forward``): one
 ``lfmspark::skinny_linear_pair`` over ``q_proj`` and the layer's ``kv_proj`` slice, then one
-``lfmspark::qkv_norm_rope_write``, against the unfused path it replaces (two products, the
+``lfmspark::qkv_window_attention`` (or ``lfmspark::qkv_norm_rope_write`` and the attention, with
+``LFMSPARK_WINDOW_ATTENTION=0``), against the unfused path it replaces (two products, the
 ``q_norm`` module, ``apply_rope``, ``lfmspark::kv_norm_rope_write``) and the cache-free oracle
 (tests/reference_dspark.py): the block's hidden states, the K/V it writes to the draft cache, the
 proposals, and which ops ran.
@@ -30,11 +31,13 @@ from lfmspark.models import dspark, layers
 from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import DraftConfig
 from lfmspark.models.presets import random_draft
+from lfmspark.ops.window_attention import window_attention_requested
 from reference_dspark import reference_block
 
 V, H, TAPS = 96, 32, 3
 PAIR, QKV, KV = ("lfmspark.skinny_linear_pair.default", "lfmspark.qkv_norm_rope_write.default",
                  "lfmspark.kv_norm_rope_write.default")
+WINDOW = "lfmspark.qkv_window_attention.default"
 
 
 @pytest.fixture(autouse=True)
@@ -106,10 +109,13 @@ def _block(draft, cache: DraftCache, anchors, slots, start, fused: bool, monkeyp
 
 
 def _check_ops(ops, fused: bool, n_layers: int) -> None:
-    """Fused: one pair product and one qkv op per layer, no K/V write of its own; unfused the
-    reverse. Either way the block's ``lens`` is made once, not per layer."""
+    """Fused: one pair product and one qkv op per layer (the window attention, which includes it, with
+    ``LFMSPARK_WINDOW_ATTENTION=1``), no K/V write of its own; unfused the reverse. Either way the
+    block's ``lens`` is made once, not per layer."""
+    window = fused and window_attention_requested()
     assert ops[PAIR] == (n_layers if fused else 0)
-    assert ops[QKV] == (n_layers if fused else 0)
+    assert ops[WINDOW] == (n_layers if window else 0)
+    assert ops[QKV] == (n_layers if fused and not window else 0)
     assert ops[KV] == (0 if fused else n_layers)
     assert ops["aten.full_like.default"] == 1
 
@@ -123,12 +129,15 @@ def _rows(device: str, B: int):
     return lengths, slots, torch.tensor([5, 17, 40][:B], device=device)
 
 
+@pytest.mark.parametrize("window", ["1", "0"], ids=["window", "qkv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("neox", [False, True], ids=["interleaved", "neox"])
 def test_fused_path_is_the_unfused_path_on_the_references(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                                          neox: bool) -> None:
+                                                          neox: bool, window: str) -> None:
     """Two rows of a 5-token block (10 rows: the skinny route): hidden states and both caches
-    bit-identical, the block's K/V really written, the ops as expected."""
+    bit-identical, the block's K/V really written, the ops as expected; with and without the window
+    attention (``LFMSPARK_WINDOW_ATTENTION``)."""
+    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
     cfg = _config(neox=neox)
     draft, _, _ = _draft(cfg, dtype, "cpu", seed=3 + neox)
     lengths, slots, anchors = _rows("cpu", 2)
@@ -158,13 +167,16 @@ def test_routing_decides_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("neox", [False, True], ids=["interleaved", "neox"])
-@pytest.mark.parametrize("heads, head_dim", [(2, 16), (4, 16)], ids=["q32", "q64"])
+@pytest.mark.parametrize("heads, head_dim, window", [(2, 16, "1"), (4, 16, "1"), (4, 16, "0")],
+                         ids=["q32", "q64", "q64-qkv"])
 def test_fused_path_on_the_triton_kernels(monkeypatch: pytest.MonkeyPatch, neox: bool, heads: int,
-                                          head_dim: int) -> None:
+                                          head_dim: int, window: str) -> None:
     """The ops on their Triton kernels (interpreter), fp32: the fused block agrees with the unfused
     one to rounding (hidden states, written K/V), and its proposals with the cache-free oracle.
-    q widths of 32 (the pair's tiles narrowed to 32 columns) and 64."""
+    q widths of 32 (the pair's tiles narrowed to 32 columns) and 64; the 64 also without the window
+    attention."""
     monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
     cfg = _config(neox=neox, heads=heads, head_dim=head_dim)
     draft, embed, lm_head = _draft(cfg, torch.float32, "cpu", seed=5)
     lengths, slots, anchors = _rows("cpu", 2)
@@ -206,7 +218,7 @@ def test_fused_path_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
         with torch.no_grad(), recorder:
             x_c, d_c = compiled(anchors, c, slots_t, start)
     torch._dynamo.reset()
-    assert recorder.ops.inside[PAIR] == cfg.num_hidden_layers and recorder.ops.inside[QKV] == cfg.num_hidden_layers
+    assert recorder.ops.inside[PAIR] == cfg.num_hidden_layers and recorder.ops.inside[WINDOW] == cfg.num_hidden_layers
     assert not recorder.ops.compute                                 # everything ran in the compiled graph
     for got, want in ((x_c, x_e), (d_c, d_e), (c.k, k_e), (c.v, v_e)):
         assert _rel_err(got, want) < 1e-6, _rel_err(got, want)

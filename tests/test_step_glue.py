@@ -55,7 +55,7 @@ def test_compiled_step_runs_no_eager_compute_between_regions(engine, step):
     unexpected = {op: n for op, n in ops.compute.items() if op not in ALLOWED}
     assert not unexpected, ops.table()
     # the regions did run, and their ops were told apart as compiled code
-    assert ops.inside["lfmspark.cache_attention.default"] > 0 and ops.inside["aten.mm.out"] > 0
+    assert ops.inside["lfmspark.qkv_window_attention.default"] > 0 and ops.inside["aten.mm.out"] > 0
     assert set(ops.free) <= {"aten.slice.Tensor", "aten.select.int"}
 
 
@@ -76,5 +76,5 @@ def test_recorder_counts_glue_of_an_uncompiled_step():
     plain = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
     ops = eager_ops(plain.steps.decode, torch.tensor([-1]), False)
     assert not ops.inside
-    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", "lfmspark.qkv_norm_rope_write.default"):
+    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", "lfmspark.qkv_window_attention.default"):
         assert ops.compute[op] > 0, ops.table()

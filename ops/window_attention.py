@@ -1,0 +1,269 @@
+"""The attention of a short token window straight from its fused qkv projection, in one launch.
+
+``lfmspark::qkv_window_attention`` is ``lfmspark::qkv_norm_rope_write`` followed by
+``lfmspark::cache_attention`` for windows whose (token, head-in-group) rows fit one row tile of the
+attention kernel (``T * n_heads / n_kv <= 64``: the decode step, the verify, the DSpark draft
+block). The attention programs normalise and rotate their queries themselves, and the program that
+owns the window's keys (the last key-range split of each kv head) normalises and rotates the
+window's K, writes K and V of the first ``lens[b]`` tokens to the cache, and attends to them from
+registers. Why: in the batch-1 round the write kernel between the qkv projection and the attention
+was 11 launches of ~2.5 us of hand-off each (docs/benchmarks.md, "Session 17").
+
+Semantics (:func:`qkv_window_attention_reference`): the cache writes and the queries are
+``qkv_norm_rope_write``'s, bit for bit on CUDA; query ``t`` of row ``b`` attends to the cached
+prefix ``[0, start[b])`` and to the window's tokens ``t' < lens[b]`` (``t' <= t`` when causal), all
+below the cache length. The two-launch path instead reads window tokens at or past ``lens[b]`` from
+whatever the cache holds there; only output rows ``t >= lens[b]`` can tell the two apart, and callers
+ignore those rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import pdl_kwargs, use_triton
+from .cache_attention import (_LOG2E, _MAX_SPLITS, _combine_splits_kernel, _dot, _sm_count,
+                              cache_attention_reference, plan_launch)
+from .kv_norm_rope_write import _join_pairs, _norm_rope, _round, _split_qkv, qkv_norm_rope_write_reference
+
+MAX_TILE_ROWS = 64  # ops/cache_attention.py ``_block_m``: windows up to this many rows take one row tile
+
+
+def window_attention_requested() -> bool:
+    """``LFMSPARK_WINDOW_ATTENTION`` (default ``1``): whether attention layers run short windows through
+    ``lfmspark::qkv_window_attention`` (``0``: the two launches it fuses)."""
+    value = os.environ.get("LFMSPARK_WINDOW_ATTENTION", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_WINDOW_ATTENTION={value!r}: use 1 (the fused window attention) or 0 "
+                         "(qkv_norm_rope_write + cache_attention)")
+    return value == "1"
+
+
+def fits_window(T: int, n_heads: int, n_kv: int) -> bool:
+    """Whether a window of ``T`` tokens is short enough for :func:`qkv_window_attention`."""
+    return T * (n_heads // n_kv) <= MAX_TILE_ROWS
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+@triton.jit(do_not_specialize=["T", "n_rows", "n_out_rows", "num_splits"])
+def _window_attention_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, cs_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    slots_ptr, start_ptr, lens_ptr,
+    T, S, P, H, n_kv, n_rows, n_out_rows, num_splits, qk_scale, eps,
+    stride_xb, stride_xt, stride_tab, stride_cs, stride_cp, stride_ch,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    # One program: the window's BLOCK_M rows (token, head-in-group) of one (batch row, kv head),
+    # against one slice of the cached prefix; the last slice's program also owns the window's keys.
+    b = tl.program_id(0) // n_kv
+    kvh = tl.program_id(0) % n_kv
+    split = tl.program_id(1)
+    ACT: tl.constexpr = qkv_ptr.dtype.element_ty
+    HALF: tl.constexpr = HD // 2
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s0 = tl.load(start_ptr + b).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    t = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    j = tl.arange(0, HALF)[None, :]
+    dims = tl.arange(0, HD)
+    x_row = qkv_ptr + b.to(tl.int64) * stride_xb
+
+    # the queries, normalised and rotated as qkv_norm_rope_write stores them (cos/sin clamped alike)
+    q_tab = cs_ptr + tl.minimum(tl.maximum(s0 + t, 0), P - 1)[:, None] * stride_tab
+    q_cos = tl.load(q_tab + j, mask=row_ok[:, None], other=0.0)
+    q_sin = tl.load(q_tab + HALF + j, mask=row_ok[:, None], other=0.0)
+    q_src = x_row + t[:, None].to(tl.int64) * stride_xt + h[:, None] * HD
+    q1, q2 = _norm_rope(q_src, row_ok[:, None], qw_ptr, 1, q_cos, q_sin, eps, BLOCK_M, HD, IS_NEOX, ACT)
+    q = _join_pairs(_round(q1, ACT), _round(q2, ACT), BLOCK_M, HD, IS_NEOX)
+
+    # the cached prefix [0, start): visible to every row, split in whole key blocks
+    prefix = tl.where(slot >= 0, tl.minimum(s0, S), 0).to(tl.int32)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, prefix)
+    else:
+        lo = 0
+        hi = prefix
+    k_base = kc_ptr + slot * stride_cs + kvh * stride_ch
+    v_base = vc_ptr + slot * stride_cs + kvh * stride_ch
+
+    # online softmax in the log2 domain (qk_scale includes log2(e)), as ops/cache_attention.py
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kv_offs = keys[:, None] * stride_cp + dims[None, :]
+        k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        qk = tl.where(keys[None, :] < hi, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    if split == num_splits - 1:
+        # the window's own keys: tokens t' < lens[b] inside the cache, written here and attended
+        # from registers (the scalar bounds fold into one vector comparison for the interpreter)
+        tw = tl.arange(0, BLOCK_T)
+        n_win = tl.minimum(tl.minimum(tl.load(lens_ptr + b).to(tl.int64), T), S - s0)
+        n_win = tl.where(slot >= 0, n_win, 0)
+        w_ok = tw < n_win
+        w_tab = cs_ptr + tl.minimum(tl.maximum(s0 + tw, 0), P - 1)[:, None] * stride_tab
+        w_cos = tl.load(w_tab + j, mask=w_ok[:, None], other=0.0)
+        w_sin = tl.load(w_tab + HALF + j, mask=w_ok[:, None], other=0.0)
+        k_src = x_row + tw[:, None].to(tl.int64) * stride_xt + (H + kvh) * HD
+        k1, k2 = _norm_rope(k_src, w_ok[:, None], kw_ptr, n_win, w_cos, w_sin, eps, BLOCK_T, HD, IS_NEOX, ACT)
+        kw = _join_pairs(_round(k1, ACT), _round(k2, ACT), BLOCK_T, HD, IS_NEOX)
+        vw = tl.load(k_src + n_kv * HD + dims[None, :], mask=w_ok[:, None], other=0.0)
+        w_offs = (s0 + tw)[:, None] * stride_cp + dims[None, :]
+        tl.store(k_base + w_offs, kw.to(kc_ptr.dtype.element_ty), mask=w_ok[:, None])
+        tl.store(v_base + w_offs, vw.to(vc_ptr.dtype.element_ty), mask=w_ok[:, None])
+
+        qk = _dot(q, tl.trans(kw), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        seen = tw[None, :] < n_win
+        if CAUSAL:
+            seen = seen & (tw[None, :] <= t[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(vw.dtype), vw, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    out_rows = (b * T + t) * H + h  # output / partial row index in [B, T, H] order
+    if SPLIT:
+        part_rows = split * n_out_rows + out_rows
+        tl.store(part_m_ptr + part_rows, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part_rows, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part_rows[:, None] * HD + dims[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key (padding row): zeros
+        tl.store(out_ptr + out_rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+def qkv_window_attention_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                                slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, eps: float,
+                                is_neox: bool, causal: bool, scale: float,
+                                num_splits: int | None = None) -> torch.Tensor:
+    """Triton implementation of :func:`qkv_window_attention`; ``num_splits`` forces the number of
+    slices of the cached prefix (1: one program per kv head) instead of the occupancy heuristic."""
+    B, T, _ = qkv.shape
+    n_q, n_kv, hd = _split_qkv(qkv, k_cache)
+    if n_q % n_kv != 0:
+        raise ValueError(f"n_heads {n_q} is not a multiple of n_kv {n_kv}")
+    if hd < 16 or hd & (hd - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {hd}")
+    if not fits_window(T, n_q, n_kv):
+        raise ValueError(f"a window of {T} tokens x {n_q // n_kv} heads per kv head is more than {MAX_TILE_ROWS} rows: "
+                         "use qkv_norm_rope_write + cache_attention")
+    if not (qkv.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError("qkv, k_cache and v_cache must share a dtype")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have equal strides, contiguous in head_dim")
+    out = torch.empty((B, T, n_q, hd), dtype=qkv.dtype, device=qkv.device)
+    if out.numel() == 0:
+        return out
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+    group = n_q // n_kv
+    S = k_cache.shape[2]
+    launch = plan_launch(B, T, n_q, n_kv, hd, S, qkv.element_size(), _sm_count(qkv.device), num_splits)
+    num_splits, split = launch.num_splits, launch.split
+    if split:  # fp32 partial max / sum / accumulator per split and output row
+        part_m = torch.empty((num_splits, B * T * n_q), dtype=torch.float32, device=qkv.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_splits, B * T * n_q, hd), dtype=torch.float32, device=qkv.device)
+    else:  # unused by the single-pass kernel
+        part_m = part_l = part_acc = out
+    kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
+    _window_attention_kernel[(B * n_kv, num_splits)](
+        qkv, q_norm_weight.contiguous(), k_norm_weight.contiguous(), cos_sin, kc, vc, out, part_m, part_l, part_acc,
+        slots, start, lens,
+        T, S, cos_sin.shape[0], n_q, n_kv, T * group, B * T * n_q, num_splits, scale * _LOG2E, eps,
+        qkv.stride(0), qkv.stride(1), cos_sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd, IS_NEOX=bool(is_neox),
+        BLOCK_M=launch.block_m, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=launch.block_n,
+        DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+        DOT_UPCAST=qkv.device.type != "cuda" and qkv.dtype == torch.bfloat16,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(qkv),
+        enable_fp_fusion=False,  # the q/k rotation rounds as qkv_norm_rope_write's (its module doc)
+    )
+    if split:
+        _combine_splits_kernel[(B * T * n_q,)](
+            part_m, part_l, part_acc, out,
+            B * T * n_q, num_splits,
+            HD=hd, SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+def qkv_window_attention_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                                   slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, eps: float,
+                                   is_neox: bool, causal: bool, scale: float) -> torch.Tensor:
+    q = qkv_norm_rope_write_reference(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                      start, lens, eps, is_neox)
+    return cache_attention_reference(q, k_cache, v_cache, layer, slots, start, causal, scale, window_lens=lens)
+
+
+# ---------------------------------------------------------------------------------------------
+# op
+
+@torch.library.custom_op("lfmspark::qkv_window_attention", mutates_args=("k_cache", "v_cache"))
+def qkv_window_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                         slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, eps: float,
+                         is_neox: bool, causal: bool, scale: float) -> torch.Tensor:
+    """``qkv [B, T, (n_q + 2 n_kv) * hd]`` of a window that :func:`fits_window` -> the attention
+    output ``[B, T, n_q, hd]`` over the cached prefix and the window (the module doc's semantics),
+    with the window's normed, rotated K and raw V of the first ``lens[b]`` tokens written to layer
+    ``layer`` of ``k_cache``/``v_cache [L, slots, S, n_kv, hd]``."""
+    if use_triton(qkv):
+        return qkv_window_attention_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                           start, lens, eps, is_neox, causal, scale)
+    return qkv_window_attention_reference(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                          start, lens, eps, is_neox, causal, scale)
+
+
+@qkv_window_attention.register_kernel("cuda")
+def _qkv_window_attention_cuda(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
+                               lens, eps, is_neox, causal, scale) -> torch.Tensor:
+    return qkv_window_attention_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
+                                       start, lens, eps, is_neox, causal, scale)
+
+
+@qkv_window_attention.register_fake
+def _qkv_window_attention_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
+                               lens, eps, is_neox, causal, scale) -> torch.Tensor:
+    n_q, _, hd = _split_qkv(qkv, k_cache)
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1], n_q, hd))

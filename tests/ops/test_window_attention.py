@@ -1,0 +1,245 @@
+"""``lfmspark::qkv_window_attention``: the window attention straight from the qkv projection (q/k
+norm + RoPE, the window's K/V write and the attention in one launch), against its reference (the
+two ops it fuses, with the window's keys past ``lens`` hidden), against the two Triton launches it
+replaces, its errors, op registration, torch.compile, and on CUDA the served shapes and graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.cache_attention import cache_attention_triton
+from lfmspark.ops.kv_norm_rope_write import qkv_norm_rope_write_triton
+from lfmspark.ops.rope import rope_cos_sin_table
+from lfmspark.ops.window_attention import (fits_window, qkv_window_attention_reference,
+                                           qkv_window_attention_triton, window_attention_requested)
+
+EPS = 1e-5
+LAYERS, SLOTS = 2, 4
+LAYER = 1  # the last layer, so a wrong layer offset reads other random values
+
+
+def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, hd: int, S: int,
+          starts: list[int], slots: list[int], lens: list[int], seed: int = 0):
+    """Random qkv (per-head scales), norm weights and a cache of random values everywhere (reads or
+    writes of wrong positions, slots, layers or heads change the result)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(0.5 * torch.randn(B, T, n_q + 2 * n_kv, 1, generator=g))
+    qkv = (torch.randn(B, T, n_q + 2 * n_kv, hd, generator=g) * scale).reshape(B, T, -1).to(device, dtype)
+    q_w = (1.0 + 0.5 * torch.randn(hd, generator=g)).to(device, dtype)
+    k_w = (1.0 + 0.5 * torch.randn(hd, generator=g)).to(device, dtype)
+    cos_sin = rope_cos_sin_table(S + 8, hd, 1e6, device=device)
+    k_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
+    v_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
+    idx = [torch.tensor(x, dtype=torch.int64, device=device) for x in (slots, starts, lens)]
+    return qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx
+
+
+def _run(fn, case, is_neox: bool, causal: bool, **kw):
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = case
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    hd = k_cache.shape[-1]
+    out = fn(qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start, lens, EPS, is_neox, causal, hd ** -0.5,
+             **kw)
+    return out, k_cache, v_cache
+
+
+def _two_launches(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, is_neox, causal, scale,
+                  num_splits=None):
+    q = qkv_norm_rope_write_triton(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, is_neox)
+    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, num_splits=num_splits)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 2e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    _, e = torch.frexp(torch.maximum(a.float().abs(), b.float().abs()))
+    return float(((a.float() - b.float()).abs() / torch.ldexp(torch.ones_like(a, dtype=torch.float32), e - 8)).max())
+
+
+def _check(device: str, dtype: torch.dtype, shape: tuple, is_neox: bool, causal: bool, num_splits: int | None,
+           seed: int = 0) -> None:
+    case = _case(device, dtype, *shape, seed=seed)
+    out, k_out, v_out = _run(qkv_window_attention_triton, case, is_neox, causal, num_splits=num_splits)
+    ref, k_ref, v_ref = _run(qkv_window_attention_reference, case, is_neox, causal)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+    slots = case[-1][0]
+    assert (out[slots < 0] == 0).all(), "padding rows must be exactly zero"
+    # the writes: the same positions as the reference's, the same values (bit-exact on CUDA, as
+    # qkv_norm_rope_write; the interpreter's reductions differ from torch's CPU ones in the last bit)
+    changed = k_ref != case[4]
+    assert bool(changed.any()) and torch.equal(k_out != case[4], changed)
+    assert torch.equal(v_out, v_ref)
+    if device == "cuda":
+        assert torch.equal(k_out, k_ref)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert _bf16_ulps(k_out[changed], k_ref[changed]) <= 1.0
+
+
+# (B, T, n_q, n_kv, hd, S, starts, slots, lens)
+_SHAPES = {
+    # decode: one token, group 4; row 1's query is the cache's last position, row 2 pads
+    "decode_g4": (3, 1, 8, 2, 64, 64, [5, 63, 9], [2, 0, -1], [1, 1, 1]),
+    # verify-sized window, group 4 (40 rows); commit masks of 0 / part / all, no prefix in row 2
+    "t10_g4_lens": (3, 10, 8, 2, 16, 200, [70, 130, 0], [1, 3, 0], [0, 7, 10]),
+    # a window running past the cache end; odd head counts (6 over 3)
+    "t5_clip_odd": (2, 5, 6, 3, 32, 40, [37, 12], [3, 1], [5, 5]),
+    # the draft block's shape: 9 tokens, group 4, no padding
+    "t9_g4": (2, 9, 8, 2, 16, 160, [140, 3], [0, 2], [9, 9]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("name", list(_SHAPES))
+def test_kernel_matches_reference(triton_device: str, name: str, causal: bool, dtype: torch.dtype) -> None:
+    _check(triton_device, dtype, _SHAPES[name], is_neox=True, causal=causal, num_splits=None, seed=len(name))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 9], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+def test_forced_splits(triton_device: str, num_splits: int, is_neox: bool) -> None:
+    # prefixes of 0, 3 and 250 keys (4 key blocks of 64): 9 splits are more slices than blocks, and
+    # the window's owner (the last split) then has an empty slice of the prefix
+    shape = (3, 3, 4, 1, 16, 256, [250, 3, 0], [1, 3, 2], [3, 2, 3])
+    _check(triton_device, torch.float32, shape, is_neox, causal=True, num_splits=num_splits, seed=num_splits)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_matches_the_two_launches(triton_device: str, causal: bool) -> None:
+    """Against qkv_norm_rope_write + cache_attention (the path it replaces): the same cache writes
+    and queries, so the same outputs on every row before ``lens`` (the rows callers read)."""
+    shape = (2, 10, 8, 2, 32, 128, [40, 100], [2, 0], [10, 6])
+    case = _case(triton_device, torch.bfloat16, *shape, seed=3)
+    out, k_out, v_out = _run(qkv_window_attention_triton, case, True, causal)
+    two, k_two, v_two = _run(_two_launches, case, True, causal)
+    assert torch.equal(k_out, k_two) and torch.equal(v_out, v_two)
+    for b, n in enumerate(shape[-1]):
+        if not causal and n < shape[1]:
+            continue   # the two launches let a non-causal window see stale cache rows past lens
+        torch.testing.assert_close(out[b, :n], two[b, :n], **_tol(torch.bfloat16))
+
+
+def test_fits_window() -> None:
+    assert fits_window(16, 32, 8) and fits_window(1, 32, 8) and fits_window(64, 4, 4)
+    assert not fits_window(17, 32, 8) and not fits_window(33, 2, 1)
+
+
+def test_errors() -> None:
+    case = _case("cpu", torch.float32, 1, 17, 8, 2, 16, 64, [0], [0], [17])
+    with pytest.raises(ValueError, match="more than 64 rows"):
+        _run(qkv_window_attention_triton, case, True, True)
+    case = _case("cpu", torch.float32, 1, 2, 8, 2, 8, 64, [0], [0], [2])
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        _run(qkv_window_attention_triton, case, True, True)
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx = _case("cpu", torch.float32, 1, 2, 8, 2, 16, 64, [0], [0], [2])
+    with pytest.raises(ValueError, match="share a dtype"):
+        _run(qkv_window_attention_triton, (qkv, q_w, k_w, cos_sin, k_cache.half(), v_cache.half(), idx), True, True)
+
+
+def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert window_attention_requested()
+    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", "0")
+    assert not window_attention_requested()
+    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="LFMSPARK_WINDOW_ATTENTION='yes'"):
+        window_attention_requested()
+
+
+# ---------------------------------------------------------------------------------------------
+# op registration, torch.compile
+
+def _op_args() -> tuple:
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = _case(
+        "cpu", torch.float32, 2, 3, 4, 2, 16, 32, [4, 29], [1, -1], [3, 2])
+    return (qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start, lens, EPS, True, True, 0.25)
+
+
+def test_opcheck_reference() -> None:
+    torch.library.opcheck(torch.ops.lfmspark.qkv_window_attention, _op_args())
+
+
+def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    torch.library.opcheck(torch.ops.lfmspark.qkv_window_attention, _op_args())
+
+
+def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, neox, causal, scale = _op_args()
+
+    def attend(qkv, k_cache, v_cache):
+        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start,
+                                                       lens, eps, neox, causal, scale)
+
+    torch._dynamo.reset()
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    compiled = torch.compile(attend, fullgraph=True)(qkv, k2, v2)
+    eager = attend(qkv, k_cache, v_cache)
+    assert torch.equal(compiled, eager) and torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: LFM2.5-1.2B shapes (32 heads, 8 kv heads, head_dim 64, 8192 positions)
+
+_GPU_STARTS, _GPU_SLOTS = [0, 511, 8191 - 10, 4000], [3, 0, 2, -1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T,causal", [(1, True), (10, True), (9, False), (16, True)],
+                         ids=["decode", "verify", "draft", "t16"])
+@pytest.mark.parametrize("num_splits", [None, 1, 16], ids=["auto", "nosplit", "splits16"])
+def test_gpu_served_shapes(dtype: torch.dtype, T: int, causal: bool, num_splits: int | None) -> None:
+    lens = [T, T - T // 2, T, T]
+    _check("cuda", dtype, (4, T, 32, 8, 64, 8192, _GPU_STARTS, _GPU_SLOTS, lens), True, causal, num_splits, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_gpu_batches(B: int) -> None:
+    starts = [(997 * i) % 8000 for i in range(B)]
+    slots = [i % SLOTS if i % 5 != 4 else -1 for i in range(B)]
+    _check("cuda", torch.bfloat16, (B, 10, 32, 8, 64, 8192, starts, slots, [10] * B), True, True, None, seed=B)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_follows_indices() -> None:
+    case = _case("cuda", torch.bfloat16, 2, 10, 32, 8, 64, 8192, [100, 6000], [1, 2], [10, 10])
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = case
+    k_base, v_base = k_cache.clone(), v_cache.clone()
+
+    def attend():
+        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start,
+                                                       lens, EPS, True, True, 0.125)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+
+    for new_start, new_slots, new_lens in [([100, 6000], [1, 2], [10, 4]), ([8100, 3], [0, -1], [10, 10]),
+                                           ([0, 7777], [-1, 3], [0, 10])]:
+        start.copy_(torch.tensor(new_start))
+        slots.copy_(torch.tensor(new_slots))
+        lens.copy_(torch.tensor(new_lens))
+        k_cache.copy_(k_base)
+        v_cache.copy_(v_base)
+        graph.replay()
+        torch.cuda.synchronize()
+        k_ref, v_ref = k_base.clone(), v_base.clone()
+        ref = qkv_window_attention_reference(qkv, q_w, k_w, cos_sin, k_ref, v_ref, LAYER, slots, start, lens, EPS,
+                                             True, True, 0.125)
+        torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        assert (out[slots < 0] == 0).all()
