@@ -132,8 +132,9 @@ class Lfm2Attention(nn.Module):
         B, T, _ = qkv.shape
         k_cache, v_cache = kv
         if window_attention_requested() and fits_window(T, self.n_heads, self.n_kv):
-            o = lfm.qkv_window_attention(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
-                                         rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True, True, self.scale)
+            o = lfm.qkv_window_attention(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache,
+                                         v_cache, 0, rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True,
+                                         True, self.scale)
             return o.reshape(B, T, self.n_heads * self.head_dim)
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
