@@ -15,7 +15,8 @@ that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row product
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
 prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py; ``pingpong=1``:
-every other step reads ``w2``'s column blocks last to first), ``walk_grid`` (the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk_persistent.py),
+every other step reads ``w2``'s column blocks last to first), ``walk_grid`` (the persistent walk:
+``resident`` column blocks kept on chip, 0-2, ops/markov_walk_persistent.py),
 ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
 i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
 
