@@ -55,18 +55,13 @@ def _markov_walk_step_kernel(
     k, B, V, NB,
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, FIRST: tl.constexpr, REVERSE: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_P: tl.constexpr, FIRST: tl.constexpr, ROUND: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    # program (column block j, row block) of step k; partials are [G, B, NB] (value fp32, index int32).
-    # REVERSE: program i takes column block NB - 1 - i, so the blocks the previous step read last
-    # (the likeliest still in L2) are requested first
+    # program (column block j, row block) of step k; partials are [G, B, NB] (value fp32, index int32)
     if PDL:  # ops/_dispatch.py
         tl.extra.cuda.gdc_launch_dependents()
-    if REVERSE:
-        j = NB - 1 - tl.program_id(0)
-    else:
-        j = tl.program_id(0)
+    j = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < B
     cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -83,7 +78,7 @@ def _markov_walk_step_kernel(
     else:
         prev = reduce_partials_rows(pv_ptr + (k - 1) * B * NB, pi_ptr + (k - 1) * B * NB, rows, row_ok, NB, BLOCK_P)
         prev = tl.where(row_ok, prev, 0)
-        if tl.program_id(0) == 0:
+        if j == 0:
             tl.store(tok_ptr + rows * stride_tb + (k - 1), prev.to(tl.int64), mask=row_ok)
     e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1
     acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
@@ -130,7 +125,6 @@ class WalkConfig:
     block_v: int = 256      # V = 65536: 256 column blocks, about two programs per H200 SM at B <= 16
     block_r: int = 64       # rank columns per dot step (unrolled over the rank)
     num_warps: int = 8
-    pingpong: int = 0       # 1: odd steps walk the column blocks backwards (REVERSE)
 
 
 def walk_config(B: int, V: int, rank: int) -> WalkConfig:
@@ -138,8 +132,7 @@ def walk_config(B: int, V: int, rank: int) -> WalkConfig:
     ``LFMSPARK_TUNE`` kind ``walk`` replaces them, ops/tuning.py)."""
     return WalkConfig(block_v=tuned("walk", "block_v", min(256, max(16, triton.next_power_of_2(V)))),
                       block_r=tuned("walk", "block_r", min(64, max(16, triton.next_power_of_2(rank)))),
-                      num_warps=tuned("walk", "num_warps", WalkConfig.num_warps),
-                      pingpong=tuned("walk", "pingpong", WalkConfig.pingpong))
+                      num_warps=tuned("walk", "num_warps", WalkConfig.num_warps))
 
 
 def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -189,7 +182,7 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
             k, B, V, nb,
             base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
             RANK=rank, BLOCK_B=block_b, BLOCK_V=cfg.block_v, BLOCK_R=cfg.block_r, BLOCK_P=block_p(nb),
-            FIRST=k == 0, REVERSE=bool(cfg.pingpong) and k % 2 == 1, ROUND=ROUND_MODE[w2.dtype],
+            FIRST=k == 0, ROUND=ROUND_MODE[w2.dtype],
             DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=base.device.type != "cuda" and w2.dtype != torch.float32,
             num_warps=cfg.num_warps, **pdl_kwargs(base),
