@@ -88,19 +88,23 @@ def _norm_weight(x, r, w, ACT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(src, rows_ok, w_row, w_live, cos, sin, eps,
-               R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
-    """Per-head RMSNorm (weight row ``w_row``) and RoPE (``cos``/``sin``, broadcastable to ``[R, HD/2]``)
-    of ``R`` heads: row ``i`` is the head at ``src[i] .. src[i] + HD`` (``src [R, 1]`` pointers), loaded
-    where ``rows_ok [R, 1]``; ``w_live == 0`` skips the weight's loads too. Returns the rotated pair
-    halves ``(o1, o2) [R, HD/2]`` in fp32, before their final rounding (pair ``j`` is elements
-    ``(j, j + HD/2)`` for neox, ``(2j, 2j + 1)`` interleaved)."""
+def _load_halves(src, rows_ok, HD: tl.constexpr):
+    """The raw heads at ``src [R, 1]`` (pointers to each head's first of ``HD`` contiguous values) as
+    their element halves ``(x[:, :HD/2], x[:, HD/2:])``, zeros where not ``rows_ok [R, 1]``. Loading is
+    separate from :func:`_norm_rope_halves` so a kernel can request all its loads before it computes."""
     HALF: tl.constexpr = HD // 2
     j = tl.arange(0, HALF)[None, :]
-    d = tl.arange(0, HD)[None, :]
-    mj = j < tl.where(w_live > 0, HALF, 0)
     m = rows_ok & (j < HALF)
-    md = rows_ok & (d < HD)
+    return tl.load(src + j, mask=m, other=0.0), tl.load(src + HALF + j, mask=m, other=0.0)
+
+
+@triton.jit
+def _pair_weights(w_row, w_live, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
+    """The norm weight's elements of each rotation pair ``j`` (``(j, j + HD/2)`` for neox, ``(2j, 2j + 1)``
+    interleaved) as fp32 ``[1, HD/2]`` holding ``ACT`` values; ``w_live == 0`` loads nothing."""
+    HALF: tl.constexpr = HD // 2
+    j = tl.arange(0, HALF)[None, :]
+    mj = j < tl.where(w_live > 0, HALF, 0)
     if IS_NEOX:
         e1 = j
         e2 = j + HALF
@@ -109,15 +113,25 @@ def _norm_rope(src, rows_ok, w_row, w_live, cos, sin, eps,
         e2 = 2 * j + 1
     w1 = _round(tl.load(w_row + e1, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
     w2 = _round(tl.load(w_row + e2, mask=mj, other=0.0).to(tl.float32), ACT).to(tl.float32)
-    # every load is contiguous per head: the pairs are separated in registers
+    return w1, w2
+
+
+@triton.jit
+def _norm_rope_halves(xa, xb, w1, w2, cos, sin, eps,
+                      R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
+    """Per-head RMSNorm and RoPE of ``R`` heads given as element halves ``xa, xb [R, HD/2]``
+    (:func:`_load_halves`), with the pair weights ``w1, w2`` (:func:`_pair_weights`) and ``cos``/``sin``
+    broadcastable to ``[R, HD/2]``. Returns the rotated pair halves ``(o1, o2)`` in fp32, before their
+    final rounding (pair ``j``: elements ``(j, j + HD/2)`` for neox, ``(2j, 2j + 1)`` interleaved)."""
+    HALF: tl.constexpr = HD // 2
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    y = xa * xa + xb * xb                                      # x[j]^2 + x[j + HD/2]^2: torch's first step
     if IS_NEOX:
-        x1 = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + j, mask=m, other=0.0).to(tl.float32)
-        y = x1 * x1 + x2 * x2
-    else:
-        x = tl.load(src + d, mask=md, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(x, [R, HALF, 2]))          # even, odd elements
-        y = tl.sum(tl.reshape(x * x, [R, 2, HALF]), axis=1)    # = x[:, :HALF]^2 + x[:, HALF:]^2
+        x1 = xa
+        x2 = xb
+    else:                                                      # even, odd elements of the whole head
+        x1, x2 = tl.split(tl.reshape(tl.reshape(tl.permute(tl.join(xa, xb), (0, 2, 1)), [R, HD]), [R, HALF, 2]))
     r = tl.math.rsqrt(_halving_sum(y, R, HALF) * (1.0 / HD) + eps)[:, None]
     k1 = _norm_weight(x1, r, w1, ACT)
     k2 = _norm_weight(x2, r, w2, ACT)
@@ -126,7 +140,7 @@ def _norm_rope(src, rows_ok, w_row, w_live, cos, sin, eps,
 
 @triton.jit
 def _join_pairs(o1, o2, R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr):
-    """The ``[R, HD]`` heads, in element order, of pair halves ``o1, o2 [R, HD/2]`` (see :func:`_norm_rope`)."""
+    """The ``[R, HD]`` heads, in element order, of pair halves ``o1, o2 [R, HD/2]`` (:func:`_norm_rope_halves`)."""
     if IS_NEOX:
         x = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), [R, HD])
     else:
@@ -137,14 +151,16 @@ def _join_pairs(o1, o2, R: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr
 @triton.jit
 def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
                      BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr, ACT: tl.constexpr):
-    """:func:`_norm_rope` of the first ``n_heads`` heads at ``src`` (contiguous, ``HD`` apart), stored
+    """:func:`_norm_rope_halves` of the first ``n_heads`` heads at ``src`` (contiguous, ``HD`` apart), stored
     at ``dst`` (heads ``stride_dh`` apart) in ``dst``'s dtype; ``n_heads == 0`` loads and stores nothing."""
     HALF: tl.constexpr = HD // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     d = tl.arange(0, HD)[None, :]
     mh = h < n_heads
-    o1, o2 = _norm_rope(src + h * HD, mh, w_row, n_heads, cos, sin, eps, BLOCK_H, HD, IS_NEOX, ACT)
+    xa, xb = _load_halves(src + h * HD, mh, HD)
+    w1, w2 = _pair_weights(w_row, n_heads, HD, IS_NEOX, ACT)
+    o1, o2 = _norm_rope_halves(xa, xb, w1, w2, cos, sin, eps, BLOCK_H, HD, IS_NEOX, ACT)
     dst = dst + h * stride_dh
     if IS_NEOX:
         m = mh & (j < HALF)

@@ -28,7 +28,8 @@ import triton.language as tl
 from ._dispatch import pdl_kwargs, use_triton
 from .cache_attention import (_LOG2E, _MAX_SPLITS, _combine_splits_kernel, _dot, _sm_count,
                               cache_attention_reference, plan_launch)
-from .kv_norm_rope_write import _join_pairs, _norm_rope, _round, _split_qkv, qkv_norm_rope_write_reference
+from .kv_norm_rope_write import (_join_pairs, _load_halves, _norm_rope_halves, _pair_weights, _round, _split_qkv,
+                                 qkv_norm_rope_write_reference)
 
 MAX_TILE_ROWS = 64  # ops/cache_attention.py ``_block_m``: windows up to this many rows take one row tile
 
@@ -51,6 +52,21 @@ def fits_window(T: int, n_heads: int, n_kv: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # kernel
 
+@triton.jit
+def _online_softmax(q, k, v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One key block of the online softmax in the log2 domain (``qk_scale`` includes log2(e)), keys
+    masked where not ``seen [BLOCK_M, BLOCK_N]``; as ops/cache_attention.py's loop body."""
+    qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+    qk = tl.where(seen, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T", "n_rows", "n_out_rows", "num_splits"])
 def _window_attention_kernel(
     qkv_ptr, qw_ptr, kw_ptr, cs_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -61,36 +77,35 @@ def _window_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     # One program: the window's BLOCK_M rows (token, head-in-group) of one (batch row, kv head),
     # against one slice of the cached prefix; the last slice's program also owns the window's keys.
+    # Every load is requested before any of them is used: the prefix's K/V come from HBM and the
+    # queries from L2, so computing the queries first would serialize the two latencies.
     b = tl.program_id(0) // n_kv
     kvh = tl.program_id(0) % n_kv
     split = tl.program_id(1)
+    owner = split == num_splits - 1
     ACT: tl.constexpr = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = HD // 2
-
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    s0 = tl.load(start_ptr + b).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     t = rows // GROUP
     h = kvh * GROUP + rows % GROUP
+    tw = tl.arange(0, BLOCK_T)
     j = tl.arange(0, HALF)[None, :]
     dims = tl.arange(0, HD)
-    x_row = qkv_ptr + b.to(tl.int64) * stride_xb
+    if PDL:  # ops/_dispatch.py
+        tl.extra.cuda.gdc_launch_dependents()
+    # the norm weights are parameters, not an earlier kernel's output: requested before the wait
+    qw1, qw2 = _pair_weights(qw_ptr, 1, HD, IS_NEOX, ACT)
+    kw1, kw2 = _pair_weights(kw_ptr, tl.where(owner, 1, 0), HD, IS_NEOX, ACT)
+    if PDL:  # everything else may come from the predecessor
+        tl.extra.cuda.gdc_wait()
 
-    # the queries, normalised and rotated as qkv_norm_rope_write stores them (cos/sin clamped alike)
-    q_tab = cs_ptr + tl.minimum(tl.maximum(s0 + t, 0), P - 1)[:, None] * stride_tab
-    q_cos = tl.load(q_tab + j, mask=row_ok[:, None], other=0.0)
-    q_sin = tl.load(q_tab + HALF + j, mask=row_ok[:, None], other=0.0)
-    q_src = x_row + t[:, None].to(tl.int64) * stride_xt + h[:, None] * HD
-    q1, q2 = _norm_rope(q_src, row_ok[:, None], qw_ptr, 1, q_cos, q_sin, eps, BLOCK_M, HD, IS_NEOX, ACT)
-    q = _join_pairs(_round(q1, ACT), _round(q2, ACT), BLOCK_M, HD, IS_NEOX)
-
-    # the cached prefix [0, start): visible to every row, split in whole key blocks
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s0 = tl.load(start_ptr + b).to(tl.int64)
+    n_new = tl.load(lens_ptr + b).to(tl.int64)
+    # the cached prefix [0, start) is visible to every row: this program's slice, in whole key blocks
     prefix = tl.where(slot >= 0, tl.minimum(s0, S), 0).to(tl.int32)
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
@@ -99,58 +114,58 @@ def _window_attention_kernel(
     else:
         lo = 0
         hi = prefix
+    # the window's tokens t' < lens[b] inside the cache, for the owner only (the scalar bounds fold
+    # into one vector comparison for the interpreter)
+    n_win = tl.minimum(tl.minimum(n_new, T), S - s0)
+    n_win = tl.where((slot >= 0) & owner, n_win, 0)
+    w_ok = tw < n_win
     k_base = kc_ptr + slot * stride_cs + kvh * stride_ch
     v_base = vc_ptr + slot * stride_cs + kvh * stride_ch
+    x_row = qkv_ptr + b.to(tl.int64) * stride_xb
 
-    # online softmax in the log2 domain (qk_scale includes log2(e)), as ops/cache_attention.py
+    # requests: the first prefix block, the raw queries and window K/V, their cos/sin rows
+    keys0 = lo + tl.arange(0, BLOCK_N)
+    kv_offs0 = keys0[:, None] * stride_cp + dims[None, :]
+    k0 = tl.load(k_base + kv_offs0, mask=(keys0 < hi)[:, None], other=0.0)
+    v0 = tl.load(v_base + kv_offs0, mask=(keys0 < hi)[:, None], other=0.0)
+    qa, qb = _load_halves(x_row + t[:, None].to(tl.int64) * stride_xt + h[:, None] * HD, row_ok[:, None], HD)
+    w_src = x_row + tw[:, None].to(tl.int64) * stride_xt + (H + kvh) * HD
+    ka, kb = _load_halves(w_src, w_ok[:, None], HD)
+    vw = tl.load(w_src + n_kv * HD + dims[None, :], mask=w_ok[:, None], other=0.0)
+    q_tab = cs_ptr + tl.minimum(tl.maximum(s0 + t, 0), P - 1)[:, None] * stride_tab   # clamped as the reference
+    q_cos = tl.load(q_tab + j, mask=row_ok[:, None], other=0.0)
+    q_sin = tl.load(q_tab + HALF + j, mask=row_ok[:, None], other=0.0)
+    w_tab = cs_ptr + tl.minimum(tl.maximum(s0 + tw, 0), P - 1)[:, None] * stride_tab
+    w_cos = tl.load(w_tab + j, mask=w_ok[:, None], other=0.0)
+    w_sin = tl.load(w_tab + HALF + j, mask=w_ok[:, None], other=0.0)
+
+    # the queries, normalised and rotated as qkv_norm_rope_write stores them
+    q1, q2 = _norm_rope_halves(qa, qb, qw1, qw2, q_cos, q_sin, eps, BLOCK_M, HD, IS_NEOX, ACT)
+    q = _join_pairs(_round(q1, ACT), _round(q2, ACT), BLOCK_M, HD, IS_NEOX)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        kv_offs = keys[:, None] * stride_cp + dims[None, :]
-        k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-        qk = tl.where(keys[None, :] < hi, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(qk - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
-
-    if split == num_splits - 1:
-        # the window's own keys: tokens t' < lens[b] inside the cache, written here and attended
-        # from registers (the scalar bounds fold into one vector comparison for the interpreter)
-        tw = tl.arange(0, BLOCK_T)
-        n_win = tl.minimum(tl.minimum(tl.load(lens_ptr + b).to(tl.int64), T), S - s0)
-        n_win = tl.where(slot >= 0, n_win, 0)
-        w_ok = tw < n_win
-        w_tab = cs_ptr + tl.minimum(tl.maximum(s0 + tw, 0), P - 1)[:, None] * stride_tab
-        w_cos = tl.load(w_tab + j, mask=w_ok[:, None], other=0.0)
-        w_sin = tl.load(w_tab + HALF + j, mask=w_ok[:, None], other=0.0)
-        k_src = x_row + tw[:, None].to(tl.int64) * stride_xt + (H + kvh) * HD
-        k1, k2 = _norm_rope(k_src, w_ok[:, None], kw_ptr, n_win, w_cos, w_sin, eps, BLOCK_T, HD, IS_NEOX, ACT)
+    if owner:
+        # the window's keys: written to the cache here, attended from registers
+        k1, k2 = _norm_rope_halves(ka, kb, kw1, kw2, w_cos, w_sin, eps, BLOCK_T, HD, IS_NEOX, ACT)
         kw = _join_pairs(_round(k1, ACT), _round(k2, ACT), BLOCK_T, HD, IS_NEOX)
-        vw = tl.load(k_src + n_kv * HD + dims[None, :], mask=w_ok[:, None], other=0.0)
         w_offs = (s0 + tw)[:, None] * stride_cp + dims[None, :]
         tl.store(k_base + w_offs, kw.to(kc_ptr.dtype.element_ty), mask=w_ok[:, None])
         tl.store(v_base + w_offs, vw.to(vc_ptr.dtype.element_ty), mask=w_ok[:, None])
-
-        qk = _dot(q, tl.trans(kw), DOT_PRECISION, DOT_UPCAST) * qk_scale
         seen = tw[None, :] < n_win
         if CAUSAL:
             seen = seen & (tw[None, :] <= t[:, None])
-        qk = tl.where(seen, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(qk - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(vw.dtype), vw, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(q, kw, vw, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    m_i, l_i, acc = _online_softmax(q, k0, v0, keys0[None, :] < hi, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                    DOT_UPCAST)
+    for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        kv_offs = keys[:, None] * stride_cp + dims[None, :]
+        k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        v = tl.load(v_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax(q, k, v, keys[None, :] < hi, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                        DOT_UPCAST)
 
     out_rows = (b * T + t) * H + h  # output / partial row index in [B, T, H] order
     if SPLIT:

@@ -21,7 +21,7 @@ LAYER = 1  # the last layer, so a wrong layer offset reads other random values
 
 
 def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, hd: int, S: int,
-          starts: list[int], slots: list[int], lens: list[int], seed: int = 0):
+          starts: list[int], slots: list[int], lens: list[int], seed: int = 0, n_slots: int = SLOTS):
     """Random qkv (per-head scales), norm weights and a cache of random values everywhere (reads or
     writes of wrong positions, slots, layers or heads change the result)."""
     g = torch.Generator().manual_seed(seed)
@@ -30,8 +30,8 @@ def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, 
     q_w = (1.0 + 0.5 * torch.randn(hd, generator=g)).to(device, dtype)
     k_w = (1.0 + 0.5 * torch.randn(hd, generator=g)).to(device, dtype)
     cos_sin = rope_cos_sin_table(S + 8, hd, 1e6, device=device)
-    k_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
-    v_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(device, dtype)
+    k_cache = torch.randn(LAYERS, n_slots, S, n_kv, hd, generator=g).to(device, dtype)
+    v_cache = torch.randn(LAYERS, n_slots, S, n_kv, hd, generator=g).to(device, dtype)
     idx = [torch.tensor(x, dtype=torch.int64, device=device) for x in (slots, starts, lens)]
     return qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx
 
@@ -61,8 +61,8 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check(device: str, dtype: torch.dtype, shape: tuple, is_neox: bool, causal: bool, num_splits: int | None,
-           seed: int = 0) -> None:
-    case = _case(device, dtype, *shape, seed=seed)
+           seed: int = 0, n_slots: int = SLOTS) -> None:
+    case = _case(device, dtype, *shape, seed=seed, n_slots=n_slots)
     out, k_out, v_out = _run(qkv_window_attention_triton, case, is_neox, causal, num_splits=num_splits)
     ref, k_ref, v_ref = _run(qkv_window_attention_reference, case, is_neox, causal)
     assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
@@ -204,9 +204,11 @@ def test_gpu_served_shapes(dtype: torch.dtype, T: int, causal: bool, num_splits:
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 16])
 def test_gpu_batches(B: int) -> None:
+    # one slot per row, as the engine's (rows sharing a slot would read K/V another row writes)
     starts = [(997 * i) % 8000 for i in range(B)]
-    slots = [i % SLOTS if i % 5 != 4 else -1 for i in range(B)]
-    _check("cuda", torch.bfloat16, (B, 10, 32, 8, 64, 8192, starts, slots, [10] * B), True, True, None, seed=B)
+    slots = [i if i % 5 != 4 else -1 for i in range(B)]
+    _check("cuda", torch.bfloat16, (B, 10, 32, 8, 64, 8192, starts, slots, [10] * B), True, True, None, seed=B,
+           n_slots=B)
 
 
 @pytest.mark.gpu
