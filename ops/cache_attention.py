@@ -163,6 +163,7 @@ def _combine_splits_kernel(
 _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
+_MAX_WIDE_SPLITS = 4  # programs of more than 32 rows (_pick_splits)
 _SPLIT_BLOCK_N = 64  # key block of the split path (_key_config)
 
 
@@ -190,15 +191,20 @@ def _key_config(n_rows: int, hd: int, elem_size: int, split: bool) -> tuple[int,
     return _SPLIT_BLOCK_N, 4, 3
 
 
-def _pick_splits(n_programs: int, S: int, block_n: int, sms: int) -> int:
-    """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles) on ``sms`` SMs.
-    Static information only (the actual lengths live on the device, so the cache length ``S``
-    bounds the useful number of slices): none once the programs fill at least half a wave of SMs,
-    else about ``_PROGRAMS_PER_SM`` programs per SM. Measured on the H200 at 1.2B shapes: splitting
-    a half-full wave further only adds partial traffic and the combine launch."""
+def _pick_splits(n_programs: int, n_rows: int, S: int, block_n: int, sms: int) -> int:
+    """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles) of ``n_rows`` rows each
+    on ``sms`` SMs. Static information only (the actual lengths live on the device, so the cache
+    length ``S`` bounds the useful number of slices): none once the programs fill at least half a
+    wave of SMs, else about ``_PROGRAMS_PER_SM`` programs per SM, and at most
+    ``_MAX_WIDE_SPLITS`` for programs of more than 32 rows. Measured on the H200 at 1.2B shapes:
+    splitting a half-full wave further only adds partial traffic and the combine launch; the
+    batch-1 round's 40-row windows ran 12 us per round faster at 4 splits than at 15 (one split:
+    10 us slower), while the decode step's 4-row windows ran 10 us slower at 4 (docs/benchmarks.md,
+    session 17)."""
     if 2 * n_programs > sms:
         return 1
-    return max(1, min(_PROGRAMS_PER_SM * sms // n_programs, triton.cdiv(S, block_n), _MAX_SPLITS))
+    cap = _MAX_WIDE_SPLITS if n_rows > 32 else _MAX_SPLITS
+    return max(1, min(_PROGRAMS_PER_SM * sms // n_programs, triton.cdiv(S, block_n), cap))
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,7 @@ def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: i
     block_m = _block_m(n_rows, hd)
     n_tiles = triton.cdiv(n_rows, block_m)
     if num_splits is None:
-        num_splits = _pick_splits(B * n_kv * n_tiles, S, _SPLIT_BLOCK_N, sms)
+        num_splits = _pick_splits(B * n_kv * n_tiles, n_rows, S, _SPLIT_BLOCK_N, sms)
         if num_splits > 1:
             num_splits = tuned("attention", "num_splits", num_splits)
     num_splits = min(max(1, int(num_splits)), _MAX_SPLITS)   # the combine kernel's padding

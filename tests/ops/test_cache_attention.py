@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.cache_attention import cache_attention_reference, cache_attention_triton
+from lfmspark.ops.cache_attention import cache_attention_reference, cache_attention_triton, plan_launch
 
 LAYERS, SLOTS = 2, 4
 LAYER = 1  # the last layer, so a wrong layer offset reads other random values
@@ -194,3 +194,12 @@ def test_gpu_cuda_graph_follows_indices(num_splits: int | None) -> None:
         ref = cache_attention_reference(q, k_cache, v_cache, LAYER, slots, start, True, scale)
         torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
         assert (out[slots < 0] == 0).all()
+
+
+def test_split_heuristic() -> None:
+    """At the LFM2.5-1.2B shape on 132 SMs with a 960-position cache: the decode step's 4-row windows
+    take 15 splits (the cache's 64-key blocks), the round's 40-row windows 4, a full wave none."""
+    assert plan_launch(1, 1, 32, 8, 64, 960, 2, 132).num_splits == 15
+    assert plan_launch(1, 10, 32, 8, 64, 960, 2, 132).num_splits == 4
+    assert plan_launch(1, 9, 32, 8, 64, 960, 2, 132).num_splits == 4
+    assert plan_launch(16, 10, 32, 8, 64, 960, 2, 132).num_splits == 1
