@@ -117,8 +117,16 @@ def _cache_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    # output / partial row index in [B, T, H] order
-    out_rows = (b * T + t) * H + h
+    _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, (b * T + t) * H + h, row_ok, split,
+                n_out_rows, HD, SPLIT)
+
+
+@triton.jit
+def _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, out_rows, row_ok, split, n_out_rows,
+                HD: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's result for output rows ``out_rows`` (``[B, T, H]`` order): the split's partial max,
+    sum and accumulator, or without splits the normalised output."""
+    dims = tl.arange(0, HD)
     if SPLIT:
         part_rows = split * n_out_rows + out_rows
         tl.store(part_m_ptr + part_rows, m_i, mask=row_ok)
@@ -270,12 +278,7 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch = plan_launch(B, T, H, n_kv, hd, S, q.element_size(), _sm_count(q.device), num_splits)
     num_splits, split = launch.num_splits, launch.split
 
-    if split:  # fp32 partial max / sum / accumulator per split and output row
-        part_m = torch.empty((num_splits, B * T * H), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_splits, B * T * H, hd), dtype=torch.float32, device=q.device)
-    else:  # unused by the single-pass kernel
-        part_m = part_l = part_acc = out
+    part_m, part_l, part_acc = split_partials(out, num_splits)
     kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
     _cache_attention_kernel[(launch.n_tiles, B * n_kv, num_splits)](
         q, kc, vc, out, part_m, part_l, part_acc, slots, start,
@@ -288,13 +291,31 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(q),
     )
-    if split:
-        _combine_splits_kernel[(B * T * H,)](
-            part_m, part_l, part_acc, out,
-            B * T * H, num_splits,
-            HD=hd, SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
-        )
+    combine_splits(part_m, part_l, part_acc, out)
     return out
+
+
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, sum, accumulator)`` buffers, fp32, per split and row of ``out [..., hd]``; with one split the
+    single-pass kernel writes ``out`` directly and the three are ``out`` (unused)."""
+    if num_splits == 1:
+        return out, out, out
+    rows, hd = out.numel() // out.shape[-1], out.shape[-1]
+    part_m = torch.empty((num_splits, rows), dtype=torch.float32, device=out.device)
+    part_acc = torch.empty((num_splits, rows, hd), dtype=torch.float32, device=out.device)
+    return part_m, torch.empty_like(part_m), part_acc
+
+
+def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge :func:`split_partials` into ``out`` (nothing to do for one split)."""
+    if part_m is out:
+        return
+    num_splits, rows = part_m.shape
+    _combine_splits_kernel[(rows,)](
+        part_m, part_l, part_acc, out,
+        rows, num_splits,
+        HD=out.shape[-1], SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
+    )
 
 
 # ---------------------------------------------------------------------------------------------

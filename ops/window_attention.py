@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .cache_attention import (_LOG2E, _MAX_SPLITS, _combine_splits_kernel, _dot, _sm_count,
-                              cache_attention_reference, plan_launch)
+from .cache_attention import (_LOG2E, _dot, _sm_count, _store_rows, cache_attention_reference, combine_splits,
+                              plan_launch, split_partials)
 from .kv_norm_rope_write import (_join_pairs, _load_halves, _norm_rope_halves, _pair_weights, _round, _split_qkv,
                                  qkv_norm_rope_write_reference)
 
@@ -167,16 +167,8 @@ def _window_attention_kernel(
         m_i, l_i, acc = _online_softmax(q, k, v, keys[None, :] < hi, m_i, l_i, acc, qk_scale, DOT_PRECISION,
                                         DOT_UPCAST)
 
-    out_rows = (b * T + t) * H + h  # output / partial row index in [B, T, H] order
-    if SPLIT:
-        part_rows = split * n_out_rows + out_rows
-        tl.store(part_m_ptr + part_rows, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part_rows, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part_rows[:, None] * HD + dims[None, :], acc, mask=row_ok[:, None])
-    else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key (padding row): zeros
-        tl.store(out_ptr + out_rows[:, None] * HD + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+    _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, (b * T + t) * H + h, row_ok, split,
+                n_out_rows, HD, SPLIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,32 +202,22 @@ def qkv_window_attention_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, 
     group = n_q // n_kv
     S = k_cache.shape[2]
     launch = plan_launch(B, T, n_q, n_kv, hd, S, qkv.element_size(), _sm_count(qkv.device), num_splits)
-    num_splits, split = launch.num_splits, launch.split
-    if split:  # fp32 partial max / sum / accumulator per split and output row
-        part_m = torch.empty((num_splits, B * T * n_q), dtype=torch.float32, device=qkv.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_splits, B * T * n_q, hd), dtype=torch.float32, device=qkv.device)
-    else:  # unused by the single-pass kernel
-        part_m = part_l = part_acc = out
+    num_splits = launch.num_splits
+    part_m, part_l, part_acc = split_partials(out, num_splits)
     kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
     _window_attention_kernel[(B * n_kv, num_splits)](
         qkv, q_norm_weight.contiguous(), k_norm_weight.contiguous(), cos_sin, kc, vc, out, part_m, part_l, part_acc,
         slots, start, lens,
         T, S, cos_sin.shape[0], n_q, n_kv, T * group, B * T * n_q, num_splits, scale * _LOG2E, eps,
         qkv.stride(0), qkv.stride(1), cos_sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd, IS_NEOX=bool(is_neox),
+        CAUSAL=bool(causal), SPLIT=launch.split, GROUP=group, HD=hd, IS_NEOX=bool(is_neox),
         BLOCK_M=launch.block_m, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=qkv.device.type != "cuda" and qkv.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(qkv),
         enable_fp_fusion=False,  # the q/k rotation rounds as qkv_norm_rope_write's (its module doc)
     )
-    if split:
-        _combine_splits_kernel[(B * T * n_q,)](
-            part_m, part_l, part_acc, out,
-            B * T * n_q, num_splits,
-            HD=hd, SPLITS_PAD=_MAX_SPLITS, **pdl_kwargs(part_m),  # one binary for every split count
-        )
+    combine_splits(part_m, part_l, part_acc, out)
     return out
 
 
