@@ -171,7 +171,7 @@ def _combine_splits_kernel(
 _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
-_MAX_WIDE_SPLITS = 4  # programs of more than 32 rows (_pick_splits)
+_MAX_WIDE_SPLITS = 4  # windows of 33-64 rows (_pick_splits)
 _SPLIT_BLOCK_N = 64  # key block of the split path (_key_config)
 
 
@@ -204,14 +204,14 @@ def _pick_splits(n_programs: int, n_rows: int, S: int, block_n: int, sms: int) -
     on ``sms`` SMs. Static information only (the actual lengths live on the device, so the cache
     length ``S`` bounds the useful number of slices): none once the programs fill at least half a
     wave of SMs, else about ``_PROGRAMS_PER_SM`` programs per SM, and at most
-    ``_MAX_WIDE_SPLITS`` for programs of more than 32 rows. Measured on the H200 at 1.2B shapes:
+    ``_MAX_WIDE_SPLITS`` for windows of 33-64 rows (one row tile). Measured on the H200 at 1.2B shapes:
     splitting a half-full wave further only adds partial traffic and the combine launch; the
     batch-1 round's 40-row windows ran 12 us per round faster at 4 splits than at 15 (one split:
     10 us slower), while the decode step's 4-row windows ran 10 us slower at 4 (docs/benchmarks.md,
     session 17)."""
     if 2 * n_programs > sms:
         return 1
-    cap = _MAX_WIDE_SPLITS if n_rows > 32 else _MAX_SPLITS
+    cap = _MAX_WIDE_SPLITS if 32 < n_rows <= 64 else _MAX_SPLITS   # prefill tiles (> 64 rows): not measured
     return max(1, min(_PROGRAMS_PER_SM * sms // n_programs, triton.cdiv(S, block_n), cap))
 
 

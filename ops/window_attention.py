@@ -14,12 +14,15 @@ Semantics (:func:`qkv_window_attention_reference`): the cache writes and the que
 prefix ``[0, start[b])`` and to the window's tokens ``t' < lens[b]`` (``t' <= t`` when causal), all
 below the cache length. The two-launch path instead reads window tokens at or past ``lens[b]`` from
 whatever the cache holds there; only output rows ``t >= lens[b]`` can tell the two apart, and callers
-ignore those rows.
+ignore those rows. Rows of one call must use distinct slots (the engine gives each request its own,
+padding rows ``-1``): a row's window write would otherwise land in another row's prefix while that
+row's programs read it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 
 import torch
 import triton
@@ -47,6 +50,21 @@ def window_attention_requested() -> bool:
 def fits_window(T: int, n_heads: int, n_kv: int) -> bool:
     """Whether a window of ``T`` tokens is short enough for :func:`qkv_window_attention`."""
     return T * (n_heads // n_kv) <= MAX_TILE_ROWS
+
+
+def window_block(T: int) -> int:
+    """The kernel's block of window tokens (a ``tl.dot`` operand: at least 16)."""
+    return max(16, triton.next_power_of_2(T))
+
+
+def launch_variant(B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int) -> Hashable:
+    """The compile-time choices of the attention a ``[B, T]`` window runs in the models (which
+    kernel, its window block, the launch plan's ``variant``): equal values share compiled kernels,
+    so the prefill warm-up (runtime/engine.py ``prefill_variants``) runs one shape per value."""
+    plan = plan_launch(B, T, n_heads, n_kv, hd, S, elem_size, sms)
+    if window_attention_requested() and fits_window(T, n_heads, n_kv):
+        return "window", window_block(T), plan.variant
+    return "cache", plan.variant
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,11 +229,13 @@ def qkv_window_attention_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, 
         T, S, cos_sin.shape[0], n_q, n_kv, T * group, B * T * n_q, num_splits, scale * _LOG2E, eps,
         qkv.stride(0), qkv.stride(1), cos_sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         CAUSAL=bool(causal), SPLIT=launch.split, GROUP=group, HD=hd, IS_NEOX=bool(is_neox),
-        BLOCK_M=launch.block_m, BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=launch.block_n,
+        BLOCK_M=launch.block_m, BLOCK_T=window_block(T), BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=qkv.device.type != "cuda" and qkv.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(qkv),
-        enable_fp_fusion=False,  # the q/k rotation rounds as qkv_norm_rope_write's (its module doc)
+        # the q/k rotation rounds as qkv_norm_rope_write's (its module doc); this also keeps the
+        # softmax's multiply-adds unfused, which costs nothing measurable (docs/benchmarks.md, session 17)
+        enable_fp_fusion=False,
     )
     combine_splits(part_m, part_l, part_acc, out)
     return out

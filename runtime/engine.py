@@ -37,7 +37,7 @@ from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
 from ..models.config import DraftConfig, TargetConfig
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
-from ..ops.cache_attention import plan_launch
+from ..ops.window_attention import launch_variant as attention_launch_variant
 from ..ops.moe import launch_variant as moe_launch_variant
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
@@ -115,8 +115,9 @@ def prefill_warm_shapes(max_batch: int, longest: int,
     - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
     - the length: one token, a multiple of 16 (above) and not (17);
     - kernels whose launch plan depends on both, each named by a function ``variant(rows, length)``
-      in ``variants``: the attention (``ops.cache_attention.plan_launch(...).variant``: row tiles by
-      length, key splits by the number of programs) and, for an MoE target, the experts
+      in ``variants``: the attention (``ops.window_attention.launch_variant``: the window kernel and its
+      token block for short windows, and the launch plan's row tiles by length and key splits by
+      the number of programs) and, for an MoE target, the experts
       (``ops.moe.launch_variant`` of the ``rows * length * top_k`` pairs: tiles and plan chunking).
       One shape per variant of each, the one with the fewest tokens. Their shape-dependent
       integer arguments are not specialized, so one shape covers a variant.
@@ -141,8 +142,8 @@ def prefill_variants(cfg: TargetConfig, cache_len: int, elem_size: int, sms: int
     variants: list[Callable[[int, int], Hashable]] = []
     if cfg.attention_layers:
         def attention_variant(rows: int, length: int) -> Hashable:
-            return plan_launch(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               cache_len, elem_size, sms).variant
+            return attention_launch_variant(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                            cfg.head_dim, cache_len, elem_size, sms)
         variants.append(attention_variant)
     if cfg.is_moe and cfg.num_hidden_layers > cfg.num_dense_layers:
         # a function of the pair count alone, which many shapes share

@@ -14,6 +14,7 @@ import torch
 
 import lfmspark.ops.moe as moe
 from lfmspark.ops.cache_attention import plan_launch
+from lfmspark.ops.window_attention import fits_window, launch_variant, window_block
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.models.presets import target_preset
 from lfmspark.runtime.engine import prefill_variants, prefill_warm_shapes
@@ -30,13 +31,28 @@ def test_every_prefill_shape_uses_an_attention_variant_the_warmup_compiled(heads
     longest = min(2048, cache_len)
 
     def variant(rows: int, length: int):
-        return plan_launch(rows, length, n_heads, n_kv, hd, cache_len, 2, sms).variant
+        return launch_variant(rows, length, n_heads, n_kv, hd, cache_len, 2, sms)
 
     shapes = prefill_warm_shapes(max_batch, longest, [variant])
     warmed = {variant(r, n) for r, n in shapes}
     for rows in range(1, max_batch + 1):
         for length in range(1, longest + 1, 7 if max_batch > 4 else 1):
             assert variant(rows, length) in warmed, (rows, length)
+
+
+@pytest.mark.parametrize("window", ["1", "0"])
+def test_the_attention_variant_names_the_kernel_and_its_window_block(monkeypatch: pytest.MonkeyPatch, window: str):
+    """A group of 3: 9-row windows of 11-16 and 17-21 tokens share a launch plan but not the window
+    kernel's token block, so the warm-up must tell them apart (and cover both)."""
+    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
+    H, n_kv, hd, cache, sms = 24, 8, 64, 1024, 132
+    plan = lambda r, n: plan_launch(r, n, H, n_kv, hd, cache, 2, sms).variant      # noqa: E731
+    variant = lambda r, n: launch_variant(r, n, H, n_kv, hd, cache, 2, sms)        # noqa: E731
+    assert plan(9, 16) == plan(9, 17) and fits_window(17, H, n_kv) and window_block(16) != window_block(17)
+    assert (variant(9, 16) != variant(9, 17)) == (window == "1")
+    assert variant(9, 30) == ("cache", plan(9, 30))                               # past one row tile
+    warmed = {variant(r, n) for r, n in prefill_warm_shapes(16, cache, [variant])}
+    assert variant(9, 17) in warmed and variant(9, 16) in warmed
 
 
 def test_warm_shapes_cover_row_counts_and_length_classes_and_fit_the_cache():

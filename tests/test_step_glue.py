@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from eager_ops import eager_ops
+from lfmspark.ops.window_attention import window_attention_requested
 from lfmspark.runtime import Engine
 
 # Eager compute ops a compiled step may run between its regions, with the reason for each. Empty:
@@ -55,7 +56,8 @@ def test_compiled_step_runs_no_eager_compute_between_regions(engine, step):
     unexpected = {op: n for op, n in ops.compute.items() if op not in ALLOWED}
     assert not unexpected, ops.table()
     # the regions did run, and their ops were told apart as compiled code
-    assert ops.inside["lfmspark.qkv_window_attention.default"] > 0 and ops.inside["aten.mm.out"] > 0
+    attention = "qkv_window_attention" if window_attention_requested() else "cache_attention"
+    assert ops.inside[f"lfmspark.{attention}.default"] > 0 and ops.inside["aten.mm.out"] > 0
     assert set(ops.free) <= {"aten.slice.Tensor", "aten.select.int"}
 
 
@@ -76,5 +78,6 @@ def test_recorder_counts_glue_of_an_uncompiled_step():
     plain = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
     ops = eager_ops(plain.steps.decode, torch.tensor([-1]), False)
     assert not ops.inside
-    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", "lfmspark.qkv_window_attention.default"):
+    attention = "qkv_window_attention" if window_attention_requested() else "qkv_norm_rope_write"
+    for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", f"lfmspark.{attention}.default"):
         assert ops.compute[op] > 0, ops.table()

@@ -198,8 +198,11 @@ def test_gpu_cuda_graph_follows_indices(num_splits: int | None) -> None:
 
 def test_split_heuristic() -> None:
     """At the LFM2.5-1.2B shape on 132 SMs with a 960-position cache: the decode step's 4-row windows
-    take 15 splits (the cache's 64-key blocks), the round's 40-row windows 4, a full wave none."""
+    take 15 splits (the cache's 64-key blocks), the round's 40-row windows 4, a full wave none; a
+    17-token prefill (68 rows) with an 8192-position cache 33 (about two programs per SM)."""
     assert plan_launch(1, 1, 32, 8, 64, 960, 2, 132).num_splits == 15
     assert plan_launch(1, 10, 32, 8, 64, 960, 2, 132).num_splits == 4
     assert plan_launch(1, 9, 32, 8, 64, 960, 2, 132).num_splits == 4
     assert plan_launch(16, 10, 32, 8, 64, 960, 2, 132).num_splits == 1
+    # prefill tiles (more than 64 rows) keep the occupancy rule
+    assert plan_launch(1, 17, 32, 8, 64, 8192, 2, 132).num_splits == 33

@@ -92,6 +92,13 @@ _SHAPES = {
     "t5_clip_odd": (2, 5, 6, 3, 32, 40, [37, 12], [3, 1], [5, 5]),
     # the draft block's shape: 9 tokens, group 4, no padding
     "t9_g4": (2, 9, 8, 2, 16, 160, [140, 3], [0, 2], [9, 9]),
+    # a full tile (16 tokens x group 4 = 64 rows) at head_dim 128
+    "t16_g4_hd128": (1, 16, 4, 1, 128, 80, [30], [2], [16]),
+    # group 8 (64 rows); row 0 starts past the cache (nothing written, the whole cache visible) with
+    # lens past T
+    "t8_g8_past_s": (2, 8, 8, 1, 16, 40, [45, 20], [1, 0], [12, 8]),
+    # group 1, one token
+    "t1_g1": (2, 1, 2, 2, 32, 24, [23, 0], [3, 0], [1, 1]),
 }
 
 
@@ -111,14 +118,15 @@ def test_forced_splits(triton_device: str, num_splits: int, is_neox: bool) -> No
     _check(triton_device, torch.float32, shape, is_neox, causal=True, num_splits=num_splits, seed=num_splits)
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-def test_matches_the_two_launches(triton_device: str, causal: bool) -> None:
+@pytest.mark.parametrize("causal, is_neox, num_splits", [(True, True, None), (False, False, 9), (True, False, 1)],
+                         ids=["causal-neox-auto", "noncausal-interleaved-splits9", "causal-interleaved-splits1"])
+def test_matches_the_two_launches(triton_device: str, causal: bool, is_neox: bool, num_splits: int | None) -> None:
     """Against qkv_norm_rope_write + cache_attention (the path it replaces): the same cache writes
     and queries, so the same outputs on every row before ``lens`` (the rows callers read)."""
     shape = (2, 10, 8, 2, 32, 128, [40, 100], [2, 0], [10, 6])
     case = _case(triton_device, torch.bfloat16, *shape, seed=3)
-    out, k_out, v_out = _run(qkv_window_attention_triton, case, True, causal)
-    two, k_two, v_two = _run(_two_launches, case, True, causal)
+    out, k_out, v_out = _run(qkv_window_attention_triton, case, is_neox, causal, num_splits=num_splits)
+    two, k_two, v_two = _run(_two_launches, case, is_neox, causal, num_splits=num_splits)
     assert torch.equal(k_out, k_two) and torch.equal(v_out, v_two)
     for b, n in enumerate(shape[-1]):
         if not causal and n < shape[1]:
@@ -144,6 +152,7 @@ def test_errors() -> None:
 
 
 def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LFMSPARK_WINDOW_ATTENTION", raising=False)
     assert window_attention_requested()
     monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", "0")
     assert not window_attention_requested()
