@@ -82,15 +82,7 @@ def _cache_attention_kernel(
     kv_len = tl.where(slot >= 0, tl.minimum(kv_len, S), 0).to(tl.int32)  # padding row: no keys
     row_end = tl.where(row_ok, tl.minimum(row_end, kv_len), 0).to(tl.int32)
 
-    if SPLIT:
-        # balanced slices of the row's real length, in whole key blocks, so a block never
-        # straddles two slices; trailing slices may be empty and then store neutral partials
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_len)
-    else:
-        lo = 0
-        hi = kv_len
+    lo, hi = _split_range(kv_len, split, num_splits, BLOCK_N, SPLIT)
 
     q_offs = b * stride_qb + t * stride_qt + h * stride_qh
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -119,6 +111,20 @@ def _cache_attention_kernel(
 
     _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, (b * T + t) * H + h, row_ok, split,
                 n_out_rows, HD, SPLIT)
+
+
+@triton.jit
+def _split_range(n_keys, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys ``[lo, hi)`` of slice ``split`` of ``[0, n_keys)``: balanced slices in whole key blocks, so a
+    block never straddles two slices; trailing slices may be empty and then store neutral partials."""
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_keys)
+    else:
+        lo = 0
+        hi = n_keys
+    return lo, hi
 
 
 @triton.jit

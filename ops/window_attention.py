@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
-from .cache_attention import (_LOG2E, _dot, _sm_count, _store_rows, cache_attention_reference, combine_splits,
-                              plan_launch, split_partials)
+from .cache_attention import (_LOG2E, _dot, _sm_count, _split_range, _store_rows, cache_attention_reference,
+                              combine_splits, plan_launch, split_partials)
 from .kv_norm_rope_write import (_join_pairs, _load_halves, _norm_rope_halves, _pair_weights, _round, _split_qkv,
                                  qkv_norm_rope_write_reference)
 
@@ -125,13 +125,7 @@ def _window_attention_kernel(
     n_new = tl.load(lens_ptr + b).to(tl.int64)
     # the cached prefix [0, start) is visible to every row: this program's slice, in whole key blocks
     prefix = tl.where(slot >= 0, tl.minimum(s0, S), 0).to(tl.int32)
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(prefix, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, prefix)
-    else:
-        lo = 0
-        hi = prefix
+    lo, hi = _split_range(prefix, split, num_splits, BLOCK_N, SPLIT)
     # the window's tokens t' < lens[b] inside the cache, for the owner only (the scalar bounds fold
     # into one vector comparison for the interpreter)
     n_win = tl.minimum(tl.minimum(n_new, T), S - s0)
