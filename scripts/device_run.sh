@@ -11,6 +11,8 @@ STEPS=${STEPS:-"bench12 tests kernels bench8"}
 RUN=$OUT/run; mkdir -p $RUN
 export LFMSPARK_CACHE_DIR=/tmp/lfmspark_inductor
 mkdir -p $LFMSPARK_CACHE_DIR
+# the custom ops' Triton kernels travel with Inductor's (the tests step keeps its many shapes out of it)
+export TRITON_CACHE_DIR=$LFMSPARK_CACHE_DIR/triton_ops
 [ -f .carry/inductor_cache.tgz ] && tar xzf .carry/inductor_cache.tgz -C $LFMSPARK_CACHE_DIR && echo "inductor cache restored"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || { cat $RUN/install.log; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > $RUN/gpu.txt 2>&1
@@ -20,7 +22,7 @@ for step in $STEPS; do
   case $step in
     tests)   # gpu-marked tests plus the op tests, which run natively on CUDA; at the time limit pytest
              # gets SIGINT, so it still prints the failures and counts of what ran
-      timeout -s INT -k 30 ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rfs --tb=short -p no:logging \
+      TRITON_CACHE_DIR=/tmp/triton_tests timeout -s INT -k 30 ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-6} -rfs --tb=short -p no:logging \
         ${TEST_PATHS:-tests/ops tests/models tests/test_graphs_gpu.py} 2>&1 | tee $RUN/gpu_tests.log | tail -15 ;;
     ttft)    # first- vs second-request prefill per shape, with the Triton kernels each compiled
       timeout ${T_TTFT:-200} python3 scripts/ttft_probe.py --preset ${TTFT_PRESET:-lfm2.5-1.2b} ${TTFT_ARGS:-} \
