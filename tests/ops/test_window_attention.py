@@ -69,12 +69,13 @@ def _check(device: str, dtype: torch.dtype, shape: tuple, is_neox: bool, causal:
     torch.testing.assert_close(out, ref, **_tol(dtype))
     slots = case[-1][0]
     assert (out[slots < 0] == 0).all(), "padding rows must be exactly zero"
-    # the writes: the same positions as the reference's, the same values (bit-exact on CUDA, as
-    # qkv_norm_rope_write; the interpreter's reductions differ from torch's CPU ones in the last bit)
+    # the writes: the same positions as the reference's, the same values (bit-exact on CUDA up to
+    # head_dim 64, as qkv_norm_rope_write: its sum of squares follows torch's CUDA reduction order
+    # there, not at 128; the interpreter's reductions differ from torch's CPU ones in the last bit)
     changed = k_ref != case[4]
     assert bool(changed.any()) and torch.equal(k_out != case[4], changed)
     assert torch.equal(v_out, v_ref)
-    if device == "cuda":
+    if device == "cuda" and shape[4] <= 64:
         assert torch.equal(k_out, k_ref)
     elif dtype == torch.float32:
         torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)
