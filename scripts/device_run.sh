@@ -3,8 +3,8 @@
 # kernel microbenchmarks. Each step has its own time limit so one slow step cannot starve the rest.
 #   STEPS="bench12 tests kernels bench8" BATCH_SIZES=1,4,16 bash scripts/device_run.sh
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
-# cache is packed into $OUT/inductor_cache.tgz (the custom ops' Triton kernels into triton_cache.tgz) and, when a
-# later call carries them back as .carry/*.tgz, unpacked first (a warm-cache warm-up).
+# cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
+# later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
 set -u
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"bench12 tests kernels bench8"}
@@ -13,8 +13,8 @@ export LFMSPARK_CACHE_DIR=/tmp/lfmspark_inductor
 mkdir -p $LFMSPARK_CACHE_DIR
 # the custom ops' Triton kernels travel with Inductor's (the tests step keeps its many shapes out of it)
 export TRITON_CACHE_DIR=$LFMSPARK_CACHE_DIR/triton_ops
-for f in inductor_cache triton_cache; do  # each file back from $OUT must stay under 16 MiB, hence two
-  [ -f .carry/$f.tgz ] && tar xzf .carry/$f.tgz -C $LFMSPARK_CACHE_DIR && echo "$f restored"
+for f in .carry/inductor_cache.t?z .carry/triton_cache.t?z; do  # each file back must stay under 16 MiB: two, xz
+  [ -f $f ] && tar xf $f -C $LFMSPARK_CACHE_DIR && echo "$f restored"
 done
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || { cat $RUN/install.log; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > $RUN/gpu.txt 2>&1
@@ -88,6 +88,6 @@ for step in $STEPS; do
 done
 echo "=== done $(date +%T)"
 tar czf $OUT/results.tgz -C $OUT run && rm -rf $RUN
-tar czf $OUT/inductor_cache.tgz -C $LFMSPARK_CACHE_DIR --exclude=./triton_ops . 2>/dev/null
-tar czf $OUT/triton_cache.tgz -C $LFMSPARK_CACHE_DIR ./triton_ops 2>/dev/null
+XZ_OPT=-T0 tar cJf $OUT/inductor_cache.txz -C $LFMSPARK_CACHE_DIR --exclude=./triton_ops . 2>/dev/null
+XZ_OPT=-T0 tar cJf $OUT/triton_cache.txz -C $LFMSPARK_CACHE_DIR ./triton_ops 2>/dev/null
 ls -la $OUT
