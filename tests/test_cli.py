@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,15 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     for r in res["hf_eager"]:
         assert "error" in r or r["tpot_ms_p50"] > 0
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
+    # docs/benchmarks.md's tables come from this JSON (scripts/bench_markdown.py): a line per engine row
+    script = Path(__file__).parents[1] / "scripts" / "bench_markdown.py"
+    table = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    rows = [line.split(" | ")[:2] for line in table.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:7] == [["| target-only (graphs)", "1"], ["| target-only (graphs)", "2"],
+                         ["| DSpark, imposed 0.5", "1"], ["| DSpark, imposed 1", "1"],
+                         ["| DSpark, imposed 0.5", "2"], ["| DSpark, imposed 1", "2"]]
+    assert "round split, batch 2, DSpark, imposed 1: draft" in table.stdout
 
 
 def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, monkeypatch):
