@@ -30,6 +30,7 @@ def probe():
     ((10, 128, 256), (64, 64, 64, 1)),   # P = 4 programs, 2 column tiles: one counter bump per tile
     ((16, 128, 256), (64, 32, 64, 4)),   # grouped bumps (4 tiles per atomic round trip)
     ((3, 128, 192), (64, 16, 32, 2)),    # P = 3 (not a power of two), fewer programs than tiles
+    ((10, 128, 128), (64, 32, 64, 2, 0)),  # no w2 prefetch
 ])
 def test_fused_matches_reference(probe, triton_device: str, shape, cfg) -> None:
     rows = probe.check(triton_device, [shape], probe.FusedConfig(*cfg), log=lambda _: None)
