@@ -38,6 +38,9 @@ for step in $STEPS; do
     skinny)
       timeout ${T_SKINNY:-60} python3 benchmarks/kernels/skinny_linear.py ${SKINNY_ARGS:-} --json $RUN/skinny.json 2>&1 \
         | tee $RUN/skinny.log | tail -${SKINNY_LINES:-32} ;;
+    ffnprobe)  # the one-launch feed-forward probe (docs/benchmarks.md, session 18): check, then time against two launches
+      timeout ${T_FFN:-150} python3 benchmarks/kernels/ffn_fused_probe.py --check --time ${FFN_ARGS:---group 1,2,4 --block-n 32,64 --prefetch 0,1 --num-warps 4,8} \
+        --json $RUN/ffn_fused.json 2>&1 | tee $RUN/ffn_fused.log | tail -${FFN_LINES:-45} ;;
     fusednorm)
       timeout ${T_FUSEDNORM:-90} python3 benchmarks/kernels/add_rmsnorm_gemv.py ${FUSEDNORM_ARGS:-} --json $RUN/fused_norm.json \
         2>&1 | tee $RUN/fused_norm.log | tail -${FUSEDNORM_LINES:-30} ;;
