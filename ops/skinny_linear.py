@@ -215,9 +215,9 @@ def _skinny_linear_kernel(
         if SWIGLU:
             tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
         if _arrives_last(cnt_ptr + pid_n):
-            total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws)
+            total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws, tl.num_programs(1))
             if SWIGLU:
-                total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws)
+                total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws, tl.num_programs(1))
             else:
                 total_u = total  # not read by the plain epilogue
             if ADD_NORM:
@@ -297,12 +297,11 @@ def _arrives_last(counter_ptr):
 
 
 @triton.jit
-def _sum_partials(ptrs, mask, stride_ws):
+def _sum_partials(ptrs, mask, stride_ws, splits):
     # the sum of a tile's partials over all splits (ptrs + s * stride_ws, s < splits) in split order
     # 0, 1, ..., whichever program runs it: deterministic. Four slices per step are loaded at once
     # (indices past the last split reload the last one and are not added); .cg: from L2, never a
     # stale L1 line
-    splits = tl.num_programs(1)
     total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     for s0 in range(1, splits, 4):
         for i in tl.static_range(4):
@@ -411,7 +410,7 @@ def _gemv_kernel(
     if SPLIT:
         tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
         if _arrives_last(cnt_ptr + pid_n):
-            total = _sum_partials(ws_ptr + cols, col_ok, stride_ws)
+            total = _sum_partials(ws_ptr + cols, col_ok, stride_ws, tl.num_programs(1))
             _store_out(out_ptr + cols, col_ok, total, total, False)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
     else:

@@ -57,7 +57,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from lfmspark.ops._dispatch import pdl_kwargs  # noqa: E402
-from lfmspark.ops.skinny_linear import skinny_linear_reference, skinny_swiglu_reference  # noqa: E402
+from lfmspark.ops.skinny_linear import _sum_partials, skinny_linear_reference, skinny_swiglu_reference  # noqa: E402
 
 importlib.import_module("lfmspark.ops")  # registers torch.ops.lfmspark.*
 
@@ -95,20 +95,6 @@ def _swiglu_rounded(gate, up, dtype: tl.constexpr):
     u = up.to(dtype).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return (act * u).to(dtype)
-
-
-@triton.jit
-def _sum_slices(ptrs, mask, n_slices, stride_p):
-    # the tile's partials summed in slice order 0, 1, ..., n_slices - 1 whichever program runs it:
-    # deterministic. Four slices loaded per step (past the last, the last is reloaded and not added);
-    # .cg: from L2, never a stale L1 line
-    total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for q0 in range(1, n_slices, 4):
-        for i in tl.static_range(4):
-            part = tl.load(ptrs + tl.minimum(q0 + i, n_slices - 1) * stride_p, mask=mask, other=0.0,
-                           cache_modifier=".cg")
-            total = tl.where(q0 + i < n_slices, total + part, total)
-    return total
 
 
 @triton.jit
@@ -185,7 +171,7 @@ def _ffn_fused_kernel(
                 c = (pid + i0 + j) % n_tiles
                 tile_offs = rows[None, :] * H + c * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
                 tile_mask = (tl.arange(0, BLOCK_N) < BLOCK_N)[:, None] & row_ok[None, :]
-                total = _sum_slices(ws_ptr + tile_offs, tile_mask, n_slices, stride_p)
+                total = _sum_partials(ws_ptr + tile_offs, tile_mask, stride_p, n_slices)  # in slice order
                 tl.store(out_ptr + tile_offs, total.to(dtype), mask=tile_mask)
                 tl.store(cnt_ptr + c, 0)  # reusable by the next launch
         if PREFETCH:
