@@ -41,7 +41,6 @@ arrival round trips per program (n_tiles / GROUP) but reductions concentrated on
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import os
@@ -56,10 +55,9 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from lfmspark.ops._dispatch import pdl_kwargs  # noqa: E402
+from lfmspark.ops._dispatch import pdl_kwargs  # noqa: E402  (importing lfmspark.ops registers its ops)
 from lfmspark.ops.skinny_linear import _sum_partials, skinny_linear_reference, skinny_swiglu_reference  # noqa: E402
 
-importlib.import_module("lfmspark.ops")  # registers torch.ops.lfmspark.*
 
 DTYPE = torch.bfloat16
 SERVED = {"verify": (10, 2048, 8192), "draft": (10, 2048, 6144)}  # (M, H, F): LFM2.5-1.2B and its draft
