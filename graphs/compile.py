@@ -44,11 +44,13 @@ raised to cover them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..ops._dispatch import pdl_requested
 
@@ -93,6 +95,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
 def configure_compile(n_variants: int) -> None:
     inductor = torch._inductor.config
     inductor.fx_graph_cache = True
+    inductor.post_grad_custom_post_pass = CacheKeyOfOps()
     # Coordinate-descent tuning is what makes Inductor decompose M = 1 matmuls into tuned GEMV
     # reductions (with the norms fused in). On the H200 that decode step was only ~1% faster than
     # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
@@ -110,6 +113,28 @@ def configure_compile(n_variants: int) -> None:
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)
     if hasattr(dynamo, "accumulated_recompile_limit"):
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * n_variants + 64)
+
+
+class CacheKeyOfOps(CustomGraphPass):
+    """A post-grad pass that changes nothing: its ``uuid`` adds to Inductor's FX-graph cache key what
+    that key does not see, the ``LFMSPARK_*`` switches of the process and the source of lfmspark's
+    ops and models.
+
+    Why: a compiled region checks every custom op's outputs against the shapes the op's fake kernel
+    gave when it was compiled, and some of those follow launch parameters (the ssq partials of
+    ``lfmspark::skinny_linear_add_norm`` have one row per column tile: ``LFMSPARK_TUNE`` ``block_n``,
+    ``LFMSPARK_ROWS_GEMV``). A graph cached under other switches, or by an older heuristic, then
+    failed its size assert at the first run (docs/benchmarks.md, session 19). Read when a region
+    is compiled, like the switches."""
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("LFMSPARK_") and k != "LFMSPARK_CACHE_DIR")
+        package = Path(__file__).resolve().parent.parent
+        sources = get_hash_for_files(tuple(sorted(str(p) for d in ("ops", "models") for p in (package / d).glob("*.py"))))
+        return hashlib.sha256(repr((switches, sources)).encode()).hexdigest()
 
 
 def inductor_pdl_requested() -> bool:

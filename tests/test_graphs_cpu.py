@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lfmspark.graphs.capture import default_batch_sizes
@@ -97,3 +99,22 @@ def test_profile_replays_writes_its_tables_without_a_gpu(tmp_path):
     text = path.read_text()
     assert text.startswith("decode replay, batch 1: 0.0 us of kernel time per replay")
     assert text.rstrip().endswith("(no kernel launches in the trace)")
+
+
+def test_inductor_cache_key_follows_the_switches_and_the_ops(monkeypatch):
+    """A compiled region caches the ops' output shapes of its compile (e.g. skinny_linear_add_norm's ssq
+    tiles, which follow LFMSPARK_ROWS_GEMV / LFMSPARK_TUNE): the FX-graph cache key must change with
+    every LFMSPARK_* switch but the cache directory, and configure_compile installs it."""
+    from lfmspark.graphs.compile import CacheKeyOfOps, configure_compile
+
+    for name in [k for k in os.environ if k.startswith("LFMSPARK_")]:
+        monkeypatch.delenv(name)
+    base = CacheKeyOfOps().uuid()
+    monkeypatch.setenv("LFMSPARK_CACHE_DIR", "/elsewhere")
+    assert CacheKeyOfOps().uuid() == base
+    monkeypatch.setenv("LFMSPARK_ROWS_GEMV", "2048x2048")
+    rows = CacheKeyOfOps().uuid()
+    monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
+    assert len({base, rows, CacheKeyOfOps().uuid()}) == 3
+    configure_compile(n_variants=1)
+    assert isinstance(torch._inductor.config.post_grad_custom_post_pass, CacheKeyOfOps)
