@@ -439,7 +439,6 @@ class SkinnyConfig:
     gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
     swap_ab: bool = False  # the tl.dot kernel with the weight tile as its A operand (SWAP_AB);
     #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
-    rows_gemv: bool = False  # 2-16 rows, K <= 2048: ops/rows_gemv.py (LFMSPARK_ROWS_GEMV), no split
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -476,15 +475,6 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
                             block_k=min(tuned("gemv", "block_k", 2048, shape), max(16, triton.next_power_of_2(K))),
                             split_k=1, num_warps=tuned("gemv", "num_warps", 4, shape),
                             num_stages=tuned("gemv", "num_stages", 2, shape), gemv=True)
-    return _rows_or_swap_config(M, N, K, elem_size, sms)
-
-
-def _rows_or_swap_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
-    """The several-row GEMV's parameters where ``LFMSPARK_ROWS_GEMV`` routes the shape there, else
-    the swap-AB kernel's (imported here: ops/rows_gemv.py builds on this module's helpers)."""
-    from .rows_gemv import rows_gemv_config, rows_gemv_eligible
-    if rows_gemv_eligible(M, N, K):
-        return rows_gemv_config(M, N, K)
     return swap_ab_config(M, N, K, elem_size, sms)
 
 
@@ -684,10 +674,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if cfg.rows_gemv and M > 1 and not swiglu and weight_b is None:
-        from .rows_gemv import launch_rows_gemv  # (see _rows_or_swap_config)
-        launch_rows_gemv(x, weight, out, cfg, add_norm, row_ssq, eps)
-    elif M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
+    if M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
@@ -811,7 +798,7 @@ def add_norm_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig:
     """Launch parameters of ``skinny_linear_add_norm``: the plain product's swap-AB tiles (for one
     row too: the epilogue is the ``tl.dot`` kernel's); their ``block_n`` sets the ssq partials."""
     (M, K), N = x.shape, weight.shape[0]
-    return _rows_or_swap_config(M, N, K, x.element_size(), _sm_count(x.device))
+    return swap_ab_config(M, N, K, x.element_size(), _sm_count(x.device))
 
 
 def skinny_linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,

@@ -47,7 +47,6 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
     "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
     "tile_swiglu": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
-    "rows_gemv": ("block_n", "block_k", "num_warps"),
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),
@@ -56,7 +55,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 
-SHAPED_KINDS = ("gemv", "tile", "tile_swiglu", "rows_gemv")   # kinds whose launchers know the product's N and K
+SHAPED_KINDS = ("gemv", "tile", "tile_swiglu")   # kinds whose launchers know the product's N and K
 _SHAPE = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
 
 

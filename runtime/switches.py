@@ -12,7 +12,6 @@ from ..graphs.compile import inductor_pdl_requested
 from ..models.layers import fused_norm_requested, norm_carry_requested, norm_epilogue_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.markov_walk_persistent import persistent_walk_requested
-from ..ops.rows_gemv import rows_gemv_shapes
 from ..ops.tuning import tuning_overrides
 from ..ops.window_attention import window_attention_requested
 from .steps import commit_overlap_requested
@@ -31,4 +30,3 @@ def check_switches() -> None:
     commit_overlap_requested()
     persistent_walk_requested()
     window_attention_requested()
-    rows_gemv_shapes()
