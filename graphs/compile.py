@@ -122,10 +122,10 @@ class CacheKeyOfOps(CustomGraphPass):
 
     Why: a compiled region checks every custom op's outputs against the shapes the op's fake kernel
     gave when it was compiled, and some of those follow launch parameters (the ssq partials of
-    ``lfmspark::skinny_linear_add_norm`` have one row per column tile: ``LFMSPARK_TUNE`` ``block_n``,
-    ``LFMSPARK_ROWS_GEMV``). A graph cached under other switches, or by an older heuristic, then
-    failed its size assert at the first run (docs/benchmarks.md, session 19). Read when a region
-    is compiled, like the switches."""
+    ``lfmspark::skinny_linear_add_norm`` have one row per column tile, whose width ``LFMSPARK_TUNE``
+    may change). A graph cached under other switches, or by an older heuristic, then failed its
+    size assert at the first run (found with a column-tile experiment: docs/benchmarks.md, session
+    19). Read when a region is compiled, like the switches."""
 
     def __call__(self, graph: torch.fx.graph.Graph) -> None:
         return None

@@ -103,7 +103,7 @@ def test_profile_replays_writes_its_tables_without_a_gpu(tmp_path):
 
 def test_inductor_cache_key_follows_the_switches_and_the_ops(monkeypatch):
     """A compiled region caches the ops' output shapes of its compile (e.g. skinny_linear_add_norm's ssq
-    tiles, which follow LFMSPARK_ROWS_GEMV / LFMSPARK_TUNE): the FX-graph cache key must change with
+    tiles, which follow LFMSPARK_TUNE block_n): the FX-graph cache key must change with
     every LFMSPARK_* switch but the cache directory, and configure_compile installs it."""
     from lfmspark.graphs.compile import CacheKeyOfOps, configure_compile
 
@@ -112,7 +112,7 @@ def test_inductor_cache_key_follows_the_switches_and_the_ops(monkeypatch):
     base = CacheKeyOfOps().uuid()
     monkeypatch.setenv("LFMSPARK_CACHE_DIR", "/elsewhere")
     assert CacheKeyOfOps().uuid() == base
-    monkeypatch.setenv("LFMSPARK_ROWS_GEMV", "2048x2048")
+    monkeypatch.setenv("LFMSPARK_WALK", "steps")
     rows = CacheKeyOfOps().uuid()
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
     assert len({base, rows, CacheKeyOfOps().uuid()}) == 3
