@@ -30,7 +30,11 @@ fused kernel; per-layer microseconds against the floor (w13 + w2 bytes / measure
 ``--block-f``, ``--block-n``, ``--block-k``, ``--group``, ``--prefetch``, ``--num-warps``, ``--num-stages``
 take comma-separated lists: every combination is timed.
 
-Performance notes (from the sm90 compile, not yet measured): Triton software-pipelines the gate/up K loop
+Measured (H200, docs/benchmarks.md session 19): 70-165 us per layer across 24 configurations against
+24-29 us for the two launches (floors 18-24 us): the one-launch form without a grid barrier lost at
+every setting, so it stays a probe.
+
+Performance notes (from the sm90 compile, before the measurement): Triton software-pipelines the gate/up K loop
 (cp.async, num_stages deep) but not the down loop, whose body holds the barrier, the atomics and the
 conditional reductions; so the w2 loads there are plain loads, and PREFETCH=1 issues the next group's block
 before the current group's store and arrival round trip to hide part of that latency. A group is loaded
