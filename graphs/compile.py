@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 import logging
 import os
 from pathlib import Path
@@ -95,7 +96,8 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
 def configure_compile(n_variants: int) -> None:
     inductor = torch._inductor.config
     inductor.fx_graph_cache = True
-    inductor.post_grad_custom_post_pass = CacheKeyOfOps()
+    if not isinstance(inductor.post_grad_custom_post_pass, CacheKeyOfOps):  # keeps a pass the process set
+        inductor.post_grad_custom_post_pass = CacheKeyOfOps(inductor.post_grad_custom_post_pass)
     # Coordinate-descent tuning is what makes Inductor decompose M = 1 matmuls into tuned GEMV
     # reductions (with the norms fused in). On the H200 that decode step was only ~1% faster than
     # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
@@ -125,16 +127,28 @@ class CacheKeyOfOps(CustomGraphPass):
     ``lfmspark::skinny_linear_add_norm`` have one row per column tile, whose width ``LFMSPARK_TUNE``
     may change). A graph cached under other switches, or by an older heuristic, then failed its
     size assert at the first run (found with a column-tile experiment: docs/benchmarks.md, session
-    19). Read when a region is compiled, like the switches."""
+    19). Read when a region is compiled, like the switches.
+
+    ``inner``: a pass the process had installed in this slot; it still runs, and its ``uuid`` joins
+    the key (none, or a plain callable without one, turns Inductor's caching off, as it would alone)."""
+
+    def __init__(self, inner: Callable[[torch.fx.graph.Graph], None] | None = None) -> None:
+        self.inner = inner
 
     def __call__(self, graph: torch.fx.graph.Graph) -> None:
-        return None
+        if self.inner is not None:
+            self.inner(graph)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+            if inner is None:
+                return None
         switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("LFMSPARK_") and k != "LFMSPARK_CACHE_DIR")
         package = Path(__file__).resolve().parent.parent
         sources = get_hash_for_files(tuple(sorted(str(p) for d in ("ops", "models") for p in (package / d).glob("*.py"))))
-        return hashlib.sha256(repr((switches, sources)).encode()).hexdigest()
+        return hashlib.sha256(repr((switches, sources, inner)).encode()).hexdigest()
 
 
 def inductor_pdl_requested() -> bool:

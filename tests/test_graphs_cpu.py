@@ -118,5 +118,38 @@ def test_inductor_cache_key_follows_the_switches_and_the_ops(monkeypatch):
     rows = CacheKeyOfOps().uuid()
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
     assert len({base, rows, CacheKeyOfOps().uuid()}) == 3
-    configure_compile(n_variants=1)
-    assert isinstance(torch._inductor.config.post_grad_custom_post_pass, CacheKeyOfOps)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=None):
+        configure_compile(n_variants=1)
+        installed = torch._inductor.config.post_grad_custom_post_pass
+        assert isinstance(installed, CacheKeyOfOps) and installed.inner is None
+        configure_compile(n_variants=1)
+        assert torch._inductor.config.post_grad_custom_post_pass is installed   # not wrapped twice
+
+
+def test_inductor_cache_key_keeps_a_pass_the_process_installed():
+    """A post-grad pass set before lfmspark compiles still runs, and its uuid joins the key; one without
+    a uuid turns caching off (uuid None), as Inductor would for it alone."""
+    from lfmspark.graphs.compile import CacheKeyOfOps, configure_compile
+
+    class Counting:
+        def __init__(self, uuid: str | None) -> None:
+            self.calls, self._uuid = 0, uuid
+
+        def __call__(self, graph) -> None:
+            self.calls += 1
+
+        def uuid(self) -> str | None:
+            return self._uuid
+
+    user = Counting("mine-1")
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user):
+        configure_compile(n_variants=1)
+        wrapped = torch._inductor.config.post_grad_custom_post_pass
+    assert isinstance(wrapped, CacheKeyOfOps) and wrapped.inner is user
+    wrapped(torch.fx.Graph())
+    assert user.calls == 1
+    first = wrapped.uuid()
+    user._uuid = "mine-2"
+    assert wrapped.uuid() not in (None, first)
+    assert CacheKeyOfOps(Counting(None)).uuid() is None
+    assert CacheKeyOfOps(lambda graph: None).uuid() is None
