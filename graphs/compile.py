@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
