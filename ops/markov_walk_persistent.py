@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs
-from .argmax_rows import block_argmax
+from .argmax_rows import block_argmax, combine_argmax
 from .tuning import tuned
 from .weight_rounding import ROUND_MODE, round_to_weight_dtype
 
@@ -59,39 +59,25 @@ MAX_RANK = 256  # the whole rank in one tl.dot: a larger one would not fit a pro
 # kernel
 
 @triton.jit
+def _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk,
+                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``base[:, k, cols] + round(e @ w.T)`` and the column indices, ``(-inf, 2**31 - 1)`` where invalid."""
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
+                   other=0.0).to(tl.float32)
+    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
+        e, w = e.to(tl.float32), w.to(tl.float32)
+    bias = round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
+    return tl.where(ok, base + bias, float("-inf")), tl.where(ok, cols[None, :], 2147483647)
+
+
+@triton.jit
 def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2):
-    """``w2[cols, :]`` as a ``[len(cols), BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept)."""
+    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept)."""
     ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2 + rk[None, :]
     if RANK == rk.shape[0]:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_base(base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk):
-    """``base[rows, k, cols]`` in fp32 (0 where invalid)."""
-    ok = row_ok[:, None] & (cols < V)[None, :]
-    return tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _tile_best(e, w, base, row_ok, cols, V, ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Per row, ``(max, first index)`` of ``base + round(e @ w.T)`` over one tile's columns
-    (``(-inf, 2**31 - 1)`` for a row with no valid column)."""
-    ok = row_ok[:, None] & (cols < V)[None, :]
-    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
-        e, w = e.to(tl.float32), w.to(tl.float32)
-    bias = round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
-    return block_argmax(base + bias, cols[None, :], ok, 1)
-
-
-@triton.jit
-def _merge(best_v, best_i, v, i):
-    """:func:`combine_argmax` of the running best with a tile whose columns all follow it; an empty
-    running best (index ``2**31 - 1``) takes the tile as it is (an all ``-inf`` row keeps its first index)."""
-    take = (v > best_v) | ((v != v) & (best_v == best_v)) | (best_i == 2147483647)
-    return tl.where(take, v, best_v), tl.where(take, i, best_i)
 
 
 @triton.jit
@@ -115,113 +101,66 @@ def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
 
 
 @triton.jit
-def _slot_tokens(pv_ptr, pi_ptr, tok_ptr, sync_ptr, k, rows, row_ok, P, offs_p, p_ok, stride_tb,
-                 BLOCK_B: tl.constexpr, POLL_ASM: tl.constexpr):
-    """After slot ``k``'s partials: the grid barrier, then every program reduces the ``P`` partials of
-    its rows to slot ``k``'s tokens (program 0 stores them); returns them as int32 ``[BLOCK_B]``."""
-    _grid_barrier(sync_ptr, P, POLL_ASM)
-    # the partials of all programs, in column order; .cg: from L2, never a stale L1 line
-    pp = (k * BLOCK_B + rows)[:, None] * P + offs_p[None, :]
-    v = tl.load(pv_ptr + pp, mask=p_ok, other=0.0, cache_modifier=".cg")
-    i = tl.load(pi_ptr + pp, mask=p_ok, other=0, cache_modifier=".cg")
-    tokens = tl.where(row_ok, block_argmax(v, i, p_ok, 1)[1], 0)
-    if tl.program_id(0) == 0:
-        tl.store(tok_ptr + rows * stride_tb + k, tokens.to(tl.int64), mask=row_ok)
-    return tokens
-
-
-@triton.jit
-def _hint_rows_to_l2(w1_ptr, idx, ok, stride_w1, LINES: tl.constexpr, LINE: tl.constexpr):
-    """``prefetch.global.L2`` of rows ``idx`` of ``w1`` (``LINES`` 128-byte lines of ``LINE`` elements
-    each; rows not ``ok`` hint row 0): a hint, nothing waits for it."""
-    lines = tl.arange(0, LINES) * LINE
-    ptrs = w1_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_w1 + lines[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _markov_walk_persistent_kernel(
     base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, tok_ptr, sync_ptr,
     B, G, V, P,
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-    RES_A: tl.constexpr, RES_B: tl.constexpr, N_STREAM: tl.constexpr, N_EARLY: tl.constexpr,
-    BLOCK_P: tl.constexpr, HINT_LINES: tl.constexpr, HINT_LINE: tl.constexpr,
+    N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
     ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
-    # program j owns RES_A + RES_B resident columns (two tiles kept on chip), then N_STREAM streamed
-    # blocks of BLOCK_V; the first N_EARLY streamed blocks and the slot's base are requested before
-    # the previous slot's barrier (nothing in them depends on that slot)
     if PDL:  # ops/_dispatch.py; safe at entry (module doc)
         tl.extra.cuda.gdc_launch_dependents()
     j = tl.program_id(0)
     sync_ptr = sync_ptr.to(tl.pointer_type(tl.uint32))
-    first_col = j * (RES_A + RES_B + N_STREAM * BLOCK_V)
-    stream_col = first_col + RES_A + RES_B
+    first_col = j * (N_BLOCKS * BLOCK_V)
     rows = tl.arange(0, BLOCK_B)
     row_ok = rows < B
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
-    # the resident tiles depend on no earlier kernel: requested before the wait
-    if RES_A > 0:
-        cols_a = first_col + tl.arange(0, RES_A)
-        w_a = _load_w2_block(w2_ptr, cols_a, rk, V, RANK, stride_w2)
-    if RES_B > 0:
-        cols_b = first_col + RES_A + tl.arange(0, RES_B)
-        w_b = _load_w2_block(w2_ptr, cols_b, rk, V, RANK, stride_w2)
+    # the resident blocks depend on no earlier kernel: requested before the wait
+    if RESIDENT >= 1:
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+    if RESIDENT >= 2:
+        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
     if PDL:
         tl.extra.cuda.gdc_wait()
     prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = row_ok[:, None] & (offs_p < P)[None, :]
     for k in range(G):
-        if N_EARLY >= 1:
-            s0 = _load_w2_block(w2_ptr, stream_col + offs_v, rk, V, RANK, stride_w2)
-            base_s0 = _load_base(base_ptr, rows, row_ok, stream_col + offs_v, k, V, stride_bb, stride_bk)
-        if N_EARLY >= 2:
-            s1 = _load_w2_block(w2_ptr, stream_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
-            base_s1 = _load_base(base_ptr, rows, row_ok, stream_col + BLOCK_V + offs_v, k, V, stride_bb, stride_bk)
-        if N_EARLY >= 1:  # the resident tiles' base too
-            if RES_A > 0:
-                base_a = _load_base(base_ptr, rows, row_ok, cols_a, k, V, stride_bb, stride_bk)
-            if RES_B > 0:
-                base_b = _load_base(base_ptr, rows, row_ok, cols_b, k, V, stride_bb, stride_bk)
-        if k > 0:
-            prev = _slot_tokens(pv_ptr, pi_ptr, tok_ptr, sync_ptr, k - 1, rows, row_ok, P, offs_p, p_ok, stride_tb,
-                                BLOCK_B, POLL_ASM)
-        e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
-                    mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
-        best_v = tl.full((BLOCK_B,), float("-inf"), tl.float32)
-        best_i = tl.full((BLOCK_B,), 2147483647, tl.int32)
-        if RES_A > 0:
-            if N_EARLY == 0:
-                base_a = _load_base(base_ptr, rows, row_ok, cols_a, k, V, stride_bb, stride_bk)
-            v, i = _tile_best(e, w_a, base_a, row_ok, cols_a, V, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = _merge(best_v, best_i, v, i)
-        if RES_B > 0:
-            if N_EARLY == 0:
-                base_b = _load_base(base_ptr, rows, row_ok, cols_b, k, V, stride_bb, stride_bk)
-            v, i = _tile_best(e, w_b, base_b, row_ok, cols_b, V, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = _merge(best_v, best_i, v, i)
-        if N_EARLY >= 1:
-            v, i = _tile_best(e, s0, base_s0, row_ok, stream_col + offs_v, V, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = _merge(best_v, best_i, v, i)
-        if N_EARLY >= 2:
-            v, i = _tile_best(e, s1, base_s1, row_ok, stream_col + BLOCK_V + offs_v, V, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = _merge(best_v, best_i, v, i)
-        for blk in range(N_EARLY, N_STREAM):   # the other streamed blocks, from L2 after the first slot
-            cols = stream_col + blk * BLOCK_V + offs_v
+        e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :]
+        e = tl.load(e_ptrs, mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
+        # per lane the best of its columns over the blocks (ascending, so a tie keeps the first), one
+        # reduction across the lanes at the end
+        if RESIDENT >= 1:
+            w0 = w_res0
+        else:
+            w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        lane_v, lane_i = _block_values(e, w0, base_ptr, rows, row_ok, first_col + offs_v, k, V, stride_bb, stride_bk,
+                                       ROUND, DOT_PRECISION, UPCAST)
+        if RESIDENT >= 2:
+            v, i = _block_values(e, w_res1, base_ptr, rows, row_ok, first_col + BLOCK_V + offs_v, k, V, stride_bb,
+                                 stride_bk, ROUND, DOT_PRECISION, UPCAST)
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
+            cols = first_col + blk * BLOCK_V + offs_v
             w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
-            base = _load_base(base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk)
-            v, i = _tile_best(e, w, base, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
-            best_v, best_i = _merge(best_v, best_i, v, i)
-        if HINT_LINES > 0:  # the row this program would pick: in L2 if it wins, for every program's gather
-            _hint_rows_to_l2(w1_ptr, best_i, row_ok & (best_i < 2147483647), stride_w1, HINT_LINES, HINT_LINE)
+            v, i = _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk, ROUND,
+                                 DOT_PRECISION, UPCAST)
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        best_v, best_i = block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
         part = (k * BLOCK_B + rows) * P + j
         tl.store(pv_ptr + part, best_v, mask=row_ok)
         tl.store(pi_ptr + part, best_i, mask=row_ok)
-    _slot_tokens(pv_ptr, pi_ptr, tok_ptr, sync_ptr, G - 1, rows, row_ok, P, offs_p, p_ok, stride_tb, BLOCK_B, POLL_ASM)
+        _grid_barrier(sync_ptr, P, POLL_ASM)
+        # the partials of all programs, in column order; .cg: from L2, never a stale L1 line
+        pp = (k * BLOCK_B + rows)[:, None] * P + offs_p[None, :]
+        v = tl.load(pv_ptr + pp, mask=p_ok, other=0.0, cache_modifier=".cg")
+        i = tl.load(pi_ptr + pp, mask=p_ok, other=0, cache_modifier=".cg")
+        prev = tl.where(row_ok, block_argmax(v, i, p_ok, 1)[1], 0)
+        if j == 0:
+            tl.store(tok_ptr + rows * stride_tb + k, prev.to(tl.int64), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,19 +168,13 @@ def _markov_walk_persistent_kernel(
 
 @dataclass(frozen=True)
 class PersistentWalkConfig:
-    """Launch parameters: ``block_v`` columns per block; the first ``resident`` of a program's blocks
-    kept on chip (shared memory) across the slots, as at most two tiles of a power-of-two width each
-    (e.g. 6 blocks of 64 = 256 + 128 columns); ``early`` (0-2) of the streamed blocks, and the slot's
-    base logits, requested before the previous slot's barrier instead of after ``w1[prev]``; ``hint``:
-    each program hints the ``w1`` row of its own best column into L2 before the barrier, so the
-    winner's gather after it hits L2; ``programs`` (None: as many as the SMs allow; the
-    interpreter: 1)."""
+    """Launch parameters: ``block_v`` columns per block, the first ``resident`` (0-2) of a program's
+    blocks kept on chip (shared memory) across the slots, ``programs`` (None: as many as the SMs
+    allow; the interpreter: 1)."""
     block_v: int = 256
     resident: int = 1
     num_warps: int = 8
     num_stages: int = 2
-    early: int = 0
-    hint: bool = False
     programs: int | None = None
 
 
@@ -251,25 +184,7 @@ def persistent_walk_config() -> PersistentWalkConfig:
     return PersistentWalkConfig(block_v=tuned("walk_grid", "block_v", d.block_v),
                                 resident=tuned("walk_grid", "resident", d.resident),
                                 num_warps=tuned("walk_grid", "num_warps", d.num_warps),
-                                num_stages=tuned("walk_grid", "num_stages", d.num_stages),
-                                early=tuned("walk_grid", "early", d.early),
-                                hint=bool(tuned("walk_grid", "hint", int(d.hint))))
-
-
-def _split_two(cols: int) -> tuple[int, int]:
-    """``(a, b)`` with ``a`` the largest power of two up to ``cols`` (0 for 0) and ``b = cols - a``."""
-    a = 1 << (cols.bit_length() - 1) if cols else 0
-    return a, cols - a
-
-
-def resident_tiles(resident: int, block_v: int) -> tuple[int, int]:
-    """The resident columns as two tiles ``(a, b)``, each a power of two or 0: ``resident * block_v =
-    a + b`` (a ``ValueError`` when the rest ``b`` is not a power of two)."""
-    a, b = _split_two(resident * block_v)
-    if b & (b - 1):
-        raise ValueError(f"resident = {resident} blocks of {block_v} columns ({a + b}) is not two power-of-two tiles: "
-                         "use a count such as 1, 2, 3, 4, 5, 6 or 8")
-    return a, b
+                                num_stages=tuned("walk_grid", "num_stages", d.num_stages))
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,12 +203,12 @@ def persistent_walk_requested() -> bool:
 
 
 def persistent_walk_usable(device: torch.device, B: int, rank: int) -> bool:
-    """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` (``LFMSPARK_TUNE``
-    ``walk_grid.min_rows``) to ``MAX_ROWS`` rows (where it was the faster one), a rank up to ``MAX_RANK``, NVIDIA (the barrier polls with PTX), and
+    """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` to ``MAX_ROWS`` rows
+    (where it was the faster one), a rank up to ``MAX_RANK``, NVIDIA (the barrier polls with PTX), and
     every SM available to this process (under an MPS thread limit fewer may be, and a grid that
     cannot be resident at once would never pass its barrier)."""
     mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return (tuned("walk_grid", "min_rows", MIN_ROWS) <= B <= MAX_ROWS and rank <= MAX_RANK and torch.version.hip is None
+    return (MIN_ROWS <= B <= MAX_ROWS and rank <= MAX_RANK and torch.version.hip is None
             and (device.type != "cuda" or mps in (None, "", "100")))
 
 
@@ -334,22 +249,12 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
     if not 1 <= B <= MAX_ROWS or rank > MAX_RANK:
         raise ValueError(f"the persistent walk takes 1-{MAX_ROWS} rows and a rank up to {MAX_RANK}, got {B} rows and "
                          f"rank {rank}: use markov_greedy_walk_triton, which takes the step kernels there")
-    if cfg.resident < 0 or not 0 <= cfg.early <= 2:
-        raise ValueError(f"resident = {cfg.resident}, early = {cfg.early}: a program keeps 0 or more blocks on chip "
-                         "and requests 0-2 streamed blocks early")
-    resident_tiles(cfg.resident, cfg.block_v)
-    tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
-    if G == 0:
-        return tokens
+    if not 0 <= cfg.resident <= 2:
+        raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks on chip")
     interpreted = base.device.type != "cuda"
     P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
     resident = min(cfg.resident, n_blocks)
-    while _split_two(resident * cfg.block_v)[1] & (_split_two(resident * cfg.block_v)[1] - 1):
-        resident -= 1      # a slice shorter than the resident blocks: the most that still makes two tiles
-    res_a, res_b = resident_tiles(resident, cfg.block_v)
-    n_stream = n_blocks - resident
-    line = 128 // w1.element_size()
-    hint_lines = 0 if interpreted or not cfg.hint else 1 << (triton.cdiv(rank, line).bit_length() - 1)
+    tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
     pv = torch.empty((G, MAX_ROWS, P), dtype=torch.float32, device=base.device)
     pi = torch.empty((G, MAX_ROWS, P), dtype=torch.int32, device=base.device)
     _markov_walk_persistent_kernel[(P,)](
@@ -357,8 +262,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         B, G, V, P,
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
-        RES_A=res_a, RES_B=res_b, N_STREAM=n_stream, N_EARLY=min(cfg.early, n_stream),
-        BLOCK_P=max(16, triton.next_power_of_2(P)), HINT_LINES=hint_lines, HINT_LINE=line,
+        N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
         UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),

@@ -15,9 +15,7 @@ that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row product
 ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
 prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py), ``walk_grid``
-(the persistent walk: ``resident`` column blocks kept on chip, ``early`` streamed blocks requested
-before the previous slot's barrier, 0-2, ``hint`` 0/1, ``min_rows``: the fewest rows it takes,
-ops/markov_walk_persistent.py),
+(the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk_persistent.py),
 ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
 i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
 
@@ -43,7 +41,7 @@ import re
 
 log = logging.getLogger(__name__)
 
-_ZERO_OK = ("resident", "early", "hint")
+_ZERO_OK = ("resident",)
 _POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
     "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
@@ -52,7 +50,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "norm_gemv": ("block_n", "num_warps"),
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),
-    "walk_grid": ("block_v", "resident", "num_warps", "num_stages", "early", "hint", "min_rows"),
+    "walk_grid": ("block_v", "resident", "num_warps", "num_stages"),
     "attention": ("num_splits",),
 }
 

@@ -17,7 +17,6 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
-from lfmspark.ops import markov_walk_persistent
 from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig, markov_greedy_walk_persistent
 
 try:
@@ -89,17 +88,6 @@ def _cold_l2_us(fn, flush_src: torch.Tensor, flush_dst: torch.Tensor) -> float:
     return (time_ms(both) - time_ms(lambda: flush_dst.copy_(flush_src))) * 1e3
 
 
-def _last_compiled_resources() -> dict:
-    """Registers, spills and shared memory of the persistent kernel compiled last (Triton's cache of
-    compiled variants keeps insertion order); empty where this Triton keeps them elsewhere."""
-    kernel = markov_walk_persistent._markov_walk_persistent_kernel
-    try:
-        compiled = list(kernel.device_caches[torch.cuda.current_device()][0].values())[-1]
-        return {"regs": compiled.n_regs, "spills": compiled.n_spills, "shared_kb": compiled.metadata.shared // 1024}
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return {}
-
-
 def persistent_sweep(batches: list[int]) -> list[dict]:
     """The persistent walk's configs against the step kernels' default, each timed after an L2
     flush and checked against the reference on order-independent inputs (weights multiples of 1/8)."""
@@ -109,13 +97,9 @@ def persistent_sweep(batches: list[int]) -> list[dict]:
     w2 = (torch.randint(-16, 17, (V, RANK), generator=g) / 8).to(dev, torch.bfloat16)
     flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
     flush_dst = torch.empty_like(flush_src)
-    configs = [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw, early=early, hint=hint)
-               for bv, res, nw, early, hint in [
-                   (256, 1, 8, 0, False),                       # session 16's default
-                   (256, 1, 8, 1, True), (128, 2, 16, 2, True),  # half on chip, the other half requested early
-                   (128, 3, 8, 1, True), (128, 3, 8, 1, False), (128, 3, 8, 0, False),   # 3/4 on chip
-                   (64, 6, 8, 2, True), (64, 6, 16, 2, True), (64, 6, 8, 2, False), (64, 6, 8, 0, False),
-                   (64, 5, 8, 2, True), (32, 12, 8, 2, True), (64, 4, 8, 2, True)]]
+    configs = [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw, num_stages=ns)
+               for bv, res, nw, ns in [(256, 1, 8, 2), (256, 1, 4, 2), (256, 1, 8, 1), (256, 0, 8, 2),
+                                       (128, 2, 8, 2), (128, 2, 16, 2), (128, 1, 8, 2), (64, 2, 8, 2)]]
     for B in batches:
         base = (torch.randint(-40, 41, (B, G, V), generator=g) / 4).to(dev, torch.bfloat16)
         anchor = torch.randint(0, V, (B,), generator=g).to(dev)
@@ -133,7 +117,7 @@ def persistent_sweep(batches: list[int]) -> list[dict]:
                              f"{str(exc)[:80]}"})
                 continue
             rows.append({"B": B, "kernel": "persistent", "config": str(cfg), "us_per_walk": round(us, 2),
-                         "same_tokens": same, **_last_compiled_resources()})
+                         "same_tokens": same})
     return sorted(rows, key=lambda r: (r["B"], r.get("us_per_walk", 1e9)))
 
 

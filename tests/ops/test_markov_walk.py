@@ -28,7 +28,7 @@ import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops import markov_walk, markov_walk_persistent
 from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
 from lfmspark.ops.markov_walk_persistent import (PersistentWalkConfig, _grid_barrier, markov_greedy_walk_persistent,
-                                                 persistent_walk_usable, programs_for, resident_tiles)
+                                                 persistent_walk_usable, programs_for)
 from lfmspark.ops.weight_rounding import round_to_weight_dtype
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -220,10 +220,7 @@ def test_default_config() -> None:
 PERSISTENT = [PersistentWalkConfig(block_v=32, resident=0, num_warps=4),
               PersistentWalkConfig(block_v=64, resident=1, num_warps=4),
               PersistentWalkConfig(block_v=32, resident=2, num_warps=4),
-              PersistentWalkConfig(block_v=32, resident=1, num_warps=4, programs=3),
-              PersistentWalkConfig(block_v=32, resident=3, early=2, num_warps=4),
-              PersistentWalkConfig(block_v=16, resident=6, early=1, hint=True, num_warps=4),
-              PersistentWalkConfig(block_v=32, resident=0, early=2, num_warps=4)]
+              PersistentWalkConfig(block_v=32, resident=1, num_warps=4, programs=3)]
 
 
 def _same_persistent(base, anchor, w1, w2, config: PersistentWalkConfig) -> None:
@@ -233,15 +230,13 @@ def _same_persistent(base, anchor, w1, w2, config: PersistentWalkConfig) -> None
     assert torch.equal(out.cpu(), ref), (config, out, ref)
 
 
-@pytest.mark.parametrize("config", PERSISTENT, ids=["stream", "res1", "res2", "p3", "res3early2", "res6early1",
-                                                     "early2"])
+@pytest.mark.parametrize("config", PERSISTENT, ids=["stream", "res1", "res2", "p3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B, G, V, r", [(1, 9, 500, 48), (16, 3, 97, 16), (5, 9, 320, 64)])
 def test_persistent_matches_reference(triton_device: str, config: PersistentWalkConfig, dtype: torch.dtype,
                                       B: int, G: int, V: int, r: int) -> None:
-    """Resident blocks as one or two tiles (clamped to the slice where it is shorter), streamed blocks
-    requested early or in the loop, several blocks per program, V not a multiple of the block, rank
-    not a power of two, 1-16 rows."""
+    """Resident blocks (0-2), several blocks per program, V not a multiple of the block, rank not a
+    power of two, 1-16 rows."""
     _same_persistent(*_grid_inputs(triton_device, dtype, B, G, V, r, seed=B * 7 + r), config)
 
 
@@ -266,16 +261,13 @@ def test_persistent_walk_is_the_default_for_2_to_16_rows(triton_device: str, mon
     real = markov_walk.markov_greedy_walk_persistent
     monkeypatch.setattr(markov_walk, "markov_greedy_walk_persistent",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    for B, walk, config, persistent, tune in [(16, "persistent", None, True, ""), (2, "persistent", None, True, ""),
-                                              (1, "persistent", None, False, ""), (17, "persistent", None, False, ""),
-                                              (3, "steps", None, False, ""), (3, "persistent", SMALL, False, ""),
-                                              (1, "persistent", None, True, "walk_grid.min_rows=1"),
-                                              (2, "persistent", None, False, "walk_grid.min_rows=3")]:
+    for B, walk, config, persistent in [(16, "persistent", None, True), (2, "persistent", None, True),
+                                        (1, "persistent", None, False), (17, "persistent", None, False),
+                                        (3, "steps", None, False), (3, "persistent", SMALL, False)]:
         monkeypatch.setenv("LFMSPARK_WALK", walk)
-        monkeypatch.setenv("LFMSPARK_TUNE", tune)
         calls.clear()
         _same(*_grid_inputs(triton_device, torch.bfloat16, B, 3, 200, 16, seed=B), config)
-        assert calls == ([B] if persistent else []), (B, walk, config, tune)
+        assert calls == ([B] if persistent else []), (B, walk, config)
     monkeypatch.setenv("LFMSPARK_WALK", "grid")
     with pytest.raises(ValueError, match="LFMSPARK_WALK='grid'"):
         markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 2, 3, 200, 16, seed=1))
@@ -331,21 +323,9 @@ def test_programs_for_the_served_vocabulary() -> None:
         assert P <= limit and P * n * bv >= V and (P - 1) * n * bv < V
 
 
-def test_persistent_rejects_bad_resident_and_early() -> None:
-    for config, match in [(PersistentWalkConfig(block_v=64, resident=7), "448.*not two power-of-two tiles"),
-                          (PersistentWalkConfig(resident=-1), "resident = -1"),
-                          (PersistentWalkConfig(early=3), "early = 3")]:
-        with pytest.raises(ValueError, match=match):
-            markov_greedy_walk_persistent(*_op_args(), config)
-
-
-def test_resident_tiles() -> None:
-    """The resident columns as the largest power of two plus a power-of-two rest."""
-    assert resident_tiles(0, 64) == (0, 0) and resident_tiles(1, 256) == (256, 0)
-    assert resident_tiles(6, 64) == (256, 128) and resident_tiles(3, 128) == (256, 128)
-    assert resident_tiles(5, 64) == (256, 64) and resident_tiles(12, 32) == (256, 128)
-    with pytest.raises(ValueError, match="not two power-of-two tiles"):
-        resident_tiles(7, 32)
+def test_persistent_rejects_bad_resident() -> None:
+    with pytest.raises(ValueError, match="resident = 3"):
+        markov_greedy_walk_persistent(*_op_args(), PersistentWalkConfig(resident=3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,15 +370,12 @@ def test_gpu_served_shape(B: int) -> None:
     _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B))
 
 
-GPU_CONFIGS = [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w, early=early, hint=hint)
-               for bv, r, w, early, hint in [(128, 0, 8, 0, False), (256, 1, 8, 0, False), (128, 2, 16, 0, False),
-                                             (64, 2, 8, 0, False), (64, 6, 8, 2, True), (128, 3, 8, 1, True),
-                                             (64, 6, 16, 2, False)]]
+GPU_CONFIGS = [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w)
+               for bv, r, w in [(128, 0, 8), (256, 1, 8), (128, 2, 16), (64, 2, 8)]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(GPU_CONFIGS)), ids=["bv128r0", "bv256r1", "bv128r2", "bv64r2",
-                                                               "bv64r6e2h", "bv128r3e1h", "bv64r6e2w16"])
+@pytest.mark.parametrize("index", range(len(GPU_CONFIGS)), ids=["bv128r0", "bv256r1", "bv128r2", "bv64r2"])
 @pytest.mark.parametrize("B", [1, 4, 16])
 def test_gpu_persistent_served_shape(B: int, index: int) -> None:
     """One program per SM, each with its slice of ``w2``, a real grid barrier per slot (other inputs
