@@ -44,22 +44,15 @@ from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN,
 from .state import SlotState
 
 
-def commit_overlap_mode() -> str:
-    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): ``1`` runs the round's draft context injection on a
-    side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`); ``high``
-    does the same on a high-priority side stream, so that its kernels take SMs before the LM head's
-    programs still waiting for one; ``0`` runs it inside the commit region, after the acceptance."""
-    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "1")
-    if value not in ("0", "1", "high"):
-        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit), "
-                         "1 (the default: on a side stream, concurrently with the LM head and acceptance) or high "
-                         "(the same on a high-priority side stream)")
-    return value
-
-
 def commit_overlap_requested() -> bool:
-    """Whether ``LFMSPARK_COMMIT_OVERLAP`` puts the context injection on a side stream (:func:`commit_overlap_mode`)."""
-    return commit_overlap_mode() != "0"
+    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): run the round's draft context injection on a side
+    stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`); ``0`` runs it
+    inside the commit region, after the acceptance."""
+    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit) "
+                         "or 1 (the default: on a side stream, concurrently with the LM head and acceptance)")
+    return value == "1"
 
 
 @dataclass
@@ -122,11 +115,7 @@ class Steps:
         # the injection runs in program order)
         self.commit_overlap = draft is not None and commit_overlap_requested()
         device = target.device
-        # priority: PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so the
-        # captured kernels keep the priority of the stream they were captured on (-1: high)
-        priority = -1 if commit_overlap_mode() == "high" else 0
-        self.side_stream = (torch.cuda.Stream(device, priority=priority)
-                            if self.commit_overlap and device.type == "cuda" else None)
+        self.side_stream = torch.cuda.Stream(device) if self.commit_overlap and device.type == "cuda" else None
 
     def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
         """The rows' per-slot state; called inside each region that needs it."""

@@ -23,10 +23,10 @@ def models():
     return random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6)
 
 
-def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool, compile: bool = False, mode: str = "1") -> Engine:
+def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool, compile: bool = False) -> Engine:
     # imposed acceptance: accept lengths spread over 0..gamma (random drafts alone are almost never
     # accepted), so the window's columns past the commit are written in most rounds
-    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", mode if overlap else "0")
+    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1" if overlap else "0")
     target, draft = models
     engine = Engine(target, draft, max_batch=len(PROMPTS), max_seq_len=96, compile=compile,
                     imposed_acceptance=[0.7] * GAMMA)
@@ -101,18 +101,10 @@ def test_generate_with_overlap_matches(models, monkeypatch):
     assert [o.token_ids for o in _engine(models, monkeypatch, True).generate(PROMPTS, params)] == want
 
 
-def test_high_priority_mode_is_an_overlap(models, monkeypatch):
-    """``high`` is the overlapped commit (its side stream's priority only exists on CUDA): same tokens as off."""
-    params = [SamplingParams(max_new_tokens=24, seed=i) for i in range(len(PROMPTS))]
-    want = [o.token_ids for o in _engine(models, monkeypatch, False).generate(PROMPTS, params)]
-    high = _engine(models, monkeypatch, True, mode="high")
-    assert [o.token_ids for o in high.generate(PROMPTS, params)] == want
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "on", "", "HIGH"])
+@pytest.mark.parametrize("value", ["yes", "2", "on", ""])
 def test_bad_switch_value_is_refused(models, monkeypatch, value):
     monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", value)
-    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .*, 1 .* or high"):
+    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .* or 1"):
         Engine(*models, max_batch=1, max_seq_len=64)
 
 
