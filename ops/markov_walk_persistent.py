@@ -9,8 +9,10 @@ wait, beside the LM head's tail) and streams the rest of its slice, and the slot
 a grid barrier instead of launches. Measured on the H200 (session 16, L2 flushed before each walk):
 86 us against the step kernels' 82 at one row, 102-108 against 126 at four, so the launcher takes it
 for 2-16 rows (``MIN_ROWS``, ``MAX_ROWS``). A slot still costs ~9.5 us: the barrier, the partials'
-and ``w1[prev]``'s L2 round trips and one program per SM streaming half its slice form a serial
-chain the step kernels overlap across launches.
+and ``w1[prev]``'s L2 round trips and the argmax form a serial chain the step kernels overlap across
+launches. Keeping more of the slice on chip does not shorten it: with three quarters resident (224 KB
+of shared memory) and the rest requested before the barrier, one row still took 91 us against the
+step kernels' 82 (session 20, commit 622fa1a, reverted).
 
 Design: grid ``(P,)``, one program per SM at most, so every program is resident at once (the barrier
 needs that; ``programs_for`` sizes it from the SM count). Program ``j`` owns columns
