@@ -115,9 +115,9 @@ def test_inductor_cache_key_follows_the_switches_and_the_ops(monkeypatch):
     monkeypatch.setenv("LFMSPARK_CACHE_DIR", "/elsewhere")
     assert CacheKeyOfOps().uuid() == base
     monkeypatch.setenv("LFMSPARK_WALK", "steps")
-    rows = CacheKeyOfOps().uuid()
+    walk = CacheKeyOfOps().uuid()
     monkeypatch.setenv("LFMSPARK_TUNE", "tile.block_n=128")
-    assert len({base, rows, CacheKeyOfOps().uuid()}) == 3
+    assert len({base, walk, CacheKeyOfOps().uuid()}) == 3
     with torch._inductor.config.patch(post_grad_custom_post_pass=None):
         configure_compile(n_variants=1)
         installed = torch._inductor.config.post_grad_custom_post_pass
