@@ -42,7 +42,8 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 from .argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
-from .markov_walk_persistent import markov_greedy_walk_persistent, persistent_walk_requested, persistent_walk_usable
+from .markov_walk_jacobi import jacobi_walk_usable, markov_greedy_walk_jacobi
+from .markov_walk_persistent import markov_greedy_walk_persistent, persistent_walk_usable, walk_mode
 from .tuning import tuned
 from .weight_rounding import ROUND_MODE, round_to_weight_dtype
 
@@ -155,9 +156,10 @@ def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch
 
 def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                               config: WalkConfig | None = None) -> torch.Tensor:
-    """The op on the Triton kernels: the persistent walk (ops/markov_walk_persistent.py) where it
-    applies and ``LFMSPARK_WALK`` allows it, else the step kernels (always with ``config``, a launch
-    override of the step kernel, for tests and tuning)."""
+    """The op on the Triton kernels, as ``LFMSPARK_WALK`` picks (ops/markov_walk_persistent.py
+    ``walk_mode``): the Jacobi walk (ops/markov_walk_jacobi.py) where its rows x slots fit 16 lanes, the persistent walk for
+    2-16 rows, where they apply; else the step kernels (always with ``config``, a launch override of
+    the step kernel, for tests and tuning)."""
     _check(base, anchor, w1, w2)
     B, G, V = base.shape
     rank = w2.shape[1]
@@ -168,7 +170,10 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     w1 = w1 if w1.stride(1) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(1) == 1 else w2.contiguous()
     anchor = anchor.contiguous()
-    if config is None and persistent_walk_requested() and persistent_walk_usable(base.device, B, rank):
+    mode = walk_mode()
+    if config is None and mode == "jacobi" and jacobi_walk_usable(base.device, B, G, rank):
+        return markov_greedy_walk_jacobi(base, anchor, w1, w2)
+    if config is None and mode != "steps" and persistent_walk_usable(base.device, B, rank):
         return markov_greedy_walk_persistent(base, anchor, w1, w2)
     cfg = config or walk_config(B, V, rank)
     nb = triton.cdiv(V, cfg.block_v)

@@ -61,12 +61,12 @@ MAX_RANK = 256  # the whole rank in one tl.dot: a larger one would not fit a pro
 # kernel
 
 @triton.jit
-def _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk,
+def _block_values(e, w, base_ptr, row_off, row_ok, cols, V,
                   ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``base[:, k, cols] + round(e @ w.T)`` and the column indices, ``(-inf, 2**31 - 1)`` where invalid."""
+    """``base[row_off + cols] + round(e @ w.T)`` (``row_off``: each tile row's int64 offset of its base
+    logits) and the column indices, ``(-inf, 2**31 - 1)`` where invalid."""
     ok = row_ok[:, None] & (cols < V)[None, :]
-    base = tl.load(base_ptr + rows.to(tl.int64)[:, None] * stride_bb + k * stride_bk + cols[None, :], mask=ok,
-                   other=0.0).to(tl.float32)
+    base = tl.load(base_ptr + row_off[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw integers
         e, w = e.to(tl.float32), w.to(tl.float32)
     bias = round_to_weight_dtype(tl.dot(e, tl.trans(w), input_precision=DOT_PRECISION), ROUND)
@@ -131,6 +131,7 @@ def _markov_walk_persistent_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = row_ok[:, None] & (offs_p < P)[None, :]
     for k in range(G):
+        row_off = rows.to(tl.int64) * stride_bb + k * stride_bk
         e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :]
         e = tl.load(e_ptrs, mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
         # per lane the best of its columns over the blocks (ascending, so a tie keeps the first), one
@@ -139,17 +140,16 @@ def _markov_walk_persistent_kernel(
             w0 = w_res0
         else:
             w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
-        lane_v, lane_i = _block_values(e, w0, base_ptr, rows, row_ok, first_col + offs_v, k, V, stride_bb, stride_bk,
+        lane_v, lane_i = _block_values(e, w0, base_ptr, row_off, row_ok, first_col + offs_v, V,
                                        ROUND, DOT_PRECISION, UPCAST)
         if RESIDENT >= 2:
-            v, i = _block_values(e, w_res1, base_ptr, rows, row_ok, first_col + BLOCK_V + offs_v, k, V, stride_bb,
-                                 stride_bk, ROUND, DOT_PRECISION, UPCAST)
+            v, i = _block_values(e, w_res1, base_ptr, row_off, row_ok, first_col + BLOCK_V + offs_v, V,
+                                 ROUND, DOT_PRECISION, UPCAST)
             lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
         for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
             cols = first_col + blk * BLOCK_V + offs_v
             w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
-            v, i = _block_values(e, w, base_ptr, rows, row_ok, cols, k, V, stride_bb, stride_bk, ROUND,
-                                 DOT_PRECISION, UPCAST)
+            v, i = _block_values(e, w, base_ptr, row_off, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
             lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
         best_v, best_i = block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
         part = (k * BLOCK_B + rows) * P + j
@@ -194,23 +194,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def persistent_walk_requested() -> bool:
-    """``LFMSPARK_WALK`` (default ``persistent``): the greedy Markov walk in one persistent launch, or
-    ``steps``: one launch per slot (ops/markov_walk.py)."""
-    value = os.environ.get("LFMSPARK_WALK", "persistent")
-    if value not in ("persistent", "steps"):
-        raise ValueError(f"LFMSPARK_WALK={value!r}: use persistent (the walk in one launch) or steps (one launch "
-                         "per block slot)")
-    return value == "persistent"
+WALK_MODES = ("jacobi", "persistent", "steps")
+
+
+def walk_mode() -> str:
+    """``LFMSPARK_WALK``: ``jacobi`` (the default) runs the fixed-point walk in one launch where its
+    lanes fit (ops/markov_walk_jacobi.py: one row of up to 16 slots) and otherwise what
+    ``persistent`` runs; ``persistent`` runs the sequential walk in one launch for 2-16 rows and the
+    step kernels otherwise; ``steps`` always runs one launch per slot (ops/markov_walk.py)."""
+    value = os.environ.get("LFMSPARK_WALK", "jacobi")
+    if value not in WALK_MODES:
+        raise ValueError(f"LFMSPARK_WALK={value!r}: use jacobi (fixed-point passes in one launch), persistent (the "
+                         "sequential walk in one launch) or steps (one launch per block slot)")
+    return value
 
 
 def persistent_walk_usable(device: torch.device, B: int, rank: int) -> bool:
     """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` to ``MAX_ROWS`` rows
-    (where it was the faster one), a rank up to ``MAX_RANK``, NVIDIA (the barrier polls with PTX), and
-    every SM available to this process (under an MPS thread limit fewer may be, and a grid that
-    cannot be resident at once would never pass its barrier)."""
+    (where it was the faster one) and :func:`one_launch_walk_possible`."""
+    return MIN_ROWS <= B <= MAX_ROWS and one_launch_walk_possible(device, rank)
+
+
+def one_launch_walk_possible(device: torch.device, rank: int) -> bool:
+    """What a walk in one launch with grid barriers needs: a rank up to ``MAX_RANK``, NVIDIA (the
+    barrier polls with PTX), and every SM available to this process (under an MPS thread limit fewer
+    may be, and a grid that cannot be resident at once would never pass its barrier)."""
     mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return (MIN_ROWS <= B <= MAX_ROWS and rank <= MAX_RANK and torch.version.hip is None
+    return (rank <= MAX_RANK and torch.version.hip is None
             and (device.type != "cuda" or mps in (None, "", "100")))
 
 
@@ -223,22 +233,25 @@ def programs_for(V: int, block_v: int, device: torch.device, programs: int | Non
     return triton.cdiv(n_col_blocks, n_blocks), n_blocks
 
 
-_SYNC: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _sync_for(w2: torch.Tensor) -> torch.Tensor:
-    """The barrier counter of walks over ``w2`` (module doc: one per weight and device). Created
-    outside CUDA-graph capture only: a ``torch.zeros`` inside a capture is merely recorded, and a walk
-    run before that graph's first replay would find a counter that is not at rest (the barrier
-    would then let programs through early, silently)."""
+def counters_for(w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sync, stats)`` of walks over ``w2``: the barrier counter (module doc: one per weight and
+    device, shared by this walk and the Jacobi walk, which never run at the same time over one
+    weight) and the Jacobi walk's ``(passes, walks)`` int64 tallies (ops/markov_walk_jacobi.py).
+    Created outside CUDA-graph capture only: a ``torch.zeros`` inside a capture is merely recorded,
+    and a walk run before that graph's first replay would find a counter that is not at rest (the
+    barrier would then let programs through early, silently)."""
     key = (w2.device, w2.data_ptr())
-    if key not in _SYNC:
+    if key not in _COUNTERS:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the persistent Markov walk over these weights is first called inside a CUDA-graph "
                                "capture: run it once before capturing (Engine.warmup does), or set "
                                "LFMSPARK_WALK=steps")
-        _SYNC[key] = torch.zeros(1, dtype=torch.int32, device=w2.device)
-    return _SYNC[key]
+        _COUNTERS[key] = (torch.zeros(1, dtype=torch.int32, device=w2.device),
+                          torch.zeros(2, dtype=torch.int64, device=w2.device))
+    return _COUNTERS[key]
 
 
 def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -260,7 +273,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
     pv = torch.empty((G, MAX_ROWS, P), dtype=torch.float32, device=base.device)
     pi = torch.empty((G, MAX_ROWS, P), dtype=torch.int32, device=base.device)
     _markov_walk_persistent_kernel[(P,)](
-        base, anchor, w1, w2, pv, pi, tokens, _sync_for(w2),
+        base, anchor, w1, w2, pv, pi, tokens, counters_for(w2)[0],
         B, G, V, P,
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,

@@ -29,6 +29,7 @@ import torch
 from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops._dispatch import use_pdl
+from ..ops.markov_walk_jacobi import jacobi_pass_counts
 from .engine import Engine
 from .sampling import SamplingParams
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
@@ -281,6 +282,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                            SamplingParams(temperature=cfg.temperature, max_new_tokens=2, stop_token_ids=[],
                                           seed=cfg.seed))
     first_ttft = warm[0].stats.ttft_s
+    passes_before = jacobi_pass_counts()
     for run in range(cfg.runs):
         prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=gen).tolist()
         # one seed per request: imposed acceptance draws are keyed by (seed, position), so shared
@@ -296,6 +298,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 accept += o.stats.accept_lengths
                 per_position.append(o.stats.acceptance_per_position)
                 imposed = o.stats.imposed_acceptance
+    passes, walks = (now - before for now, before in zip(jacobi_pass_counts(), passes_before))
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
     prefill_s, bucket = time_prefill(engine, batch, cfg.prompt_len, iters=10)
@@ -322,6 +325,8 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
             sum(p[k] for p in per_position if not math.isnan(p[k])) / max(1, sum(not math.isnan(p[k]) for p in per_position))
             for k in range(engine.block_size)]
         row["imposed_acceptance"] = imposed
+        if walks:  # the Jacobi walk ran (ops/markov_walk_jacobi.py): its w2 passes depend on the Markov weights
+            row["walk_passes_mean"] = passes / walks
     return row
 
 
@@ -553,6 +558,9 @@ def table(report: dict) -> str:
             text += (f"\nround split at batch {r['batch']}{tag}: draft {r['draft_ms']:.3f} ms, "
                      f"verify {r['verify_ms']:.3f} ms,"
                      f" accept+commit {r['commit_ms']:.3f} ms (round {r['step_ms']:.3f} ms)")
+        if "walk_passes_mean" in r:
+            text += (f"\nMarkov walk at batch {r['batch']}: {r['walk_passes_mean']:.2f} biased passes over markov_w2 "
+                     f"per round (Jacobi walk: 1 when the bias moved no guessed slot, at most the block size)")
     for r in res["target_only"]:
         bucket = r.get("prefill_bucket")
         text += (f"\nprefill at batch {r['batch']}: {r['prefill_ms']:.3f} ms per "

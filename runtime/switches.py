@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..graphs.compile import inductor_pdl_requested
 from ..models.layers import fused_norm_requested, norm_carry_requested, norm_epilogue_requested, skinny_rows
 from ..ops._dispatch import pdl_requested, pdl_trigger
-from ..ops.markov_walk_persistent import persistent_walk_requested
+from ..ops.markov_walk_persistent import walk_mode
 from ..ops.tuning import tuning_overrides
 from ..ops.window_attention import window_attention_requested
 from .steps import commit_overlap_requested
@@ -28,5 +28,5 @@ def check_switches() -> None:
     norm_carry_requested()
     tuning_overrides()
     commit_overlap_requested()
-    persistent_walk_requested()
+    walk_mode()
     window_attention_requested()

@@ -9,6 +9,7 @@ each, from L2 after the first on the H200; GB/s above the HBM copy rate means L2
     python benchmarks/kernels/argmax_walk.py
     python benchmarks/kernels/argmax_walk.py --sweep     # the step kernels' launch configs (WalkConfig)
     python benchmarks/kernels/argmax_walk.py --persistent-sweep   # the persistent walk's (PersistentWalkConfig)
+    python benchmarks/kernels/argmax_walk.py --jacobi    # the Jacobi walk against the sequential kernels
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
+from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts, markov_greedy_walk_jacobi
 from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig, markov_greedy_walk_persistent
 
 try:
@@ -121,6 +123,49 @@ def persistent_sweep(batches: list[int]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["B"], r.get("us_per_walk", 1e9)))
 
 
+def jacobi_compare() -> list[dict]:
+    """One row (B = 1): the step kernels, the sequential persistent walk and the Jacobi walk in a few
+    configs, each after an L2 flush, on two kinds of weights: the benchmark presets' random init
+    (``N(0, 0.02)`` Markov weights, base logits of an ``N(0, 0.02)`` LM head on a unit-RMS hidden
+    state: biases ~0.006 against logits ~0.9, so the bias rarely moves an argmax) and the
+    order-independent test weights (biases as large as the logits: many passes). Tokens are
+    compared with the persistent walk's, whose per-slot numerics the Jacobi walk shares."""
+    dev, rows = "cuda", []
+    g = torch.Generator().manual_seed(0)
+    flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
+    flush_dst = torch.empty_like(flush_src)
+    anchor = torch.randint(0, V, (1,), generator=g).to(dev)
+    kinds = {
+        "preset_init": ((torch.randn(V, RANK, generator=g) * 0.02), (torch.randn(V, RANK, generator=g) * 0.02),
+                        torch.randn(1, G, V, generator=g) * 0.9),
+        "large_bias": ((torch.randint(-16, 17, (V, RANK), generator=g) / 8), (torch.randint(-16, 17, (V, RANK), generator=g) / 8),
+                       torch.randint(-40, 41, (1, G, V), generator=g) / 4),
+    }
+    configs = [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw)
+               for bv, res, nw in [(256, 1, 8), (256, 0, 8), (128, 2, 8), (128, 2, 16), (128, 1, 8)]]
+    for kind, (w1, w2, base) in kinds.items():
+        w1, w2, base = w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), base.to(dev, torch.bfloat16)
+        want = markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0])
+        steps = walk_config(1, V, RANK)
+        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
+        rows.append({"weights": kind, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2)})
+        us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0]), flush_src, flush_dst)
+        rows.append({"weights": kind, "kernel": "persistent", "config": str(configs[0]), "us_per_walk": round(us, 2)})
+        for cfg in configs:
+            try:
+                before = jacobi_pass_counts()
+                same = torch.equal(markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg), want)
+                passes = jacobi_pass_counts()[0] - before[0]
+                us = _cold_l2_us(lambda: markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg), flush_src, flush_dst)
+            except Exception as exc:  # e.g. out of registers / shared memory: report, go on
+                rows.append({"weights": kind, "kernel": "jacobi", "config": str(cfg),
+                             "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
+                continue
+            rows.append({"weights": kind, "kernel": "jacobi", "config": str(cfg), "us_per_walk": round(us, 2),
+                         "passes": passes, "same_tokens": same})
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
     import json
@@ -130,11 +175,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="sweep the step kernels' launch configs instead")
     ap.add_argument("--persistent-sweep", action="store_true", help="sweep the persistent walk's configs instead")
+    ap.add_argument("--jacobi", action="store_true", help="the Jacobi walk against the sequential kernels (B = 1)")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.persistent_sweep:
+    if args.jacobi:
+        result = jacobi_compare()
+    elif args.persistent_sweep:
         result = persistent_sweep(batches)
     else:
         result = sweep(batches) if args.sweep else run(copy_bandwidth_gbps())

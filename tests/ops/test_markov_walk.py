@@ -254,20 +254,27 @@ def test_persistent_ties_nan_and_flat_logits(triton_device: str) -> None:
     _same_persistent(wide[:, 1:4], anchor, w1, w2, PERSISTENT[1])
 
 
-def test_persistent_walk_is_the_default_for_2_to_16_rows(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a config: the persistent walk for 2-16 rows unless ``LFMSPARK_WALK=steps``; the step
-    kernels for one row, beyond 16 rows and whenever a step config is given."""
+def test_walk_mode_picks_the_kernel(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a config: ``jacobi`` (the default) takes the Jacobi walk where rows x slots fit 16
+    lanes and otherwise what ``persistent`` takes: the persistent walk for 2-16 rows, the step
+    kernels for one row and beyond 16; ``steps`` and any step config take the step kernels."""
     calls = []
-    real = markov_walk.markov_greedy_walk_persistent
-    monkeypatch.setattr(markov_walk, "markov_greedy_walk_persistent",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    for B, walk, config, persistent in [(16, "persistent", None, True), (2, "persistent", None, True),
-                                        (1, "persistent", None, False), (17, "persistent", None, False),
-                                        (3, "steps", None, False), (3, "persistent", SMALL, False)]:
-        monkeypatch.setenv("LFMSPARK_WALK", walk)
+    for name in ("markov_greedy_walk_persistent", "markov_greedy_walk_jacobi"):
+        real = getattr(markov_walk, name)
+        monkeypatch.setattr(markov_walk, name, lambda *a, _real=real, _name=name, **k:
+                            calls.append((_name.rsplit("_", 1)[1], a[0].shape[0])) or _real(*a, **k))
+    for B, G, walk, config, expected in [(1, 9, None, None, "jacobi"), (2, 8, "jacobi", None, "jacobi"),
+                                         (2, 9, "jacobi", None, "persistent"), (16, 3, None, None, "persistent"),
+                                         (17, 3, "jacobi", None, None), (1, 9, "persistent", None, None),
+                                         (2, 3, "persistent", None, "persistent"), (3, 3, "steps", None, None),
+                                         (1, 3, "jacobi", SMALL, None), (3, 3, "persistent", SMALL, None)]:
+        if walk is None:
+            monkeypatch.delenv("LFMSPARK_WALK", raising=False)
+        else:
+            monkeypatch.setenv("LFMSPARK_WALK", walk)
         calls.clear()
-        _same(*_grid_inputs(triton_device, torch.bfloat16, B, 3, 200, 16, seed=B), config)
-        assert calls == ([B] if persistent else []), (B, walk, config)
+        _same(*_grid_inputs(triton_device, torch.bfloat16, B, G, 200, 16, seed=B + G), config)
+        assert calls == ([(expected, B)] if expected else []), (B, G, walk, config)
     monkeypatch.setenv("LFMSPARK_WALK", "grid")
     with pytest.raises(ValueError, match="LFMSPARK_WALK='grid'"):
         markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 2, 3, 200, 16, seed=1))
@@ -303,12 +310,12 @@ def test_barrier_counter_is_never_first_made_inside_a_capture(monkeypatch: pytes
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="run it once before capturing"):
-        markov_walk_persistent._sync_for(w2)
+        markov_walk_persistent.counters_for(w2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    sync = markov_walk_persistent._sync_for(w2)
-    assert sync.tolist() == [0]
+    sync, stats = markov_walk_persistent.counters_for(w2)
+    assert sync.tolist() == [0] and stats.tolist() == [0, 0]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert markov_walk_persistent._sync_for(w2) is sync    # an existing counter is fine inside a capture
+    assert markov_walk_persistent.counters_for(w2)[0] is sync    # existing counters are fine inside a capture
 
 
 def test_programs_for_the_served_vocabulary() -> None:
@@ -445,7 +452,7 @@ def test_gpu_persistent_barrier_state_survives_many_replays() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_a, out_b, _ = both()
-    syncs = [markov_walk_persistent._sync_for(w) for w in (w2, w2b)]
+    syncs = [markov_walk_persistent.counters_for(w)[0] for w in (w2, w2b)]
     for rep in range(200):
         if rep % 50 == 0:
             new = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=100 + rep)

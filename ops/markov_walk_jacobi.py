@@ -1,0 +1,211 @@
+"""The greedy Markov walk (ops/markov_walk.py) as a fixed-point (Jacobi) iteration over the block's slots.
+
+Why: at batch 1 the walk is a chain of nine dependent slots, ~9 us each however ``w2`` is held
+(docs/benchmarks.md, sessions 16 and 20): 79 us of the ~1.19 ms round. But the vanilla head's bias
+depends only on the previous token, ``bias_k = w2 @ w1[prev_k]``, and the base logits of every slot
+are known before the walk starts. So all slots can be computed at once from *guessed* previous
+tokens, and the guesses corrected until nothing changes:
+
+    pass 0:  x0[k] = argmax(base[k])                                      (guesses, no bias)
+    pass i:  xi[k] = argmax(base[k] + bias(prev_i[k])),  prev_i[0] = anchor, prev_i[k] = x(i-1)[k-1]
+    stop when prev_(i+1) == prev_i (every slot's previous token is what that pass produced), or after G passes
+
+It is exact, not approximate: slot 0 of every biased pass uses the anchor, so it is the walk's
+token; if pass ``i``'s slots ``0 .. m`` are exact then pass ``i + 1``'s slots ``0 .. m + 1`` are, so
+after ``G`` biased passes all are; and at a fixed point each slot's previous token is the token the
+same pass computed for the slot before it, which by induction from slot 0 makes every slot the
+sequential walk's. Each slot's logits are computed by the same code from the same previous token as
+the persistent walk's, so the tokens are the same bits (the numerics of ops/markov_walk.py).
+
+Cost: one cheap pass over ``base`` plus one biased pass per iteration, each ended by a grid barrier,
+in one persistent launch (ops/markov_walk_persistent.py's grid, slice ownership, resident blocks and
+barrier). When the bias never moves a guessed slot's argmax, one biased pass suffices, and the walk
+is one read of ``w2`` instead of nine. How many passes a real checkpoint needs depends on how often
+its Markov bias changes the base logits' argmax; it is at most ``G`` (then ~a sequential walk plus
+one base pass). :func:`jacobi_pass_counts` reports the passes actually run, so a benchmark can say
+which case it measured.
+
+Lanes: the tile's 16 rows are ``(batch row, slot)`` pairs, so a launch takes ``B * G <= 16`` lanes
+(one row of a nine-token block); the launcher keeps the other walks elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import pdl_kwargs
+from .argmax_rows import block_argmax, combine_argmax
+from .markov_walk_persistent import (MAX_RANK, PersistentWalkConfig, _block_values, _grid_barrier, _load_w2_block,
+                                     counters_for, one_launch_walk_possible, persistent_walk_config, programs_for)
+from .weight_rounding import ROUND_MODE
+
+MAX_LANES = 16  # one 16-row MMA tile of (batch row, slot) lanes
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+
+@triton.jit
+def _previous_tokens(pv_ptr, pi_ptr, it, lanes, slot, anchor, lane_ok, P,
+                     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Each lane's previous token after pass ``it``: the anchor for slot 0, else the argmax of the
+    lane before it (the same row's previous slot), reduced from the pass's ``P`` partials."""
+    offs_p = tl.arange(0, BLOCK_P)
+    src = tl.where(slot == 0, lanes, lanes - 1)
+    ok = lane_ok[:, None] & (offs_p < P)[None, :]
+    pp = (it * BLOCK_L + src)[:, None] * P + offs_p[None, :]
+    v = tl.load(pv_ptr + pp, mask=ok, other=0.0, cache_modifier=".cg")   # .cg: from L2, never a stale L1 line
+    i = tl.load(pi_ptr + pp, mask=ok, other=0, cache_modifier=".cg")
+    x = block_argmax(v, i, ok, 1)[1]
+    return tl.where(slot == 0, anchor, tl.where(lane_ok, x, 0))
+
+
+@triton.jit
+def _markov_walk_jacobi_kernel(
+    base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, tok_ptr, sync_ptr, stats_ptr,
+    B, G, V, P,
+    stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
+    N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py; safe at entry (ops/markov_walk_persistent.py)
+        tl.extra.cuda.gdc_launch_dependents()
+    j = tl.program_id(0)
+    sync_ptr = sync_ptr.to(tl.pointer_type(tl.uint32))
+    first_col = j * (N_BLOCKS * BLOCK_V)
+    lanes = tl.arange(0, BLOCK_L)
+    lane_ok = lanes < B * G
+    row = tl.where(lane_ok, lanes // G, 0)
+    slot = tl.where(lane_ok, lanes % G, 0)
+    lane_off = row.to(tl.int64) * stride_bb + slot.to(tl.int64) * stride_bk
+    rk = tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BLOCK_V)
+    # the resident blocks depend on no earlier kernel: requested before the wait
+    if RESIDENT >= 1:
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+    if RESIDENT >= 2:
+        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    anchor = tl.load(anchor_ptr + row, mask=lane_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
+
+    # pass 0: the guesses, each slot's base argmax over this program's columns
+    g_ok = lane_ok[:, None] & (first_col + offs_v < V)[None, :]
+    g = tl.load(base_ptr + lane_off[:, None] + (first_col + offs_v)[None, :], mask=g_ok, other=0.0).to(tl.float32)
+    guess_v = tl.where(g_ok, g, float("-inf"))
+    guess_i = tl.where(g_ok, (first_col + offs_v)[None, :], 2147483647)
+    for blk in range(1, N_BLOCKS):
+        g_cols = first_col + blk * BLOCK_V + offs_v
+        g_ok = lane_ok[:, None] & (g_cols < V)[None, :]
+        g = tl.load(base_ptr + lane_off[:, None] + g_cols[None, :], mask=g_ok, other=0.0).to(tl.float32)
+        guess_v, guess_i = combine_argmax(guess_v, guess_i, tl.where(g_ok, g, float("-inf")),
+                                          tl.where(g_ok, g_cols[None, :], 2147483647))
+    g_best_v, g_best_i = block_argmax(guess_v, guess_i, lane_ok[:, None] & (guess_i < 2147483647), 1)
+    tl.store(pv_ptr + lanes * P + j, g_best_v, mask=lane_ok)
+    tl.store(pi_ptr + lanes * P + j, g_best_i, mask=lane_ok)
+    _grid_barrier(sync_ptr, P, POLL_ASM)
+    prev = _previous_tokens(pv_ptr, pi_ptr, 0, lanes, slot, anchor, lane_ok, P, BLOCK_L, BLOCK_P)
+
+    # biased passes until a fixed point (every program reduces the same partials, so all agree on
+    # when to stop and pass the same number of barriers) or G passes
+    it = tl.full((), 0, tl.int32)
+    changed = tl.full((), 1, tl.int32)
+    while changed > 0:
+        it += 1
+        e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
+                    mask=lane_ok[:, None] & (rk < RANK)[None, :], other=0.0)
+        if RESIDENT >= 1:
+            w0 = w_res0
+        else:
+            w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        lane_v, lane_i = _block_values(e, w0, base_ptr, lane_off, lane_ok, first_col + offs_v, V,
+                                       ROUND, DOT_PRECISION, UPCAST)
+        if RESIDENT >= 2:
+            v, i = _block_values(e, w_res1, base_ptr, lane_off, lane_ok, first_col + BLOCK_V + offs_v, V,
+                                 ROUND, DOT_PRECISION, UPCAST)
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        for blk in range(STREAM_FROM, N_BLOCKS):
+            cols = first_col + blk * BLOCK_V + offs_v
+            w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
+            v, i = _block_values(e, w, base_ptr, lane_off, lane_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
+            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+        best_v, best_i = block_argmax(lane_v, lane_i, lane_ok[:, None] & (lane_i < 2147483647), 1)
+        part = (it * BLOCK_L + lanes) * P + j
+        tl.store(pv_ptr + part, best_v, mask=lane_ok)
+        tl.store(pi_ptr + part, best_i, mask=lane_ok)
+        _grid_barrier(sync_ptr, P, POLL_ASM)
+        new_prev = _previous_tokens(pv_ptr, pi_ptr, it, lanes, slot, anchor, lane_ok, P, BLOCK_L, BLOCK_P)
+        changed = tl.sum(tl.where(lane_ok & (new_prev != prev), 1, 0))
+        changed = tl.where(it >= G, 0, changed)
+        prev = new_prev
+
+    if j == 0:  # the tokens: each lane's own argmax in the last pass
+        offs_p = tl.arange(0, BLOCK_P)
+        t_ok = lane_ok[:, None] & (offs_p < P)[None, :]
+        pp = (it * BLOCK_L + lanes)[:, None] * P + offs_p[None, :]
+        t_v = tl.load(pv_ptr + pp, mask=t_ok, other=0.0, cache_modifier=".cg")
+        t_i = tl.load(pi_ptr + pp, mask=t_ok, other=0, cache_modifier=".cg")
+        tok = block_argmax(t_v, t_i, t_ok, 1)[1]
+        tl.store(tok_ptr + row * stride_tb + slot, tok.to(tl.int64), mask=lane_ok)
+        tl.atomic_add(stats_ptr, it.to(tl.int64))        # biased passes, and walks (jacobi_pass_counts)
+        tl.atomic_add(stats_ptr + 1, tl.full((), 1, tl.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def jacobi_walk_usable(device: torch.device, B: int, G: int, rank: int) -> bool:
+    """Whether a walk of ``B`` rows and ``G`` slots fits the kernel: ``B * G <= MAX_LANES`` lanes, and
+    what any walk in one launch needs (``one_launch_walk_possible``)."""
+    return 1 <= B * G <= MAX_LANES and one_launch_walk_possible(device, rank)
+
+
+def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                              config: PersistentWalkConfig | None = None) -> torch.Tensor:
+    """The walk as a fixed-point iteration in one launch; inputs already checked and laid out by
+    ``markov_greedy_walk_triton`` (``base [B, G, V]`` with unit column stride, contiguous ``w1`` /
+    ``w2`` rows). ``config``: the persistent walk's launch parameters (``LFMSPARK_TUNE`` kind
+    ``walk_grid`` by default)."""
+    B, G, V = base.shape
+    rank = w2.shape[1]
+    cfg = config or persistent_walk_config()
+    if not 1 <= B * G <= MAX_LANES or rank > MAX_RANK:
+        raise ValueError(f"the Jacobi walk takes 1-{MAX_LANES} (row, slot) lanes and a rank up to {MAX_RANK}, got "
+                         f"{B} x {G} lanes and rank {rank}: use markov_greedy_walk_triton, which picks another kernel")
+    if not 0 <= cfg.resident <= 2:
+        raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks on chip")
+    interpreted = base.device.type != "cuda"
+    P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
+    resident = min(cfg.resident, n_blocks)
+    tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
+    pv = torch.empty((G + 1, MAX_LANES, P), dtype=torch.float32, device=base.device)   # per pass, so no pass
+    pi = torch.empty((G + 1, MAX_LANES, P), dtype=torch.int32, device=base.device)     # overwrites one still read
+    sync, stats = counters_for(w2)
+    _markov_walk_jacobi_kernel[(P,)](
+        base, anchor, w1, w2, pv, pi, tokens, sync, stats,
+        B, G, V, P,
+        base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
+        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_L=MAX_LANES, BLOCK_V=cfg.block_v,
+        N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
+        UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
+    )
+    return tokens
+
+
+def jacobi_pass_counts() -> tuple[int, int]:
+    """``(biased passes, walks)`` run by the Jacobi kernel in this process so far, summed over devices
+    and weights (reads the device counters: a synchronising copy, for benchmarks and tests, never
+    inside a capture). ``passes / walks`` is the mean number of ``w2`` passes per walk: 1 when no
+    Markov bias moved a guessed slot, up to ``G``."""
+    from .markov_walk_persistent import _COUNTERS   # the registry, read at call time
+    passes = walks = 0
+    for _, stats in _COUNTERS.values():
+        p, w = stats.tolist()
+        passes, walks = passes + p, walks + w
+    return passes, walks
