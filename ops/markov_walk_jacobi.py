@@ -38,7 +38,8 @@ import triton.language as tl
 from ._dispatch import pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
 from .markov_walk_persistent import (MAX_RANK, PersistentWalkConfig, _block_values, _grid_barrier, _load_w2_block,
-                                     counters_for, one_launch_walk_possible, persistent_walk_config, programs_for)
+                                     counters_for, one_launch_walk_possible, programs_for)
+from .tuning import tuned
 from .weight_rounding import ROUND_MODE
 
 MAX_LANES = 16  # one 16-row MMA tile of (batch row, slot) lanes
@@ -157,6 +158,19 @@ def _markov_walk_jacobi_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
+# 128-column blocks, two of a program's four kept on chip: 27.0 us per one-pass walk on the H200
+# against 32.7 for the persistent walk's default (256 columns, one resident; docs/benchmarks.md)
+JACOBI_DEFAULT = PersistentWalkConfig(block_v=128, resident=2, num_warps=8, num_stages=2)
+
+
+def jacobi_walk_config() -> PersistentWalkConfig:
+    """Defaults, overridable by ``LFMSPARK_TUNE`` kind ``walk_jacobi`` (ops/tuning.py)."""
+    d = JACOBI_DEFAULT
+    return PersistentWalkConfig(block_v=tuned("walk_jacobi", "block_v", d.block_v),
+                                resident=tuned("walk_jacobi", "resident", d.resident),
+                                num_warps=tuned("walk_jacobi", "num_warps", d.num_warps),
+                                num_stages=tuned("walk_jacobi", "num_stages", d.num_stages))
+
 
 def jacobi_walk_usable(device: torch.device, B: int, G: int, rank: int) -> bool:
     """Whether a walk of ``B`` rows and ``G`` slots fits the kernel: ``B * G <= MAX_LANES`` lanes, and
@@ -168,11 +182,10 @@ def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torc
                               config: PersistentWalkConfig | None = None) -> torch.Tensor:
     """The walk as a fixed-point iteration in one launch; inputs already checked and laid out by
     ``markov_greedy_walk_triton`` (``base [B, G, V]`` with unit column stride, contiguous ``w1`` /
-    ``w2`` rows). ``config``: the persistent walk's launch parameters (``LFMSPARK_TUNE`` kind
-    ``walk_grid`` by default)."""
+    ``w2`` rows). ``config``: launch parameters (default :func:`jacobi_walk_config`)."""
     B, G, V = base.shape
     rank = w2.shape[1]
-    cfg = config or persistent_walk_config()
+    cfg = config or jacobi_walk_config()
     if not 1 <= B * G <= MAX_LANES or rank > MAX_RANK:
         raise ValueError(f"the Jacobi walk takes 1-{MAX_LANES} (row, slot) lanes and a rank up to {MAX_RANK}, got "
                          f"{B} x {G} lanes and rank {rank}: use markov_greedy_walk_triton, which picks another kernel")
