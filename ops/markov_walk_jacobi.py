@@ -39,8 +39,8 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
-from .markov_walk_persistent import (MAX_RANK, PersistentWalkConfig, _block_values, _grid_barrier, _load_w2_block,
-                                     counters_for, one_launch_walk_possible, programs_for)
+from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _block_values, _grid_barrier,
+                                     _load_w2_block, counters_for, one_launch_walk_possible, programs_for)
 from .tuning import tuned
 from .weight_rounding import ROUND_MODE
 
@@ -218,7 +218,6 @@ def jacobi_pass_counts() -> tuple[int, int]:
     and weights (reads the device counters: a synchronising copy, for benchmarks and tests, never
     inside a capture). ``passes / walks`` is the mean number of ``w2`` passes per walk: 1 when no
     Markov bias moved a guessed slot, up to ``G``."""
-    from .markov_walk_persistent import _COUNTERS   # the registry, read at call time
     passes = walks = 0
     for _, stats in _COUNTERS.values():
         p, w = stats.tolist()
