@@ -105,6 +105,32 @@ def test_graph_replay_equals_eager_round(moe, sampling):
                 engine._finish(r, "cancelled")
 
 
+def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does(monkeypatch):
+    """The captured greedy round at batch 1 and 2 runs the Jacobi walk (ops/markov_walk_jacobi.py;
+    rows x slots <= 16 lanes); an eager engine under ``LFMSPARK_WALK=steps`` runs the sequential
+    step kernels. Equal committed tokens and acceptance lengths round after round mean equal draft
+    proposals. These models' Markov biases are as large as their logits, so the walk needs several
+    passes: the pass tally shows the correction passes ran inside the graphs."""
+    from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts
+
+    monkeypatch.delenv("LFMSPARK_WALK", raising=False)
+    target, draft = small_models()
+    graph_engine = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2])
+    graph_engine.warmup(progress=False, sampling=False)
+    eager_engine = Engine(target, draft, max_batch=2, max_seq_len=256, cuda_graphs=False)
+    monkeypatch.setenv("LFMSPARK_WALK", "steps")            # read at launch: the eager rounds only
+    for n in (1, 2):
+        g_slots = prefill_rows(graph_engine, n, False)
+        e_slots = prefill_rows(eager_engine, n, False)
+        before = jacobi_pass_counts()
+        same_rounds(graph_engine, eager_engine, g_slots, e_slots, False, rounds=8)
+        passes, walks = (a - b for a, b in zip(jacobi_pass_counts(), before))
+        assert walks == 8 and passes > walks, (passes, walks)
+        for engine in (graph_engine, eager_engine):
+            for r in list(engine._active):
+                engine._finish(r, "cancelled")
+
+
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
     """LFMSPARK_COMMIT_OVERLAP=1 (runtime/steps.py, Steps.round_commit): the captured round forks the
