@@ -39,8 +39,9 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
-from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _block_values, _grid_barrier,
-                                     _load_w2_block, counters_for, one_launch_walk_possible, programs_for)
+from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _grid_barrier, _load_w2_block,
+                                     _reduce_pass, _slice_argmax, counters_for, one_launch_walk_possible,
+                                     programs_for)
 from .tuning import tuned
 from .weight_rounding import ROUND_MODE
 
@@ -54,14 +55,8 @@ MAX_LANES = 16  # one 16-row MMA tile of (batch row, slot) lanes
 def _previous_tokens(pv_ptr, pi_ptr, it, lanes, slot, anchor, lane_ok, P,
                      BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
     """Each lane's previous token after pass ``it``: the anchor for slot 0, else the argmax of the
-    lane before it (the same row's previous slot), reduced from the pass's ``P`` partials."""
-    offs_p = tl.arange(0, BLOCK_P)
-    src = tl.where(slot == 0, lanes, lanes - 1)
-    ok = lane_ok[:, None] & (offs_p < P)[None, :]
-    pp = (it * BLOCK_L + src)[:, None] * P + offs_p[None, :]
-    v = tl.load(pv_ptr + pp, mask=ok, other=0.0, cache_modifier=".cg")   # .cg: from L2, never a stale L1 line
-    i = tl.load(pi_ptr + pp, mask=ok, other=0, cache_modifier=".cg")
-    x = block_argmax(v, i, ok, 1)[1]
+    lane before it (the same row's previous slot)."""
+    x = _reduce_pass(pv_ptr, pi_ptr, it, tl.where(slot == 0, lanes, lanes - 1), lane_ok, P, BLOCK_L, BLOCK_P)
     return tl.where(slot == 0, anchor, tl.where(lane_ok, x, 0))
 
 
@@ -87,6 +82,8 @@ def _markov_walk_jacobi_kernel(
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     # the resident blocks depend on no earlier kernel: requested before the wait
+    w_res0 = 0                            # placeholders past RESIDENT
+    w_res1 = 0
     if RESIDENT >= 1:
         w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
     if RESIDENT >= 2:
@@ -120,22 +117,9 @@ def _markov_walk_jacobi_kernel(
         it += 1
         e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
                     mask=lane_ok[:, None] & (rk < RANK)[None, :], other=0.0)
-        if RESIDENT >= 1:
-            w0 = w_res0
-        else:
-            w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
-        lane_v, lane_i = _block_values(e, w0, base_ptr, lane_off, lane_ok, first_col + offs_v, V,
-                                       ROUND, DOT_PRECISION, UPCAST)
-        if RESIDENT >= 2:
-            v, i = _block_values(e, w_res1, base_ptr, lane_off, lane_ok, first_col + BLOCK_V + offs_v, V,
-                                 ROUND, DOT_PRECISION, UPCAST)
-            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
-        for blk in range(STREAM_FROM, N_BLOCKS):
-            cols = first_col + blk * BLOCK_V + offs_v
-            w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
-            v, i = _block_values(e, w, base_ptr, lane_off, lane_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
-            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
-        best_v, best_i = block_argmax(lane_v, lane_i, lane_ok[:, None] & (lane_i < 2147483647), 1)
+        best_v, best_i = _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, lane_off, lane_ok, first_col, offs_v, rk,
+                                       V, stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION,
+                                       UPCAST)
         part = (it * BLOCK_L + lanes) * P + j
         tl.store(pv_ptr + part, best_v, mask=lane_ok)
         tl.store(pi_ptr + part, best_i, mask=lane_ok)
@@ -146,12 +130,7 @@ def _markov_walk_jacobi_kernel(
         prev = new_prev
 
     if j == 0:  # the tokens: each lane's own argmax in the last pass
-        offs_p = tl.arange(0, BLOCK_P)
-        t_ok = lane_ok[:, None] & (offs_p < P)[None, :]
-        pp = (it * BLOCK_L + lanes)[:, None] * P + offs_p[None, :]
-        t_v = tl.load(pv_ptr + pp, mask=t_ok, other=0.0, cache_modifier=".cg")
-        t_i = tl.load(pi_ptr + pp, mask=t_ok, other=0, cache_modifier=".cg")
-        tok = block_argmax(t_v, t_i, t_ok, 1)[1]
+        tok = _reduce_pass(pv_ptr, pi_ptr, it, lanes, lane_ok, P, BLOCK_L, BLOCK_P)
         tl.store(tok_ptr + row * stride_tb + slot, tok.to(tl.int64), mask=lane_ok)
         tl.atomic_add(stats_ptr, it.to(tl.int64))        # biased passes, and walks (jacobi_pass_counts)
         tl.atomic_add(stats_ptr + 1, tl.full((), 1, tl.int64))

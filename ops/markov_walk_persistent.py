@@ -103,6 +103,44 @@ def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
 
 
 @triton.jit
+def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V, stride_w2,
+                  RANK: tl.constexpr, N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr,
+                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Per tile row, ``(max, first index)`` of ``base + round(e @ w2[cols].T)`` over the program's slice
+    of ``N_BLOCKS`` column blocks: the ``RESIDENT`` blocks held on chip (``w_res0``, ``w_res1``; the
+    callers pass placeholders past ``RESIDENT``), then the others streamed. Per lane the best of its
+    columns over the blocks (ascending, so a tie keeps the first), one reduction across lanes at the end."""
+    if RESIDENT >= 1:
+        w0 = w_res0
+    else:
+        w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+    lane_v, lane_i = _block_values(e, w0, base_ptr, row_off, row_ok, first_col + offs_v, V, ROUND, DOT_PRECISION,
+                                   UPCAST)
+    if RESIDENT >= 2:
+        v, i = _block_values(e, w_res1, base_ptr, row_off, row_ok, first_col + offs_v.shape[0] + offs_v, V,
+                             ROUND, DOT_PRECISION, UPCAST)
+        lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+    for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: from L2 after the first slot / pass
+        cols = first_col + blk * offs_v.shape[0] + offs_v
+        w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
+        v, i = _block_values(e, w, base_ptr, row_off, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
+        lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
+    return block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
+
+
+@triton.jit
+def _reduce_pass(pv_ptr, pi_ptr, k, src, row_ok, P, BLOCK_ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The argmax index of tile rows ``src`` after slot / pass ``k``: their ``P`` partials (one per
+    program, in column order) from ``[*, BLOCK_ROWS, P]`` scratch; ``.cg``: from L2, never a stale L1 line."""
+    offs_p = tl.arange(0, BLOCK_P)
+    ok = row_ok[:, None] & (offs_p < P)[None, :]
+    pp = (k * BLOCK_ROWS + src)[:, None] * P + offs_p[None, :]
+    v = tl.load(pv_ptr + pp, mask=ok, other=0.0, cache_modifier=".cg")
+    i = tl.load(pi_ptr + pp, mask=ok, other=0, cache_modifier=".cg")
+    return block_argmax(v, i, ok, 1)[1]
+
+
+@triton.jit
 def _markov_walk_persistent_kernel(
     base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, tok_ptr, sync_ptr,
     B, G, V, P,
@@ -121,6 +159,8 @@ def _markov_walk_persistent_kernel(
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     # the resident blocks depend on no earlier kernel: requested before the wait
+    w_res0 = 0                            # placeholders past RESIDENT
+    w_res1 = 0
     if RESIDENT >= 1:
         w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
     if RESIDENT >= 2:
@@ -128,39 +168,17 @@ def _markov_walk_persistent_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
-    offs_p = tl.arange(0, BLOCK_P)
-    p_ok = row_ok[:, None] & (offs_p < P)[None, :]
     for k in range(G):
         row_off = rows.to(tl.int64) * stride_bb + k * stride_bk
-        e_ptrs = w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :]
-        e = tl.load(e_ptrs, mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
-        # per lane the best of its columns over the blocks (ascending, so a tie keeps the first), one
-        # reduction across the lanes at the end
-        if RESIDENT >= 1:
-            w0 = w_res0
-        else:
-            w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
-        lane_v, lane_i = _block_values(e, w0, base_ptr, row_off, row_ok, first_col + offs_v, V,
-                                       ROUND, DOT_PRECISION, UPCAST)
-        if RESIDENT >= 2:
-            v, i = _block_values(e, w_res1, base_ptr, row_off, row_ok, first_col + BLOCK_V + offs_v, V,
-                                 ROUND, DOT_PRECISION, UPCAST)
-            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
-        for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: the slice's other blocks, from L2 after the first step
-            cols = first_col + blk * BLOCK_V + offs_v
-            w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
-            v, i = _block_values(e, w, base_ptr, row_off, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
-            lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
-        best_v, best_i = block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
+        e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
+                    mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
+        best_v, best_i = _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V,
+                                       stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION, UPCAST)
         part = (k * BLOCK_B + rows) * P + j
         tl.store(pv_ptr + part, best_v, mask=row_ok)
         tl.store(pi_ptr + part, best_i, mask=row_ok)
         _grid_barrier(sync_ptr, P, POLL_ASM)
-        # the partials of all programs, in column order; .cg: from L2, never a stale L1 line
-        pp = (k * BLOCK_B + rows)[:, None] * P + offs_p[None, :]
-        v = tl.load(pv_ptr + pp, mask=p_ok, other=0.0, cache_modifier=".cg")
-        i = tl.load(pi_ptr + pp, mask=p_ok, other=0, cache_modifier=".cg")
-        prev = tl.where(row_ok, block_argmax(v, i, p_ok, 1)[1], 0)
+        prev = tl.where(row_ok, _reduce_pass(pv_ptr, pi_ptr, k, rows, row_ok, P, BLOCK_B, BLOCK_P), 0)
         if j == 0:
             tl.store(tok_ptr + rows * stride_tb + k, prev.to(tl.int64), mask=row_ok)
 
