@@ -23,14 +23,13 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
-from ..ops.argmax_rows import argmax_last
 from ..ops.kv_write import window_positions
 from ..ops.rope import apply_rope, gather_cos_sin
 from ..ops.window_attention import fits_window, window_attention_requested
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, linear, linear_pair, norm_linear,
-                     project_norm_feed_forward)
+from .layers import (HeadLogits, Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, greedy_picks, head_logits,
+                     linear, linear_pair, project_norm_feed_forward)
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -302,10 +301,12 @@ class DSparkDraft(nn.Module):
                       ) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`), then the Markov walk. With a ``NormedCarry`` of the final norm, the
-        fused greedy walk (which reads the logits only) takes the LM head's product of the carry;
-        every other walk runs the norm on ``x``, as it also reads the normed states."""
+        fused greedy walk (which reads the logits only) takes the LM head's product of the carry,
+        with the head's argmax partials (models/layers.py ``head_logits``); every other walk runs the
+        norm on ``x``, as it also reads the normed states."""
         if isinstance(delta, NormedCarry) and self._fused_walk(pick):
-            return self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick)
+            head = head_logits(x, delta, self.norm, self.lm_head)
+            return self.walk(head.logits, None, anchor, pick, head.partials)
         h = self.norm(completed(x, delta))
         return self.walk(self.lm_head(h), h, anchor, pick)
 
@@ -313,20 +314,21 @@ class DSparkDraft(nn.Module):
         """Whether :meth:`walk` takes the fused greedy path (tokens only; the normed states unread)."""
         return pick is greedy_pick and (self.markov_head is None or self.markov_head.kind == "vanilla")
 
-    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker
-             ) -> DraftProposal:
+    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker,
+             partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
         logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
-        (``logits`` and ``confidence`` None), G + 1 kernel launches on CUDA instead of a GEMV and an
-        argmax per slot. Otherwise slot by slot, keeping each slot's corrected logits (``h``, the
-        normed states ``[B, G, H]``, is read there only)."""
+        (``logits`` and ``confidence`` None), one launch at batch 1 (ops/markov_walk.py), starting from
+        the head's argmax ``partials`` ``[B * G, tiles]`` where given. Otherwise slot by slot, keeping
+        each slot's corrected logits (``h``, the normed states ``[B, G, H]``, is read there only)."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
         if pick is greedy_pick and head is None:
-            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
+            return DraftProposal(tokens=greedy_picks(HeadLogits(base, partials)), logits=None, confidence=None)
         if pick is greedy_pick and head.kind == "vanilla":
-            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight)
+            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight,
+                                            *(partials or (None, None)))
             return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None

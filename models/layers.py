@@ -22,6 +22,11 @@ Environment switches (read at each call; under compile, at trace time):
   next ``in_proj`` / ``qkv_proj`` / draft q + K/V pair, or the LM head after the final norm) applies
   the row scale in its own epilogue. The one-row decode GEMV rounds the same way
   (:func:`norm_linear`).
+- ``LFMSPARK_HEAD_ARGMAX`` (``1`` default, ``0``): where an LM head takes a :class:`NormedCarry` (the
+  batch-1 verify and draft) and an argmax follows it (greedy picks, the greedy Markov walk), the head
+  also writes its rows' argmax partials (``lfmspark::skinny_linear_argmax``, :func:`head_logits`):
+  the verify's picks then need one small launch instead of two, and the draft's Jacobi walk no guess
+  pass. ``0``: the plain head and ``argmax_rows`` / the walk's own guesses (the same tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.add_rmsnorm_gemv import MAX_K as FUSED_NORM_MAX_K
+from ..ops.argmax_rows import argmax_last
 from ..ops.skinny_linear import MAX_M, SWIGLU_MAX_M, pair_problem
 
 lfm = torch.ops.lfmspark
@@ -161,6 +167,41 @@ def norm_linear(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear,
         return _fused_norm_gemv(h, delta, norm, proj.weight, swiglu=False)
     s = h if delta is None else h + delta
     return s, proj(norm(s))
+
+
+class HeadLogits(NamedTuple):
+    """An LM head's logits ``[..., V]`` and, with ``LFMSPARK_HEAD_ARGMAX``, each row's argmax partials
+    ``(values, columns)`` ``[rows, tiles]`` from its epilogue (ops/head_argmax.py), else None."""
+
+    logits: torch.Tensor
+    partials: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def head_logits(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear) -> HeadLogits:
+    """``proj(norm(h + delta))`` as :func:`norm_linear` computes it, for a head whose rows' argmax is
+    wanted: with a :class:`NormedCarry` and ``LFMSPARK_HEAD_ARGMAX`` on, in one
+    ``lfmspark::skinny_linear_argmax`` (the same logits, bit for bit, and their argmax partials)."""
+    if isinstance(delta, NormedCarry) and head_argmax_requested():
+        y, part_v, part_i = lfm.skinny_linear_argmax(delta.scaled, proj.weight, delta.ssq, norm.eps)
+        return HeadLogits(y.view(*h.shape[:-1], y.shape[-1]), (part_v, part_i))
+    return HeadLogits(norm_linear(h, delta, norm, proj)[1], None)
+
+
+def greedy_picks(head: HeadLogits) -> torch.Tensor:
+    """``head.logits.argmax(-1)`` (int64 ``[...]``): from the partials when the head wrote them."""
+    if head.partials is None:
+        return argmax_last(head.logits)
+    return lfm.argmax_of_partials(*head.partials).view(head.logits.shape[:-1])
+
+
+def head_argmax_requested() -> bool:
+    """``LFMSPARK_HEAD_ARGMAX`` (default ``1``): whether LM heads on a :class:`NormedCarry` write argmax
+    partials for the argmax that follows them (see the module doc)."""
+    value = os.environ.get("LFMSPARK_HEAD_ARGMAX", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LFMSPARK_HEAD_ARGMAX={value!r}: use 1 (argmax partials from the LM head's epilogue) "
+                         "or 0 (a separate argmax)")
+    return value == "1"
 
 
 def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,

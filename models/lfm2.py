@@ -59,7 +59,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.window_attention import fits_window, window_attention_requested
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, norm_linear,
+from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, greedy_picks, head_logits, norm_linear,
                      project_norm_feed_forward)
 
 lfm = torch.ops.lfmspark
@@ -317,6 +317,12 @@ class Lfm2ForCausalLM(nn.Module):
         single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
         decode step's one-row case); :meth:`forward` passes it for DECODE only."""
         return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]
+
+    def compute_greedy(self, h: torch.Tensor, delta: Pending) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, logits.argmax(-1))`` of :meth:`compute_logits` (unfused), the argmax from the LM
+        head's own partials where it writes them (models/layers.py ``head_logits``; the verify's greedy picks)."""
+        head = head_logits(h, delta, self.model.embedding_norm, self.lm_head)
+        return head.logits, greedy_picks(head)
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -5,8 +5,8 @@ launcher, reference implementation and ``torch.library`` registration (DESIGN §
 """
 
 # importing the modules registers the ops
-from . import (add_rmsnorm_gemv, argmax_rows, cache_attention, kv_norm_rope_write, kv_write,  # noqa: F401
-               markov_walk, moe, short_conv, skinny_linear, swiglu_gemv, window_attention)
+from . import (add_rmsnorm_gemv, argmax_rows, cache_attention, head_argmax, kv_norm_rope_write,  # noqa: F401
+               kv_write, markov_walk, moe, short_conv, skinny_linear, swiglu_gemv, window_attention)
 from .rope import apply_rope, gather_cos_sin, rope_cos_sin_table
 
 __all__ = ["apply_rope", "gather_cos_sin", "rope_cos_sin_table"]

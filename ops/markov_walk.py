@@ -154,13 +154,28 @@ def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch
         raise ValueError(f"V = {V} does not fit the kernel's int32 column indices")
 
 
+def _check_guesses(base: torch.Tensor, guess_v: torch.Tensor | None, guess_i: torch.Tensor | None) -> None:
+    if (guess_v is None) != (guess_i is None):
+        raise ValueError("give both guess_v and guess_i (skinny_linear_argmax's partials of base) or neither")
+    if guess_v is None:
+        return
+    B, G, _ = base.shape
+    if guess_v.dim() != 2 or guess_v.shape != guess_i.shape or guess_v.shape[0] != B * G or guess_v.shape[1] == 0:
+        raise ValueError(f"guess_v and guess_i must be the argmax partials [B * G, tiles] = [{B * G}, tiles] of base's "
+                         f"rows, got {tuple(guess_v.shape)} and {tuple(guess_i.shape)}")
+    if guess_v.dtype != torch.float32 or guess_i.dtype != torch.int32:
+        raise ValueError(f"guess_v must be fp32 and guess_i int32, got {guess_v.dtype} and {guess_i.dtype}")
+
+
 def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                              config: WalkConfig | None = None) -> torch.Tensor:
+                              config: WalkConfig | None = None, guess_v: torch.Tensor | None = None,
+                              guess_i: torch.Tensor | None = None) -> torch.Tensor:
     """The op on the Triton kernels, as ``LFMSPARK_WALK`` picks (ops/markov_walk_persistent.py
     ``walk_mode``): the Jacobi walk (ops/markov_walk_jacobi.py) where its rows x slots fit 16 lanes, the persistent walk for
     2-16 rows, where they apply; else the step kernels (always with ``config``, a launch override of
-    the step kernel, for tests and tuning)."""
+    the step kernel, for tests and tuning). ``guess_v``, ``guess_i``: the op's, read by the Jacobi walk only."""
     _check(base, anchor, w1, w2)
+    _check_guesses(base, guess_v, guess_i)
     B, G, V = base.shape
     rank = w2.shape[1]
     tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
@@ -172,7 +187,8 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     anchor = anchor.contiguous()
     mode = walk_mode()
     if config is None and mode == "jacobi" and jacobi_walk_usable(base.device, B, G, rank):
-        return markov_greedy_walk_jacobi(base, anchor, w1, w2)
+        guesses = None if guess_v is None else (guess_v.contiguous(), guess_i.contiguous())
+        return markov_greedy_walk_jacobi(base, anchor, w1, w2, guesses=guesses)
     if config is None and mode != "steps" and persistent_walk_usable(base.device, B, rank):
         return markov_greedy_walk_persistent(base, anchor, w1, w2)
     cfg = config or walk_config(B, V, rank)
@@ -218,22 +234,28 @@ def markov_greedy_walk_reference(base: torch.Tensor, anchor: torch.Tensor, w1: t
 # op
 
 @torch.library.custom_op("lfmspark::markov_greedy_walk", mutates_args=())
-def markov_greedy_walk(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def markov_greedy_walk(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                       guess_v: torch.Tensor | None = None, guess_i: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy walk of a vanilla Markov head: ``base [B, G, V]`` draft logits (fp32; bf16 / fp16 are
     read exactly as their fp32 values), ``anchor [B]`` int64, ``w1 [V, r]`` (``markov_w1``),
-    ``w2 [V, r]`` (``markov_w2``) -> tokens ``[B, G]`` int64."""
+    ``w2 [V, r]`` (``markov_w2``) -> tokens ``[B, G]`` int64. ``guess_v``, ``guess_i``: optionally the
+    argmax partials ``[B * G, tiles]`` of ``base``'s rows from the LM head that produced it
+    (``lfmspark::skinny_linear_argmax``); the Jacobi walk starts from them instead of a guess pass.
+    They change how fast it converges, never the tokens."""
     if use_triton(base):
-        return markov_greedy_walk_triton(base, anchor, w1, w2)
+        return markov_greedy_walk_triton(base, anchor, w1, w2, guess_v=guess_v, guess_i=guess_i)
     _check(base, anchor, w1, w2)  # the same limits on every device
+    _check_guesses(base, guess_v, guess_i)
     return markov_greedy_walk_reference(base, anchor, w1, w2)
 
 
 @markov_greedy_walk.register_kernel("cuda")
-def _markov_greedy_walk_cuda(base, anchor, w1, w2):
-    return markov_greedy_walk_triton(base, anchor, w1, w2)
+def _markov_greedy_walk_cuda(base, anchor, w1, w2, guess_v=None, guess_i=None):
+    return markov_greedy_walk_triton(base, anchor, w1, w2, guess_v=guess_v, guess_i=guess_i)
 
 
 @markov_greedy_walk.register_fake
-def _markov_greedy_walk_fake(base, anchor, w1, w2):
+def _markov_greedy_walk_fake(base, anchor, w1, w2, guess_v=None, guess_i=None):
     _check(base, anchor, w1, w2)
+    _check_guesses(base, guess_v, guess_i)
     return base.new_empty((base.shape[0], base.shape[1]), dtype=torch.int64)

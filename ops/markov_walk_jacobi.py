@@ -54,19 +54,34 @@ MAX_LANES = 16  # one 16-row MMA tile of (batch row, slot) lanes
 @triton.jit
 def _previous_tokens(pv_ptr, pi_ptr, it, lanes, slot, anchor, lane_ok, P,
                      BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Each lane's previous token after pass ``it``: the anchor for slot 0, else the argmax of the
-    lane before it (the same row's previous slot)."""
+    """Each lane's previous token after pass ``it`` (``P`` partials per lane): the anchor for slot 0,
+    else the argmax of the lane before it (the same row's previous slot)."""
     x = _reduce_pass(pv_ptr, pi_ptr, it, tl.where(slot == 0, lanes, lanes - 1), lane_ok, P, BLOCK_L, BLOCK_P)
     return tl.where(slot == 0, anchor, tl.where(lane_ok, x, 0))
 
 
 @triton.jit
+def _prefetch_to_l2(w2_ptr, first_col, offs_v, V, stride_w2, RANK: tl.constexpr, BLOCK_V: tl.constexpr,
+                    STREAM_FROM: tl.constexpr, N_BLOCKS: tl.constexpr, LINE: tl.constexpr, N_LINES: tl.constexpr):
+    """Ask L2 for the streamed blocks of the program's ``w2`` slice (one ``prefetch.global.L2`` per
+    ``LINE`` elements, 128 bytes, of a row; ``N_LINES`` a power of two, the extra ones clamped into the
+    row), so that the first biased pass reads them from L2, not HBM."""
+    lines = tl.minimum(tl.arange(0, N_LINES) * LINE, RANK - 1)
+    for blk in tl.static_range(STREAM_FROM, N_BLOCKS):
+        rows = (first_col + blk * BLOCK_V + offs_v) % V
+        ptrs = w2_ptr + rows.to(tl.int64)[:, None] * stride_w2 + lines[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _markov_walk_jacobi_kernel(
-    base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, tok_ptr, sync_ptr, stats_ptr,
-    B, G, V, P,
+    base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, gv_ptr, gi_ptr, tok_ptr, sync_ptr, stats_ptr,
+    B, G, V, P, NG,
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
     N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
+    GUESSED: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, N_LINES: tl.constexpr,
     ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py; safe at entry (ops/markov_walk_persistent.py)
@@ -88,26 +103,17 @@ def _markov_walk_jacobi_kernel(
         w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
     if RESIDENT >= 2:
         w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
+    if PREFETCH:
+        _prefetch_to_l2(w2_ptr, first_col, offs_v, V, stride_w2, RANK, BLOCK_V, STREAM_FROM, N_BLOCKS, LINE, N_LINES)
     if PDL:
         tl.extra.cuda.gdc_wait()
     anchor = tl.load(anchor_ptr + row, mask=lane_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
 
-    # pass 0: the guesses, each slot's base argmax over this program's columns
-    g_ok = lane_ok[:, None] & (first_col + offs_v < V)[None, :]
-    g = tl.load(base_ptr + lane_off[:, None] + (first_col + offs_v)[None, :], mask=g_ok, other=0.0).to(tl.float32)
-    guess_v = tl.where(g_ok, g, float("-inf"))
-    guess_i = tl.where(g_ok, (first_col + offs_v)[None, :], 2147483647)
-    for blk in range(1, N_BLOCKS):
-        g_cols = first_col + blk * BLOCK_V + offs_v
-        g_ok = lane_ok[:, None] & (g_cols < V)[None, :]
-        g = tl.load(base_ptr + lane_off[:, None] + g_cols[None, :], mask=g_ok, other=0.0).to(tl.float32)
-        guess_v, guess_i = combine_argmax(guess_v, guess_i, tl.where(g_ok, g, float("-inf")),
-                                          tl.where(g_ok, g_cols[None, :], 2147483647))
-    g_best_v, g_best_i = block_argmax(guess_v, guess_i, lane_ok[:, None] & (guess_i < 2147483647), 1)
-    tl.store(pv_ptr + lanes * P + j, g_best_v, mask=lane_ok)
-    tl.store(pi_ptr + lanes * P + j, g_best_i, mask=lane_ok)
-    _grid_barrier(sync_ptr, P, POLL_ASM)
-    prev = _previous_tokens(pv_ptr, pi_ptr, 0, lanes, slot, anchor, lane_ok, P, BLOCK_L, BLOCK_P)
+    if GUESSED:  # the guesses from the LM head's argmax partials [lanes, NG] (ops/head_argmax.py): no pass 0
+        prev = _previous_tokens(gv_ptr, gi_ptr, 0, lanes, slot, anchor, lane_ok, NG, BLOCK_L, BLOCK_G)
+    else:
+        prev = _guess_pass(base_ptr, pv_ptr, pi_ptr, sync_ptr, lanes, slot, anchor, lane_ok, lane_off, first_col,
+                           offs_v, j, V, P, BLOCK_L, BLOCK_P, N_BLOCKS, POLL_ASM)
 
     # biased passes until a fixed point (every program reduces the same partials, so all agree on
     # when to stop and pass the same number of barriers) or G passes
@@ -136,6 +142,28 @@ def _markov_walk_jacobi_kernel(
         tl.atomic_add(stats_ptr + 1, tl.full((), 1, tl.int64))
 
 
+@triton.jit
+def _guess_pass(base_ptr, pv_ptr, pi_ptr, sync_ptr, lanes, slot, anchor, lane_ok, lane_off, first_col, offs_v, j,
+                V, P, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, N_BLOCKS: tl.constexpr, POLL_ASM: tl.constexpr):
+    """Pass 0 where no LM-head partials are given: each slot's base argmax over this program's
+    columns, a grid barrier, the guesses' previous tokens."""
+    g_ok = lane_ok[:, None] & (first_col + offs_v < V)[None, :]
+    g = tl.load(base_ptr + lane_off[:, None] + (first_col + offs_v)[None, :], mask=g_ok, other=0.0).to(tl.float32)
+    guess_v = tl.where(g_ok, g, float("-inf"))
+    guess_i = tl.where(g_ok, (first_col + offs_v)[None, :], 2147483647)
+    for blk in range(1, N_BLOCKS):
+        g_cols = first_col + blk * offs_v.shape[0] + offs_v
+        g_ok = lane_ok[:, None] & (g_cols < V)[None, :]
+        g = tl.load(base_ptr + lane_off[:, None] + g_cols[None, :], mask=g_ok, other=0.0).to(tl.float32)
+        guess_v, guess_i = combine_argmax(guess_v, guess_i, tl.where(g_ok, g, float("-inf")),
+                                          tl.where(g_ok, g_cols[None, :], 2147483647))
+    g_best_v, g_best_i = block_argmax(guess_v, guess_i, lane_ok[:, None] & (guess_i < 2147483647), 1)
+    tl.store(pv_ptr + lanes * P + j, g_best_v, mask=lane_ok)
+    tl.store(pi_ptr + lanes * P + j, g_best_i, mask=lane_ok)
+    _grid_barrier(sync_ptr, P, POLL_ASM)
+    return _previous_tokens(pv_ptr, pi_ptr, 0, lanes, slot, anchor, lane_ok, P, BLOCK_L, BLOCK_P)
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher
 
@@ -160,10 +188,15 @@ def jacobi_walk_usable(device: torch.device, B: int, G: int, rank: int) -> bool:
 
 
 def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                              config: PersistentWalkConfig | None = None) -> torch.Tensor:
+                              config: PersistentWalkConfig | None = None,
+                              guesses: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              prefetch: bool | None = None) -> torch.Tensor:
     """The walk as a fixed-point iteration in one launch; inputs already checked and laid out by
     ``markov_greedy_walk_triton`` (``base [B, G, V]`` with unit column stride, contiguous ``w1`` /
-    ``w2`` rows). ``config``: launch parameters (default :func:`jacobi_walk_config`)."""
+    ``w2`` rows). ``config``: launch parameters (default :func:`jacobi_walk_config`). ``guesses``:
+    the LM head's argmax partials of ``base``'s ``B * G`` rows (ops/head_argmax.py, checked by the
+    caller), which replace pass 0. ``prefetch``: whether the streamed ``w2`` blocks are requested into
+    L2 at entry (default on, ``LFMSPARK_TUNE`` ``walk_jacobi.prefetch``; never in the interpreter)."""
     B, G, V = base.shape
     rank = w2.shape[1]
     cfg = config or jacobi_walk_config()
@@ -179,12 +212,20 @@ def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     pv = torch.empty((G + 1, MAX_LANES, P), dtype=torch.float32, device=base.device)   # per pass, so no pass
     pi = torch.empty((G + 1, MAX_LANES, P), dtype=torch.int32, device=base.device)     # overwrites one still read
     sync, stats = counters_for(w2)
+    gv, gi = guesses or (pv, pi)                      # not read without GUESSED
+    n_guess = gv.shape[1] if guesses is not None else 1
+    if prefetch is None:
+        prefetch = bool(tuned("walk_jacobi", "prefetch", 1))
+    line = max(1, 128 // w2.element_size())          # elements per 128-byte line
     _markov_walk_jacobi_kernel[(P,)](
-        base, anchor, w1, w2, pv, pi, tokens, sync, stats,
-        B, G, V, P,
+        base, anchor, w1, w2, pv, pi, gv, gi, tokens, sync, stats,
+        B, G, V, P, n_guess,
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_L=MAX_LANES, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        GUESSED=guesses is not None, BLOCK_G=max(16, triton.next_power_of_2(n_guess)),
+        PREFETCH=prefetch and not interpreted and n_blocks > max(resident, 1), LINE=line,
+        N_LINES=triton.next_power_of_2(triton.cdiv(rank, line)),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
         UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),

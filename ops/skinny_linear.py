@@ -114,6 +114,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
+from .argmax_rows import block_argmax
 from .tuning import tuned
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
@@ -127,12 +128,12 @@ PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
-    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, n_ssq_in, inv_k, eps,
+    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, pv_ptr, pi_ptr, n_ssq_in, inv_k, eps,
     M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
-    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr,
+    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr, ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
@@ -147,9 +148,12 @@ def _skinny_linear_kernel(
     # stores the sum s, s * g (g [N], the next RMSNorm's weight) to sg, and the tile's per-row sums
     # of s^2 to ssq_out [column tiles, M] (lfmspark::skinny_linear_add_norm). ROW_NORM: every row of
     # the product is scaled by rsqrt(mean square + eps), the mean square from the n_ssq_in partial
-    # sums at ssq_in (inv_k = 1 / the norm's width): with x = s * g, the product of RMSNorm(s)
+    # sums at ssq_in (inv_k = 1 / the norm's width): with x = s * g, the product of RMSNorm(s).
+    # ARGMAX (plain product): the epilogue also writes each row's (max, first column) over the tile's
+    # columns of the rounded output to pv / pi [M, column tiles] (lfmspark::skinny_linear_argmax)
     tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
     tl.static_assert(not (ADD_NORM and (SWIGLU or TWO_WEIGHTS)), "ADD_NORM is the plain product's epilogue")
+    tl.static_assert(not (ARGMAX and (ADD_NORM or SWIGLU or TWO_WEIGHTS)), "ARGMAX is the plain product's epilogue")
     if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -225,12 +229,17 @@ def _skinny_linear_kernel(
                                 pid_n, SWAP_AB)
             else:
                 _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
+            if ARGMAX:
+                _store_argmax_parts(pv_ptr, pi_ptr, total, rows, cols, row_ok, N, pid_n, out_ptr.dtype.element_ty,
+                                    SWAP_AB)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
     elif ADD_NORM:
         _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, M, pid_n,
                         SWAP_AB)
     else:
         _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
+        if ARGMAX:
+            _store_argmax_parts(pv_ptr, pi_ptr, acc, rows, cols, row_ok, N, pid_n, out_ptr.dtype.element_ty, SWAP_AB)
 
 
 @triton.jit
@@ -324,6 +333,22 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
     else:
         val = gate
     tl.store(ptrs, val.to(dtype), mask=mask)
+
+
+@triton.jit
+def _store_argmax_parts(pv_ptr, pi_ptr, total, rows, cols, row_ok, N, pid_n, dtype: tl.constexpr,
+                        SWAP_AB: tl.constexpr):
+    # the ARGMAX epilogue: each row's (max, first column) over the tile's columns of the output as
+    # stored (the fp32 sums rounded once to dtype), torch.argmax's rules (ops/argmax_rows.py); one
+    # partial per column tile at [row, tile], so a row's partials lie in column order
+    val = total.to(dtype).to(tl.float32)
+    if SWAP_AB:  # tile [BLOCK_N columns, BLOCK_M rows]
+        best_v, best_i = block_argmax(val, cols[:, None], (cols < N)[:, None], 0)
+    else:
+        best_v, best_i = block_argmax(val, cols[None, :], (cols < N)[None, :], 1)
+    n_tiles = tl.num_programs(0)
+    tl.store(pv_ptr + rows * n_tiles + pid_n, best_v, mask=row_ok)
+    tl.store(pi_ptr + rows * n_tiles + pid_n, best_i, mask=row_ok)
 
 
 @triton.jit
@@ -649,13 +674,15 @@ class AddNorm:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
             weight_b: torch.Tensor | None = None, add_norm: AddNorm | None = None,
-            row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> None:
+            row_ssq: torch.Tensor | None = None, eps: float = 0.0,
+            argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
     ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
     the fp32 workspace and the device's arrival counters. ``add_norm``: the ``ADD_NORM`` epilogue;
     ``row_ssq`` ``[tiles, M]``: every row scaled by ``rsqrt(row_ssq.sum(0) / K + eps)`` (``ROW_NORM``);
-    both on the ``tl.dot`` kernel."""
+    ``argmax_parts``: the ``ARGMAX`` epilogue's ``(values, indices)`` ``[M, column tiles]``; all three
+    on the ``tl.dot`` kernel."""
     (M, K), N = x.shape, out.shape[1]
     n_a = N
     if weight_b is not None:
@@ -674,7 +701,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
+    if (M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None
+            and argmax_parts is None):
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
@@ -683,9 +711,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:
         norm = add_norm or AddNorm(out, out, out, out)  # not read without ADD_NORM
         ssq_in = out if row_ssq is None else row_ssq     # not read without ROW_NORM
+        pv, pi = argmax_parts or (out, out)              # not written without ARGMAX
         _skinny_linear_kernel[grid](
             x, weight, weight if weight_b is None else weight_b, out, ws, counters,
-            norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in, 0 if row_ssq is None else row_ssq.shape[0],
+            norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in, pv, pi,
+            0 if row_ssq is None else row_ssq.shape[0],
             1.0 / K, eps,
             M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
@@ -693,6 +723,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             ADD_NORM=add_norm is not None, ROW_NORM=row_ssq is not None,
             SSQ_TILES=2 if row_ssq is None else max(2, triton.next_power_of_2(row_ssq.shape[0])),
+            ARGMAX=argmax_parts is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),

@@ -315,12 +315,13 @@ class Steps:
         st, gamma = self.state, self.gamma
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s
-        d, logits = drafted.tokens, self.target.compute_logits(verified.hidden, verified.delta)
+        d = drafted.tokens
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
-        if rows is None:
-            target_pick = argmax_last(logits)                                  # [B, W], no fp32 copy
+        if rows is None:   # [B, W], no fp32 copy; from the LM head's argmax partials where it writes them
+            target_pick = self.target.compute_greedy(verified.hidden, verified.delta)[1]
             accepted = d == target_pick[:, :-1]
         else:
+            logits = self.target.compute_logits(verified.hidden, verified.delta)
             p = rows.probs(logits.float())                                     # [B, W, V]
             q = drafted.probs                                                  # [B, gamma, V]
             p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]

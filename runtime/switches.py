@@ -9,7 +9,8 @@ valid values before any compile or request. The README lists them.
 from __future__ import annotations
 
 from ..graphs.compile import inductor_pdl_requested
-from ..models.layers import fused_norm_requested, norm_carry_requested, norm_epilogue_requested, skinny_rows
+from ..models.layers import (fused_norm_requested, head_argmax_requested, norm_carry_requested, norm_epilogue_requested,
+                             skinny_rows)
 from ..ops._dispatch import pdl_requested, pdl_trigger
 from ..ops.markov_walk_persistent import walk_mode
 from ..ops.tuning import tuning_overrides
@@ -26,6 +27,7 @@ def check_switches() -> None:
     fused_norm_requested()
     norm_epilogue_requested()
     norm_carry_requested()
+    head_argmax_requested()
     tuning_overrides()
     commit_overlap_requested()
     walk_mode()

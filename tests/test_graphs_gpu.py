@@ -131,6 +131,35 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does(monkeypatch):
                 engine._finish(r, "cancelled")
 
 
+def test_head_argmax_partials_change_no_token(monkeypatch):
+    """``LFMSPARK_HEAD_ARGMAX=1`` (the default; models/layers.py ``head_logits``): in the captured
+    greedy round at batch 1 and 2 both LM heads write argmax partials (ops/head_argmax.py; this
+    model's 512-token head is split-K, so the partials come from the fix-up), the verify's picks and
+    the Jacobi walk's guesses are read from them. Against the same captured rounds with the switch
+    off (``argmax_rows`` and the walk's own guess pass): equal committed tokens and acceptance
+    lengths round after round, in bf16, the served dtype."""
+    import lfmspark.ops.head_argmax as head_argmax
+
+    calls = []
+    traced = head_argmax.skinny_linear_argmax_triton
+    monkeypatch.setattr(head_argmax, "skinny_linear_argmax_triton", lambda *a, **k: calls.append(1) or traced(*a, **k))
+    monkeypatch.delenv("LFMSPARK_WALK", raising=False)
+    target, draft = small_models(dtype=torch.bfloat16)
+    engines = {}
+    for on in (True, False):
+        monkeypatch.setenv("LFMSPARK_HEAD_ARGMAX", "1" if on else "0")   # read at trace time
+        engines[on] = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2])
+        before = len(calls)
+        engines[on].warmup(progress=False, sampling=False)
+        assert (len(calls) > before) == on       # the warm-up's rounds ran the op, or did not
+    for n in (1, 2):
+        slots = {on: prefill_rows(engine, n, False) for on, engine in engines.items()}
+        same_rounds(engines[True], engines[False], slots[True], slots[False], False, rounds=8)
+        for engine in engines.values():
+            for r in list(engine._active):
+                engine._finish(r, "cancelled")
+
+
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
     """LFMSPARK_COMMIT_OVERLAP=1 (runtime/steps.py, Steps.round_commit): the captured round forks the

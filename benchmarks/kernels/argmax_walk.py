@@ -18,7 +18,8 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
-from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts, markov_greedy_walk_jacobi
+from lfmspark.ops.head_argmax import argmax_partials_reference
+from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts, jacobi_walk_config, markov_greedy_walk_jacobi
 from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig, markov_greedy_walk_persistent
 
 try:
@@ -129,7 +130,10 @@ def jacobi_compare() -> list[dict]:
     (``N(0, 0.02)`` Markov weights, base logits of an ``N(0, 0.02)`` LM head on a unit-RMS hidden
     state: biases ~0.006 against logits ~0.9, so the bias rarely moves an argmax) and the
     order-independent test weights (biases as large as the logits: many passes). Tokens are
-    compared with the persistent walk's, whose per-slot numerics the Jacobi walk shares."""
+    compared with the persistent walk's, whose per-slot numerics the Jacobi walk shares. The Jacobi
+    rows run its default config with the guess pass or with the LM head's argmax partials
+    (``guesses``: what ``skinny_linear_argmax`` writes at 128-column tiles), each with and without
+    the L2 prefetch of the streamed ``w2`` blocks, then the other configs (partials, prefetch)."""
     dev, rows = "cuda", []
     g = torch.Generator().manual_seed(0)
     flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
@@ -141,28 +145,35 @@ def jacobi_compare() -> list[dict]:
         "large_bias": ((torch.randint(-16, 17, (V, RANK), generator=g) / 8), (torch.randint(-16, 17, (V, RANK), generator=g) / 8),
                        torch.randint(-40, 41, (1, G, V), generator=g) / 4),
     }
-    configs = [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw)
-               for bv, res, nw in [(256, 1, 8), (256, 0, 8), (128, 2, 8), (128, 2, 16), (128, 1, 8)]]
+    default = jacobi_walk_config()
+    variants = [(default, guess, prefetch) for guess in (False, True) for prefetch in (False, True)]
+    variants += [(PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw), True, True)
+                 for bv, res, nw in [(256, 1, 8), (128, 2, 16), (128, 1, 8)]]
+    configs = [PersistentWalkConfig(block_v=256, resident=1, num_warps=8)]
     for kind, (w1, w2, base) in kinds.items():
         w1, w2, base = w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), base.to(dev, torch.bfloat16)
+        head = tuple(t.contiguous() for t in argmax_partials_reference(base.view(G, V), 128))
         want = markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0])
         steps = walk_config(1, V, RANK)
         us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2)})
         us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0]), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "persistent", "config": str(configs[0]), "us_per_walk": round(us, 2)})
-        for cfg in configs:
+        for cfg, guess, prefetch in variants:
+            def walk():
+                return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, guesses=head if guess else None,
+                                                 prefetch=prefetch)
+            label = {"weights": kind, "kernel": "jacobi", "config": str(cfg),
+                     "guesses": "head partials" if guess else "pass 0", "prefetch": prefetch}
             try:
                 before = jacobi_pass_counts()
-                same = torch.equal(markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg), want)
+                same = torch.equal(walk(), want)
                 passes = jacobi_pass_counts()[0] - before[0]
-                us = _cold_l2_us(lambda: markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg), flush_src, flush_dst)
+                us = _cold_l2_us(walk, flush_src, flush_dst)
             except Exception as exc:  # e.g. out of registers / shared memory: report, go on
-                rows.append({"weights": kind, "kernel": "jacobi", "config": str(cfg),
-                             "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
+                rows.append({**label, "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
                 continue
-            rows.append({"weights": kind, "kernel": "jacobi", "config": str(cfg), "us_per_walk": round(us, 2),
-                         "passes": passes, "same_tokens": same})
+            rows.append({**label, "us_per_walk": round(us, 2), "passes": passes, "same_tokens": same})
     return rows
 
 

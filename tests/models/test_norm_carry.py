@@ -35,20 +35,21 @@ class RouteCalls:
         self.producer = OpCalls("skinny_linear_add_norm")
         self.linear = OpCalls("skinny_linear")
         self.pair = OpCalls("skinny_linear_pair")
+        self.head = OpCalls("skinny_linear_argmax")   # an LM head whose argmax follows (LFMSPARK_HEAD_ARGMAX)
 
     def __getattr__(self, attr: str):
-        for calls in (self.producer, self.linear, self.pair):
+        for calls in (self.producer, self.linear, self.pair, self.head):
             if attr == calls.name:
                 return getattr(calls, attr)
         return getattr(torch.ops.lfmspark, attr)
 
     def clear(self) -> None:
-        for calls in (self.producer, self.linear, self.pair):
+        for calls in (self.producer, self.linear, self.pair, self.head):
             calls.calls.clear()
 
     def row_scaled(self) -> tuple[int, int]:
-        """(skinny_linear, skinny_linear_pair) calls that took ``row_ssq``."""
-        return (sum(len(c) > 2 and c[2] is not None for c in self.linear.calls),
+        """(skinny_linear or skinny_linear_argmax, skinny_linear_pair) calls that took ``row_ssq``."""
+        return (sum(len(c) > 2 and c[2] is not None for c in self.linear.calls + self.head.calls),
                 sum(len(c) > 3 and c[3] is not None for c in self.pair.calls))
 
 
@@ -115,7 +116,8 @@ def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> No
     """The draft's block (4 rows): hidden states, greedy proposal and a sampling-style walk (which
     reads the normed states, so it runs the final norm itself) agree with both switches off; with
     them on, two producer calls per layer, the later layers' pair products and the greedy LM head
-    finish the carried norms."""
+    finish the carried norms, the head writing the walk's argmax partials (``LFMSPARK_HEAD_ARGMAX``;
+    with that switch off, the plain head and the same tokens)."""
     draft, cache, slot, start = random_tiny_draft_with_context()
     n_layers = draft.config.num_hidden_layers
     anchor = torch.tensor([7])
@@ -135,9 +137,18 @@ def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> No
         runs[on] = (layers.completed(x, pending), greedy, general)
         assert len(route.producer.calls) == (2 * n_layers if on else 0)
         assert route.row_scaled() == ((1, n_layers - 1) if on else (0, 0))
+        assert len(route.head.calls) == (1 if on else 0)
     (h_on, greedy_on, general_on), (h_off, greedy_off, general_off) = runs[True], runs[False]
     assert rel_err(h_on, h_off) < TOL[torch.float32]
     assert torch.equal(greedy_on.tokens, greedy_off.tokens)
+    _switches(monkeypatch, True)
+    monkeypatch.setenv("LFMSPARK_HEAD_ARGMAX", "0")
+    route.clear()
+    with torch.no_grad():
+        x, pending = draft.block_hidden(anchor, DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope),
+                                        slot, start)
+        assert torch.equal(draft.head_and_walk(x, pending, anchor, greedy_pick).tokens, greedy_on.tokens)
+    assert route.head.calls == [] and route.row_scaled() == (1, n_layers - 1)
     assert torch.equal(general_on.tokens, greedy_on.tokens)
     assert rel_err(general_on.logits, general_off.logits) < TOL[torch.float32]
 

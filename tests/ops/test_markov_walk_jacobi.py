@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.head_argmax import argmax_partials_reference
 from lfmspark.ops.markov_walk import markov_greedy_walk_reference
 from lfmspark.ops.markov_walk_jacobi import (MAX_LANES, jacobi_pass_counts, jacobi_walk_usable,
                                              markov_greedy_walk_jacobi)
@@ -44,18 +45,25 @@ def _jacobi_reference(base, anchor, w1, w2) -> tuple[torch.Tensor, int]:
         prev = new_prev
 
 
-def _run(base, anchor, w1, w2, config: PersistentWalkConfig | None) -> tuple[torch.Tensor, int]:
+def _run(base, anchor, w1, w2, config: PersistentWalkConfig | None, guesses=None) -> tuple[torch.Tensor, int]:
     before = jacobi_pass_counts()
-    out = markov_greedy_walk_jacobi(base, anchor, w1, w2, config)
+    out = markov_greedy_walk_jacobi(base, anchor, w1, w2, config, guesses=guesses)
     passes, walks = (a - b for a, b in zip(jacobi_pass_counts(), before))
     assert walks == 1
     return out, passes
 
 
-def _check(base, anchor, w1, w2, config: PersistentWalkConfig | None = None) -> int:
-    """Tokens equal the sequential walk's, passes the fixed-point loop's; returns the passes."""
+def _head_partials(base: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``skinny_linear_argmax`` writes beside an LM head that produced ``base``: its rows'
+    argmax partials over ``block_n``-column tiles, ``[B * G, tiles]``."""
+    return argmax_partials_reference(base.reshape(-1, base.shape[-1]), block_n)
+
+
+def _check(base, anchor, w1, w2, config: PersistentWalkConfig | None = None, guesses=None) -> int:
+    """Tokens equal the sequential walk's, passes the fixed-point loop's (whose guesses are the base
+    argmax, as pass 0's or the head partials' are); returns the passes."""
     cpu = [t.cpu() for t in (base, anchor, w1, w2)]
-    out, passes = _run(base, anchor, w1, w2, config)
+    out, passes = _run(base, anchor, w1, w2, config, guesses)
     assert out.dtype == torch.int64 and out.shape == base.shape[:2]
     assert torch.equal(out.cpu(), markov_greedy_walk_reference(*cpu)), (config, out)
     ref_tokens, ref_passes = _jacobi_reference(*cpu)
@@ -122,6 +130,48 @@ def test_ties_and_nan(triton_device: str) -> None:
     base[0, 3] = 1.0                                  # flat: the bias alone decides, ties to the first
     for config in CONFIGS:
         _check(base, anchor, w1, w2, config)
+
+
+@pytest.mark.parametrize("block_n", [16, 64, 512])
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=["res1", "res2"])
+def test_head_partials_replace_pass_zero(triton_device: str, config: PersistentWalkConfig, block_n: int) -> None:
+    """Guesses from an LM head's argmax partials (ops/head_argmax.py; 1 to 32 tiles per row, a
+    partial tile last): the same tokens and passes as the walk's own guess pass, for many-pass
+    walks of one and two rows and for a one-pass walk."""
+    for B, G, seed in [(1, 9, 11), (2, 8, 12)]:
+        args = _grid_inputs(triton_device, torch.bfloat16, B, G, 500, 48, seed=seed)
+        assert _check(*args, config, _head_partials(args[0], block_n)) > 2
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 1, 9, 500, 48, seed=13)
+    base = base + torch.arange(500, device=triton_device) * 2 ** -10
+    assert _check(base, anchor, w1, w2 * 2 ** -30, config, _head_partials(base, block_n)) == 1
+
+
+def test_wrong_guesses_still_give_the_walk(triton_device: str) -> None:
+    """The guesses decide how soon the iteration settles, never its tokens: partials naming arbitrary
+    columns still give the sequential walk's tokens, within G passes."""
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 1, 9, 300, 16, seed=14)
+    g = torch.Generator().manual_seed(15)
+    guesses = (torch.rand(9, 5, generator=g).to(triton_device),
+               torch.randint(0, 300, (9, 5), generator=g, dtype=torch.int32).to(triton_device))
+    cpu = [t.cpu() for t in (base, anchor, w1, w2)]
+    out, passes = _run(base, anchor, w1, w2, CONFIGS[1], guesses)
+    assert torch.equal(out.cpu(), markov_greedy_walk_reference(*cpu))
+    assert 1 <= passes <= 9
+
+
+def test_op_takes_guesses_and_checks_them(triton_device: str) -> None:
+    """``lfmspark::markov_greedy_walk`` with the partials (dispatched to the Jacobi walk at one row),
+    and its errors for partials that do not fit ``base``."""
+    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.bfloat16, 1, 9, 300, 16, seed=16)
+    pv, pi = _head_partials(base, 64)
+    want = markov_greedy_walk_reference(*(t.cpu() for t in (base, anchor, w1, w2)))
+    assert torch.equal(torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, pi).cpu(), want)
+    with pytest.raises(ValueError, match="both guess_v and guess_i"):
+        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, None)
+    with pytest.raises(ValueError, match=r"\[B \* G, tiles\] = \[9, tiles\]"):
+        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv[:8], pi[:8])
+    with pytest.raises(ValueError, match="int32"):
+        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, pi.long())
 
 
 def test_usable_and_rejects(triton_device: str) -> None:
