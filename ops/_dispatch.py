@@ -92,3 +92,23 @@ def pdl_kwargs(t: torch.Tensor, one_row_product: bool = False) -> dict[str, int 
     ``PDL`` constexpr (0 off, else :func:`pdl_trigger`) and ``launch_pdl``."""
     pdl = use_pdl(t)
     return {"PDL": pdl_trigger(one_row_product) if pdl else 0, "launch_pdl": pdl}
+
+
+L2_HINTS = {"1": ("evict_first", "evict_last"), "0": ("", "")}
+
+
+def l2_hints() -> tuple[str, str]:
+    """``LFMSPARK_L2_HINTS`` (default ``1``): the L2 eviction priorities ``(weights, markov_w2)`` of the
+    several-row products' weight loads and the one-launch Markov walks' ``markov_w2`` loads.
+
+    Why: the batch-1 round streams ~3.2 GB of weights through the H200's 50 MB L2, each byte read
+    once, and then the draft's walk reads ``markov_w2`` (33.5 MB) from HBM again, right after the LM
+    head's 268 MB evicted it. Marked ``evict_first``, the streamed weights leave L2 before
+    ``markov_w2``, marked ``evict_last``, which may then still be there at the next round's walk.
+    Hints only: values never change. ``0``: plain loads."""
+    value = os.environ.get("LFMSPARK_L2_HINTS", "1")
+    if value not in L2_HINTS:
+        raise ValueError(f"LFMSPARK_L2_HINTS={value!r}: use 1 (streamed weights evict first, markov_w2 last) or 0 "
+                         "(plain loads)")
+    return L2_HINTS[value]
+

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs
+from ._dispatch import l2_hints, pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
 from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _grid_barrier, _load_w2_block,
                                      _reduce_pass, _slice_argmax, counters_for, one_launch_walk_possible,
@@ -61,28 +61,15 @@ def _previous_tokens(pv_ptr, pi_ptr, it, lanes, slot, anchor, lane_ok, P,
 
 
 @triton.jit
-def _prefetch_to_l2(w2_ptr, first_col, offs_v, V, stride_w2, RANK: tl.constexpr, BLOCK_V: tl.constexpr,
-                    STREAM_FROM: tl.constexpr, N_BLOCKS: tl.constexpr, LINE: tl.constexpr, N_LINES: tl.constexpr):
-    """Ask L2 for the streamed blocks of the program's ``w2`` slice (one ``prefetch.global.L2`` per
-    ``LINE`` elements, 128 bytes, of a row; ``N_LINES`` a power of two, the extra ones clamped into the
-    row), so that the first biased pass reads them from L2, not HBM."""
-    lines = tl.minimum(tl.arange(0, N_LINES) * LINE, RANK - 1)
-    for blk in tl.static_range(STREAM_FROM, N_BLOCKS):
-        rows = (first_col + blk * BLOCK_V + offs_v) % V
-        ptrs = w2_ptr + rows.to(tl.int64)[:, None] * stride_w2 + lines[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _markov_walk_jacobi_kernel(
     base_ptr, anchor_ptr, w1_ptr, w2_ptr, pv_ptr, pi_ptr, gv_ptr, gi_ptr, tok_ptr, sync_ptr, stats_ptr,
     B, G, V, P, NG,
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr,
     N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
-    GUESSED: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, N_LINES: tl.constexpr,
-    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
+    GUESSED: tl.constexpr, BLOCK_G: tl.constexpr,
+    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr,
+    POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py; safe at entry (ops/markov_walk_persistent.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -100,11 +87,9 @@ def _markov_walk_jacobi_kernel(
     w_res0 = 0                            # placeholders past RESIDENT
     w_res1 = 0
     if RESIDENT >= 1:
-        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
     if RESIDENT >= 2:
-        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
-    if PREFETCH:
-        _prefetch_to_l2(w2_ptr, first_col, offs_v, V, stride_w2, RANK, BLOCK_V, STREAM_FROM, N_BLOCKS, LINE, N_LINES)
+        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
     anchor = tl.load(anchor_ptr + row, mask=lane_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
@@ -125,7 +110,7 @@ def _markov_walk_jacobi_kernel(
                     mask=lane_ok[:, None] & (rk < RANK)[None, :], other=0.0)
         best_v, best_i = _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, lane_off, lane_ok, first_col, offs_v, rk,
                                        V, stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION,
-                                       UPCAST)
+                                       UPCAST, W2_EVICT)
         part = (it * BLOCK_L + lanes) * P + j
         tl.store(pv_ptr + part, best_v, mask=lane_ok)
         tl.store(pi_ptr + part, best_i, mask=lane_ok)
@@ -189,14 +174,12 @@ def jacobi_walk_usable(device: torch.device, B: int, G: int, rank: int) -> bool:
 
 def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                               config: PersistentWalkConfig | None = None,
-                              guesses: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              prefetch: bool | None = None) -> torch.Tensor:
+                              guesses: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The walk as a fixed-point iteration in one launch; inputs already checked and laid out by
     ``markov_greedy_walk_triton`` (``base [B, G, V]`` with unit column stride, contiguous ``w1`` /
     ``w2`` rows). ``config``: launch parameters (default :func:`jacobi_walk_config`). ``guesses``:
     the LM head's argmax partials of ``base``'s ``B * G`` rows (ops/head_argmax.py, checked by the
-    caller), which replace pass 0. ``prefetch``: whether the streamed ``w2`` blocks are requested into
-    L2 at entry (default on, ``LFMSPARK_TUNE`` ``walk_jacobi.prefetch``; never in the interpreter)."""
+    caller), which replace pass 0."""
     B, G, V = base.shape
     rank = w2.shape[1]
     cfg = config or jacobi_walk_config()
@@ -214,9 +197,6 @@ def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     sync, stats = counters_for(w2)
     gv, gi = guesses or (pv, pi)                      # not read without GUESSED
     n_guess = gv.shape[1] if guesses is not None else 1
-    if prefetch is None:
-        prefetch = bool(tuned("walk_jacobi", "prefetch", 1))
-    line = max(1, 128 // w2.element_size())          # elements per 128-byte line
     _markov_walk_jacobi_kernel[(P,)](
         base, anchor, w1, w2, pv, pi, gv, gi, tokens, sync, stats,
         B, G, V, P, n_guess,
@@ -224,10 +204,8 @@ def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torc
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_L=MAX_LANES, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
         GUESSED=guesses is not None, BLOCK_G=max(16, triton.next_power_of_2(n_guess)),
-        PREFETCH=prefetch and not interpreted and n_blocks > max(resident, 1), LINE=line,
-        N_LINES=triton.next_power_of_2(triton.cdiv(rank, line)),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
-        UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
+        UPCAST=interpreted and w2.dtype != torch.float32, W2_EVICT=l2_hints()[1], POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
     )
     return tokens

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs
+from ._dispatch import l2_hints, pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax
 from .tuning import tuned
 from .weight_rounding import ROUND_MODE, round_to_weight_dtype
@@ -74,12 +74,13 @@ def _block_values(e, w, base_ptr, row_off, row_ok, cols, V,
 
 
 @triton.jit
-def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2):
-    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept)."""
+def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2, EVICT: tl.constexpr):
+    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept).
+    ``EVICT``: its L2 eviction priority (ops/_dispatch.py ``l2_hints``)."""
     ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2 + rk[None, :]
     if RANK == rk.shape[0]:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0)
+        return tl.load(ptrs, eviction_policy=EVICT)
+    return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
 @triton.jit
 def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V, stride_w2,
                   RANK: tl.constexpr, N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr,
-                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr):
     """Per tile row, ``(max, first index)`` of ``base + round(e @ w2[cols].T)`` over the program's slice
     of ``N_BLOCKS`` column blocks: the ``RESIDENT`` blocks held on chip (``w_res0``, ``w_res1``; the
     callers pass placeholders past ``RESIDENT``), then the others streamed. Per lane the best of its
@@ -113,7 +114,7 @@ def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_co
     if RESIDENT >= 1:
         w0 = w_res0
     else:
-        w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
     lane_v, lane_i = _block_values(e, w0, base_ptr, row_off, row_ok, first_col + offs_v, V, ROUND, DOT_PRECISION,
                                    UPCAST)
     if RESIDENT >= 2:
@@ -122,7 +123,7 @@ def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_co
         lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
     for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: from L2 after the first slot / pass
         cols = first_col + blk * offs_v.shape[0] + offs_v
-        w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
+        w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2, W2_EVICT)
         v, i = _block_values(e, w, base_ptr, row_off, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
         lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
     return block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
@@ -147,7 +148,8 @@ def _markov_walk_persistent_kernel(
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
-    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, POLL_ASM: tl.constexpr, PDL: tl.constexpr,
+    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr,
+    POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py; safe at entry (module doc)
         tl.extra.cuda.gdc_launch_dependents()
@@ -162,9 +164,9 @@ def _markov_walk_persistent_kernel(
     w_res0 = 0                            # placeholders past RESIDENT
     w_res1 = 0
     if RESIDENT >= 1:
-        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
     if RESIDENT >= 2:
-        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2)
+        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
     prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
@@ -173,7 +175,8 @@ def _markov_walk_persistent_kernel(
         e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
                     mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
         best_v, best_i = _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V,
-                                       stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION, UPCAST)
+                                       stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION, UPCAST,
+                                       W2_EVICT)
         part = (k * BLOCK_B + rows) * P + j
         tl.store(pv_ptr + part, best_v, mask=row_ok)
         tl.store(pi_ptr + part, best_i, mask=row_ok)
@@ -297,7 +300,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
-        UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
+        UPCAST=interpreted and w2.dtype != torch.float32, W2_EVICT=l2_hints()[1], POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
     )
     return tokens

@@ -113,7 +113,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
+from ._dispatch import l2_hints, pdl_kwargs, use_triton
 from .argmax_rows import block_argmax
 from .tuning import tuned
 
@@ -134,7 +134,7 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
     ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr, ARGMAX: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    WEIGHT_EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
     # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
@@ -177,10 +177,10 @@ def _skinny_linear_kernel(
         w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
     if ADD_NORM:  # the norm weight is a parameter: requested before the wait, as the weights are
         g = tl.load(g_ptr + cols, mask=cols < N, other=0.0)
@@ -198,10 +198,10 @@ def _skinny_linear_kernel(
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
         if SWIGLU:
             u_ptrs += BLOCK_K
-            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
+            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
         acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
         if SWIGLU:
@@ -243,10 +243,11 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr = ""):
+    # EVICT: the L2 eviction priority of the streamed weights (ops/_dispatch.py l2_hints)
     if EVEN_K:
-        return tl.load(w_ptrs)
-    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
+        return tl.load(w_ptrs, eviction_policy=EVICT)
+    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -723,7 +724,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             ADD_NORM=add_norm is not None, ROW_NORM=row_ssq is not None,
             SSQ_TILES=2 if row_ssq is None else max(2, triton.next_power_of_2(row_ssq.shape[0])),
-            ARGMAX=argmax_parts is not None,
+            ARGMAX=argmax_parts is not None, WEIGHT_EVICT=l2_hints()[0],
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),

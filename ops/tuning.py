@@ -16,8 +16,7 @@ ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB pro
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
 prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py), ``walk_grid``
 (the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk_persistent.py),
-``walk_jacobi`` (the Jacobi walk, the same keys and ``prefetch``, 0 or 1: the streamed ``w2`` blocks requested
-into L2 at entry, ops/markov_walk_jacobi.py), ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
+``walk_jacobi`` (the Jacobi walk, the same keys, ops/markov_walk_jacobi.py), ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
 i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
 
 The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
@@ -52,7 +51,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "norm_swiglu": ("block_n", "num_warps"),
     "walk": ("block_v", "block_r", "num_warps"),
     "walk_grid": ("block_v", "resident", "num_warps", "num_stages"),
-    "walk_jacobi": ("block_v", "resident", "num_warps", "num_stages", "prefetch"),
+    "walk_jacobi": ("block_v", "resident", "num_warps", "num_stages"),
     "attention": ("num_splits",),
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..graphs.compile import inductor_pdl_requested
 from ..models.layers import (fused_norm_requested, head_argmax_requested, norm_carry_requested, norm_epilogue_requested,
                              skinny_rows)
-from ..ops._dispatch import pdl_requested, pdl_trigger
+from ..ops._dispatch import l2_hints, pdl_requested, pdl_trigger
 from ..ops.markov_walk_persistent import walk_mode
 from ..ops.tuning import tuning_overrides
 from ..ops.window_attention import window_attention_requested
@@ -22,6 +22,7 @@ def check_switches() -> None:
     """Raise ``ValueError`` for the first ``LFMSPARK_*`` switch with a value it does not take."""
     pdl_requested()
     pdl_trigger()
+    l2_hints()
     inductor_pdl_requested()
     skinny_rows()
     fused_norm_requested()

@@ -131,9 +131,9 @@ def jacobi_compare() -> list[dict]:
     state: biases ~0.006 against logits ~0.9, so the bias rarely moves an argmax) and the
     order-independent test weights (biases as large as the logits: many passes). Tokens are
     compared with the persistent walk's, whose per-slot numerics the Jacobi walk shares. The Jacobi
-    rows run its default config with the guess pass or with the LM head's argmax partials
-    (``guesses``: what ``skinny_linear_argmax`` writes at 128-column tiles), each with and without
-    the L2 prefetch of the streamed ``w2`` blocks, then the other configs (partials, prefetch)."""
+    rows run its default config with the guess pass and with the LM head's argmax partials
+    (``guesses``: what ``skinny_linear_argmax`` writes at 128-column tiles), then the other configs
+    with the partials."""
     dev, rows = "cuda", []
     g = torch.Generator().manual_seed(0)
     flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
@@ -146,8 +146,8 @@ def jacobi_compare() -> list[dict]:
                        torch.randint(-40, 41, (1, G, V), generator=g) / 4),
     }
     default = jacobi_walk_config()
-    variants = [(default, guess, prefetch) for guess in (False, True) for prefetch in (False, True)]
-    variants += [(PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw), True, True)
+    variants = [(default, False), (default, True)]
+    variants += [(PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw), True)
                  for bv, res, nw in [(256, 1, 8), (128, 2, 16), (128, 1, 8)]]
     configs = [PersistentWalkConfig(block_v=256, resident=1, num_warps=8)]
     for kind, (w1, w2, base) in kinds.items():
@@ -159,12 +159,11 @@ def jacobi_compare() -> list[dict]:
         rows.append({"weights": kind, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2)})
         us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0]), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "persistent", "config": str(configs[0]), "us_per_walk": round(us, 2)})
-        for cfg, guess, prefetch in variants:
+        for cfg, guess in variants:
             def walk():
-                return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, guesses=head if guess else None,
-                                                 prefetch=prefetch)
+                return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, guesses=head if guess else None)
             label = {"weights": kind, "kernel": "jacobi", "config": str(cfg),
-                     "guesses": "head partials" if guess else "pass 0", "prefetch": prefetch}
+                     "guesses": "head partials" if guess else "pass 0"}
             try:
                 before = jacobi_pass_counts()
                 same = torch.equal(walk(), want)
