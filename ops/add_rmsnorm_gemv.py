@@ -72,9 +72,9 @@ def _add_rmsnorm_gemv_kernel(
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
     # weights (the GEMV's and the norm's) depend on no earlier kernel: requested before the PDL wait
-    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K, "")
     if SWIGLU:
-        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K)
+        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K, "")
     if EVEN_K:
         nw = tl.load(nw_ptr + ks)
     else:

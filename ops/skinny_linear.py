@@ -243,7 +243,7 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr = ""):
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
     # EVICT: the L2 eviction priority of the streamed weights (ops/_dispatch.py l2_hints)
     if EVEN_K:
         return tl.load(w_ptrs, eviction_policy=EVICT)
@@ -421,13 +421,13 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, "")
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, "")
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
     if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()

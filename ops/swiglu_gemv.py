@@ -45,8 +45,8 @@ def _swiglu_gemv_kernel(
     g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     u_ptrs = g_ptrs + F * stride_wn
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    wg = _load_w_block(g_ptrs, 0, K, BLOCK_K, EVEN_K)
-    wu = _load_w_block(u_ptrs, 0, K, BLOCK_K, EVEN_K)
+    wg = _load_w_block(g_ptrs, 0, K, BLOCK_K, EVEN_K, "")
+    wu = _load_w_block(u_ptrs, 0, K, BLOCK_K, EVEN_K, "")
     if PDL:
         tl.extra.cuda.gdc_wait()
     xv = _load_x_vector(x_ptr, 0, K, BLOCK_K, EVEN_K)[None, :]
@@ -55,8 +55,8 @@ def _swiglu_gemv_kernel(
     for k in range(BLOCK_K, K, BLOCK_K):
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-        wg = _load_w_block(g_ptrs, k, K, BLOCK_K, EVEN_K)
-        wu = _load_w_block(u_ptrs, k, K, BLOCK_K, EVEN_K)
+        wg = _load_w_block(g_ptrs, k, K, BLOCK_K, EVEN_K, "")
+        wu = _load_w_block(u_ptrs, k, K, BLOCK_K, EVEN_K, "")
         xv = _load_x_vector(x_ptr, k, K, BLOCK_K, EVEN_K)[None, :]
         acc_g += wg.to(tl.float32) * xv
         acc_u += wu.to(tl.float32) * xv
