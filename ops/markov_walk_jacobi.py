@@ -27,6 +27,11 @@ which case it measured. On the H200 (docs/benchmarks.md, session 21): 27.0 us pe
 alone against 81.9 for the step kernels and 101.7 for nine passes; in the batch-1 round, with the
 presets' random weights (1.2 passes a round), a 25.7-27.6 us marginal against 78.5.
 
+Guesses from the LM head: where the LM head that produced ``base`` wrote its rows' argmax partials
+(ops/head_argmax.py, ``LFMSPARK_HEAD_ARGMAX``), every program reduces those instead of running pass 0
+and its barrier (``GUESSED``). The same guesses, so the same passes and tokens. Measured on the H200
+(docs/benchmarks.md, session 22): 0.2-0.7 us per walk; pass 0 was already cheap.
+
 Lanes: the tile's 16 rows are ``(batch row, slot)`` pairs, so a launch takes ``B * G <= 16`` lanes
 (one row of a nine-token block); the launcher keeps the other walks elsewhere.
 """

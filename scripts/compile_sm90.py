@@ -1,0 +1,84 @@
+"""Compile the weight-streaming and Markov-walk kernels for sm_90 (the H200) with the installed
+Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
+
+Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
+code that a newer one accepts (session 22: a 16 x 16 lane select in a while loop crashed 3.6's
+layout pass; a str default of a constexpr parameter failed its front end), each found only after a
+device call. A venv with the device's Triton (``pip install --no-deps triton==3.6.0`` beside the
+CPU torch) catches both here:
+
+    python scripts/compile_sm90.py        # prints one line per compiled variant, raises on the first failure
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lfmspark.ops.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
+from lfmspark.ops.markov_walk_jacobi import _markov_walk_jacobi_kernel
+from lfmspark.ops.markov_walk_persistent import _markov_walk_persistent_kernel
+from lfmspark.ops.skinny_linear import _gemv_kernel, _skinny_linear_kernel
+from lfmspark.ops.swiglu_gemv import _swiglu_gemv_kernel
+
+# pointer parameters by name (every other pointer: bf16)
+INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "gi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
+            "tok_ptr": "*i64", "stats_ptr": "*i64"}
+F32_PTRS = {"ws_ptr", "pv_ptr", "gv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
+
+
+def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) -> None:
+    """Compile ``kernel`` with the constexprs ``const``; its other parameters typed by name."""
+    sig = {}
+    for n in inspect.signature(kernel.fn).parameters:
+        if n in const:
+            continue
+        if n.endswith("_ptr"):
+            sig[n] = INT_PTRS.get(n, "*fp32" if n in F32_PTRS else "*bf16")
+        elif n in ("eps", "inv_k"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "ARGMAX", "WEIGHT_EVICT", "GUESSED", "W2_EVICT")
+    print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, target sm_90")
+    for split in (False, True):
+        compile_one(_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, SPLIT=split, PDL=2))
+    for swiglu in (False, True):
+        compile_one(_add_rmsnorm_gemv_kernel, dict(HAS_DELTA=True, SWIGLU=swiglu, SCALE_LAST=True, BLOCK_N=4, BLOCK_K=2048,
+                                                   EVEN_K=True, PDL=2))
+    compile_one(_swiglu_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=False, PDL=2))
+    for split in (False, True):
+        for am, sw in ((False, False), (True, False), (False, True)):
+            compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=split, SWAP_AB=True,
+                                                    SWIGLU=sw, TWO_WEIGHTS=False, ADD_NORM=False, ROW_NORM=True, SSQ_TILES=32,
+                                                    ARGMAX=am, WEIGHT_EVICT="evict_first", DOT_PRECISION="tf32", UPCAST=False,
+                                                    PDL=1), num_stages=4)
+    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True, SWAP_AB=True,
+                                            SWIGLU=False, TWO_WEIGHTS=True, ADD_NORM=False, ROW_NORM=False, SSQ_TILES=2,
+                                            ARGMAX=False, WEIGHT_EVICT="", DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True, SWAP_AB=True,
+                                            SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
+                                            ARGMAX=False, WEIGHT_EVICT="evict_first", DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    for guessed in (False, True):
+        for ev in ("", "evict_last"):
+            compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4, RESIDENT=2,
+                                                         STREAM_FROM=2, BLOCK_P=128, GUESSED=guessed, BLOCK_G=512, ROUND=1,
+                                                         DOT_PRECISION="tf32", UPCAST=False, W2_EVICT=ev, POLL_ASM=True,
+                                                         PDL=True), num_warps=8)
+    for ev in ("", "evict_last"):
+        compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
+                                                         STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
+                                                         UPCAST=False, W2_EVICT=ev, POLL_ASM=True, PDL=True), num_warps=8)
+
+
+if __name__ == "__main__":
+    main()
