@@ -100,6 +100,10 @@ def time_hf_generate(hf, prompts: torch.Tensor, new_tokens: int, runs: int) -> d
     timed(1)
     ttft = sorted(timed(1) for _ in range(runs))[runs // 2]
     full = sorted(timed(new_tokens) for _ in range(runs))[runs // 2]
+    if new_tokens > 1 and full <= ttft:
+        raise RuntimeError(f"HF generate timing: {new_tokens} tokens took {full * 1e3:.2f} ms, no longer than one token "
+                           f"({ttft * 1e3:.2f} ms): the machine's noise exceeds the decode time; use more output "
+                           "tokens or runs")
     tpot = (full - ttft) / max(new_tokens - 1, 1)
     return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
 

@@ -87,7 +87,9 @@ def test_a_baseline_child_rebuilds_the_benchmarked_weights_and_reports_its_timin
     from lfmspark.runtime import bench, hf_subprocess
 
     # the eager baseline through the child (the compiled one needs a GPU-sized time budget)
-    cfg = bench.BenchConfig(prompt_len=4, output_len=3, runs=1, hf_compile_timeout_s=300, seed=3)
+    # 16 tokens, median of 3: decode time well above the noise of a busy 2-core machine (3 tokens, one
+    # run read a negative TPOT there once; time_hf_generate now refuses such a timing)
+    cfg = bench.BenchConfig(prompt_len=4, output_len=16, runs=3, hf_compile_timeout_s=300, seed=3)
     timing = hf_subprocess.run_baseline(cfg, 2, torch.device("cpu"), compile_mode=None)
     assert timing["tpot_ms"] > 0 and timing["ttft_ms"] > 0
 
