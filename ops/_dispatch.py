@@ -105,7 +105,10 @@ def l2_hints() -> tuple[str, str]:
     once, and then the draft's walk reads ``markov_w2`` (33.5 MB) from HBM again, right after the LM
     head's 268 MB evicted it. Marked ``evict_first``, the streamed weights leave L2 before
     ``markov_w2``, marked ``evict_last``, which may then still be there at the next round's walk.
-    Hints only: values never change. ``0``: plain loads."""
+    Measured on the H200 (docs/benchmarks.md, session 22): the replay-timed round 1.160 -> 1.137 ms
+    and the products' profile marginal 992 -> 981 us, but the walk no faster (``markov_w2`` does not
+    survive a round) and the generation loop's TPOT unchanged. Hints only: values never change.
+    ``0``: plain loads."""
     value = os.environ.get("LFMSPARK_L2_HINTS", "1")
     if value not in L2_HINTS:
         raise ValueError(f"LFMSPARK_L2_HINTS={value!r}: use 1 (streamed weights evict first, markov_w2 last) or 0 "

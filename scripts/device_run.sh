@@ -10,6 +10,9 @@ export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"bench12 tests kernels bench8"}
 RUN=$OUT/run; mkdir -p $RUN
 export LFMSPARK_CACHE_DIR=/tmp/lfmspark_inductor
+# explicit, in case the image sets one (which would win, graphs/compile.py): Inductor's archive below came back
+# empty in session 22 (cause not confirmed)
+export TORCHINDUCTOR_CACHE_DIR=$LFMSPARK_CACHE_DIR
 mkdir -p $LFMSPARK_CACHE_DIR
 # the custom ops' Triton kernels travel with Inductor's (the tests step keeps its many shapes out of it)
 export TRITON_CACHE_DIR=$LFMSPARK_CACHE_DIR/triton_ops
