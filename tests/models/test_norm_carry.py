@@ -87,6 +87,29 @@ def test_verify_matches_the_modules(monkeypatch, route, moe: bool, dtype: torch.
     assert_verify_close(on, cache_on, off, cache_off, dtype)
 
 
+def test_verify_greedy_picks_come_from_the_head_partials(monkeypatch, route) -> None:
+    """The verify's greedy picks (``compute_greedy``, what the round's acceptance reads): with a
+    NormedCarry the LM head runs as ``skinny_linear_argmax`` and the picks, from its partials, are
+    the argmax of its logits; those logits are ``compute_logits``' bit for bit; with
+    ``LFMSPARK_HEAD_ARGMAX=0`` the plain head gives the same picks."""
+    model = random_tiny_target(seed=5)
+    _switches(monkeypatch, True)
+    cache = TargetCache.allocate(model.config, 2, 64, 8, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.arange(3, 20)[None], cache, torch.tensor([1]), torch.tensor([0]), mode=ForwardMode.PREFILL)
+        h, delta, _ = model.hidden_states(torch.tensor([[5, 35, 8, 9, 12, 40]]), cache, torch.tensor([1]),
+                                          torch.tensor([17]), mode=ForwardMode.VERIFY)
+        assert isinstance(delta, layers.NormedCarry)
+        route.clear()
+        logits, picks = model.compute_greedy(h, delta)
+        assert len(route.head.calls) == 1
+        assert torch.equal(logits, model.compute_logits(h, delta))
+        assert picks.shape == (1, 6) and torch.equal(picks, logits.argmax(-1))
+        monkeypatch.setenv("LFMSPARK_HEAD_ARGMAX", "0")
+        route.clear()
+        assert torch.equal(model.compute_greedy(h, delta)[1], picks) and route.head.calls == []
+
+
 def test_picked_logits_drop_the_carry(monkeypatch, route) -> None:
     """A VERIFY forward that projects one column per row (``logits_index``) runs the final norm on
     the completed output: the carry's statistics cover every column."""
