@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import l2_hints, pdl_kwargs
-from .argmax_rows import block_argmax, combine_argmax
+from .argmax_rows import block_argmax, combine_argmax, reduce_partials_rows
 from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _grid_barrier, _load_w2_block,
                                      _reduce_pass, _slice_argmax, counters_for, one_launch_walk_possible,
                                      programs_for)
@@ -99,8 +99,10 @@ def _markov_walk_jacobi_kernel(
         tl.extra.cuda.gdc_wait()
     anchor = tl.load(anchor_ptr + row, mask=lane_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
 
-    if GUESSED:  # the guesses from the LM head's argmax partials [lanes, NG] (ops/head_argmax.py): no pass 0
-        prev = _previous_tokens(gv_ptr, gi_ptr, 0, lanes, slot, anchor, lane_ok, NG, BLOCK_L, BLOCK_G)
+    if GUESSED:  # the guesses from the LM head's argmax partials [lanes, NG] (ops/head_argmax.py): no pass 0;
+        # read BLOCK_G at a time, as a large vocabulary has thousands per lane
+        x = reduce_partials_rows(gv_ptr, gi_ptr, tl.where(slot == 0, lanes, lanes - 1), lane_ok, NG, BLOCK_G)
+        prev = tl.where(slot == 0, anchor, tl.where(lane_ok, x, 0))
     else:
         prev = _guess_pass(base_ptr, pv_ptr, pi_ptr, sync_ptr, lanes, slot, anchor, lane_ok, lane_off, first_col,
                            offs_v, j, V, P, BLOCK_L, BLOCK_P, N_BLOCKS, POLL_ASM)
@@ -208,7 +210,7 @@ def markov_greedy_walk_jacobi(base: torch.Tensor, anchor: torch.Tensor, w1: torc
         base.stride(0), base.stride(1), w1.stride(0), w2.stride(0), tokens.stride(0),
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_L=MAX_LANES, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
-        GUESSED=guesses is not None, BLOCK_G=max(16, triton.next_power_of_2(n_guess)),
+        GUESSED=guesses is not None, BLOCK_G=min(256, max(16, triton.next_power_of_2(n_guess))),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
         UPCAST=interpreted and w2.dtype != torch.float32, W2_EVICT=l2_hints()[1], POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),

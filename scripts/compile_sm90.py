@@ -71,7 +71,7 @@ def main() -> None:
     for guessed in (False, True):
         for ev in ("", "evict_last"):
             compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4, RESIDENT=2,
-                                                         STREAM_FROM=2, BLOCK_P=128, GUESSED=guessed, BLOCK_G=512, ROUND=1,
+                                                         STREAM_FROM=2, BLOCK_P=128, GUESSED=guessed, BLOCK_G=256, ROUND=1,
                                                          DOT_PRECISION="tf32", UPCAST=False, W2_EVICT=ev, POLL_ASM=True,
                                                          PDL=True), num_warps=8)
     for ev in ("", "evict_last"):

@@ -132,12 +132,12 @@ def test_ties_and_nan(triton_device: str) -> None:
         _check(base, anchor, w1, w2, config)
 
 
-@pytest.mark.parametrize("block_n", [16, 64, 512])
+@pytest.mark.parametrize("block_n", [1, 16, 64, 512])
 @pytest.mark.parametrize("config", CONFIGS[1:3], ids=["res1", "res2"])
 def test_head_partials_replace_pass_zero(triton_device: str, config: PersistentWalkConfig, block_n: int) -> None:
-    """Guesses from an LM head's argmax partials (ops/head_argmax.py; 1 to 32 tiles per row, a
-    partial tile last): the same tokens and passes as the walk's own guess pass, for many-pass
-    walks of one and two rows and for a one-pass walk."""
+    """Guesses from an LM head's argmax partials (ops/head_argmax.py; 1 to 500 tiles per row, which
+    the kernel reads 256 at a time; a partial tile last): the same tokens and passes as the walk's
+    own guess pass, for many-pass walks of one and two rows and for a one-pass walk."""
     for B, G, seed in [(1, 9, 11), (2, 8, 12)]:
         args = _grid_inputs(triton_device, torch.bfloat16, B, G, 500, 48, seed=seed)
         assert _check(*args, config, _head_partials(args[0], block_n)) > 2
