@@ -275,6 +275,7 @@ def test_engine_construction_limits(target, draft):
     ("LFMSPARK_PDL", "yes"), ("LFMSPARK_PDL_TRIGGER", "early"), ("LFMSPARK_INDUCTOR_PDL", "on"),
     ("LFMSPARK_SKINNY_LINEAR", "most"), ("LFMSPARK_FUSED_NORM", "true"), ("LFMSPARK_NORM_EPILOGUE", "yes"),
     ("LFMSPARK_NORM_CARRY", "2"), ("LFMSPARK_TUNE", "gemv.block=4"), ("LFMSPARK_WALK", "grid"),
+    ("LFMSPARK_HEAD_ARGMAX", "on"), ("LFMSPARK_L2_HINTS", "evict_first"),
 ])
 def test_a_misspelt_switch_is_refused_when_the_engine_is_built(target, monkeypatch, switch, value):
     """Switches act at launch or trace time (on a CPU some never do): the engine checks them all first."""
