@@ -172,8 +172,16 @@ def argmax_rows_triton(x: torch.Tensor, block_v: int | None = None) -> torch.Ten
     pi = torch.empty((R, nb), dtype=torch.int32, device=x.device)
     _argmax_partial_kernel[(nb, R)](x, pv, pi, V, nb, x.stride(0), BLOCK_V=bv, num_warps=4 if bv >= 1024 else 2,
                                     **pdl_kwargs(x))
-    _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
+    reduce_partials_into(pv, pi, out)
     return out
+
+
+def reduce_partials_into(pv: torch.Tensor, pi: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2: ``out[r]`` (int64 ``[R]``, contiguous) = the argmax column of row ``r``'s partials
+    ``pv, pi [R, nb]`` (contiguous, column order); also what ops/head_argmax.py runs on an LM head's
+    epilogue partials."""
+    R, nb = pv.shape
+    _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ._dispatch import pdl_kwargs, use_triton
-from .argmax_rows import _argmax_final_kernel, block_p
+from ._dispatch import use_triton
+from .argmax_rows import reduce_partials_into
 from .skinny_linear import (SkinnyConfig, _check, _check_row_ssq, _launch, _sm_count, skinny_linear_reference,
                             swap_ab_config)
 
@@ -72,11 +72,10 @@ def skinny_linear_argmax_triton(x: torch.Tensor, weight: torch.Tensor, row_ssq: 
 
 def argmax_of_partials_triton(part_v: torch.Tensor, part_i: torch.Tensor) -> torch.Tensor:
     _check_partials(part_v, part_i)
-    R, tiles = part_v.shape
+    R = part_v.shape[0]
     out = torch.empty(R, dtype=torch.int64, device=part_v.device)
     if R:
-        _argmax_final_kernel[(R,)](part_v.contiguous(), part_i.contiguous(), out, tiles, 1, BLOCK_P=block_p(tiles),
-                                   num_warps=4, **pdl_kwargs(part_v))
+        reduce_partials_into(part_v.contiguous(), part_i.contiguous(), out)
     return out
 
 

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ._dispatch import l2_hints, pdl_kwargs
 from .argmax_rows import block_argmax, combine_argmax, reduce_partials_rows
-from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _grid_barrier, _load_w2_block,
+from .markov_walk_persistent import (_COUNTERS, MAX_RANK, PersistentWalkConfig, _grid_barrier, _load_resident,
                                      _reduce_pass, _slice_argmax, counters_for, one_launch_walk_possible,
                                      programs_for)
 from .tuning import tuned
@@ -89,12 +89,7 @@ def _markov_walk_jacobi_kernel(
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     # the resident blocks depend on no earlier kernel: requested before the wait
-    w_res0 = 0                            # placeholders past RESIDENT
-    w_res1 = 0
-    if RESIDENT >= 1:
-        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
-    if RESIDENT >= 2:
-        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+    w_res0, w_res1 = _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK, stride_w2, RESIDENT, W2_EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
     anchor = tl.load(anchor_ptr + row, mask=lane_ok, other=0).to(tl.int32)   # the int32 of the argmax indices

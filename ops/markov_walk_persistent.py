@@ -104,6 +104,20 @@ def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK: tl.constexpr, stride_w2, RESIDENT: tl.constexpr,
+                   W2_EVICT: tl.constexpr):
+    """The program's first ``RESIDENT`` (0-2) column blocks of ``w2``, kept on chip for every slot /
+    pass (:func:`_slice_argmax`); placeholders past ``RESIDENT``."""
+    w_res0 = 0
+    w_res1 = 0
+    if RESIDENT >= 1:
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+    if RESIDENT >= 2:
+        w_res1 = _load_w2_block(w2_ptr, first_col + offs_v.shape[0] + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+    return w_res0, w_res1
+
+
+@triton.jit
 def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V, stride_w2,
                   RANK: tl.constexpr, N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr,
                   ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr):
@@ -161,12 +175,7 @@ def _markov_walk_persistent_kernel(
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     # the resident blocks depend on no earlier kernel: requested before the wait
-    w_res0 = 0                            # placeholders past RESIDENT
-    w_res1 = 0
-    if RESIDENT >= 1:
-        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
-    if RESIDENT >= 2:
-        w_res1 = _load_w2_block(w2_ptr, first_col + BLOCK_V + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+    w_res0, w_res1 = _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK, stride_w2, RESIDENT, W2_EVICT)
     if PDL:
         tl.extra.cuda.gdc_wait()
     prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices

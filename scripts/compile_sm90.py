@@ -44,7 +44,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
             sig[n] = "i32"
     k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "ARGMAX", "WEIGHT_EVICT", "GUESSED", "W2_EVICT")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "ARGMAX", "WEIGHT_EVICT", "RESIDENT", "GUESSED", "W2_EVICT")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
 
 
@@ -68,12 +68,12 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True, SWAP_AB=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             ARGMAX=False, WEIGHT_EVICT="evict_first", DOT_PRECISION="tf32", UPCAST=False, PDL=1))
-    for guessed in (False, True):
-        for ev in ("", "evict_last"):
-            compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4, RESIDENT=2,
-                                                         STREAM_FROM=2, BLOCK_P=128, GUESSED=guessed, BLOCK_G=256, ROUND=1,
-                                                         DOT_PRECISION="tf32", UPCAST=False, W2_EVICT=ev, POLL_ASM=True,
-                                                         PDL=True), num_warps=8)
+    for resident, guessed, ev in ((2, False, ""), (2, False, "evict_last"), (2, True, ""), (2, True, "evict_last"),
+                                  (1, True, "evict_last"), (0, True, "evict_last")):
+        compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,
+                                                     RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,
+                                                     GUESSED=guessed, BLOCK_G=256, ROUND=1, DOT_PRECISION="tf32",
+                                                     UPCAST=False, W2_EVICT=ev, POLL_ASM=True, PDL=True), num_warps=8)
     for ev in ("", "evict_last"):
         compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
                                                          STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",

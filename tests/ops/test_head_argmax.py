@@ -128,3 +128,21 @@ def test_rejects_bad_inputs(triton_device: str) -> None:
         lfm.argmax_of_partials(pv, pi.long())
     with pytest.raises(ValueError, match="one shape"):
         lfm.argmax_of_partials(pv, pi[:, :2])
+
+
+def _opcheck_args() -> list[tuple]:
+    x, w = _inputs("cpu", torch.float32, 9, 200, 64, seed=7)
+    ssq = torch.rand(2, 9, generator=torch.Generator().manual_seed(8)) * 50 + 1
+    return [(x, w), (x, w, ssq, 1e-5)]
+
+
+@pytest.mark.parametrize("triton_on_cpu", [False, True], ids=["reference", "triton"])
+def test_opcheck(monkeypatch: pytest.MonkeyPatch, triton_on_cpu: bool) -> None:
+    """Both ops' registrations (schema, fake, autograd, dispatch) on the reference and, with
+    ``LFMSPARK_TRITON_ON_CPU``, on the interpreted kernels."""
+    if triton_on_cpu:
+        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    for args in _opcheck_args():
+        torch.library.opcheck(lfm.skinny_linear_argmax, args)
+        _, pv, pi = lfm.skinny_linear_argmax(*args)
+        torch.library.opcheck(lfm.argmax_of_partials, (pv, pi))

@@ -356,6 +356,17 @@ def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, _op_args())
 
 
+@pytest.mark.parametrize("triton_on_cpu", [False, True], ids=["reference", "triton"])
+def test_opcheck_with_head_partials(monkeypatch: pytest.MonkeyPatch, triton_on_cpu: bool) -> None:
+    """The op with its optional LM-head partials (ops/head_argmax.py), which the Jacobi walk reads."""
+    from lfmspark.ops.head_argmax import argmax_partials_reference
+    if triton_on_cpu:
+        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    base, anchor, w1, w2 = _op_args()
+    pv, pi = argmax_partials_reference(base.reshape(-1, base.shape[-1]), 32)
+    torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, (base, anchor, w1, w2, pv, pi))
+
+
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
     base, anchor, w1, w2 = _op_args()
