@@ -100,29 +100,48 @@ def timeline_lines(intervals: Sequence[tuple], replays: int, name_width: int = 1
 @dataclass
 class Launch:
     name: str
-    tag: str             # launch shape, e.g. grid and shared memory
+    tag: str             # launch shape, e.g. grid and shared memory (and stream)
     marginal_us: float   # mean over replays
     own_us: float        # mean over replays
+    start_us: float      # mean start after the replay's first kernel started
 
 
 def mean_launches(launches: list[tuple[str, float, float, str]], replays: int) -> list[Launch]:
-    """The launches of one replay, in order, with their marginal and own times averaged over
-    ``replays`` (``(name, start_us, end_us, tag)`` in, any order). Launches are matched across
-    replays by position, so ``ValueError`` when the count does not split or the launch order
-    differs between replays (a tie in start times) rather than rows that mix two kernels."""
+    """The launches of one replay, with their marginal and own times averaged over ``replays``
+    (``(name, start_us, end_us, tag)`` in, any order), in order of their mean start. A launch is
+    matched across replays as the k-th of its ``(name, tag)`` in start order, not by its position
+    among all launches: kernels on two streams (the round's context injection) interleave
+    differently from replay to replay, but each stream's own order is fixed, and the tag names the
+    stream where the trace gives it. ``ValueError`` when the count does not split or a replay
+    launches other ``(name, tag)`` pairs than the first, rather than rows that mix two kernels."""
     split = split_replays(launches, replays)
-    if any(k[0] != first[0] for kernels in split[1:] for k, first in zip(kernels, split[0])):
-        raise ValueError("the launch order differs between replays")
-    per_replay = [replay_marginals(kernels)[0] for kernels in split]
-    return [Launch(name, tag, sum(m[i] for m in per_replay) / replays,
-                   sum(kernels[i][2] - kernels[i][1] for kernels in split) / replays)
-            for i, (name, _, _, tag) in enumerate(split[0])]
+    sums: dict[tuple[str, str, int], list[float]] = {}
+    for kernels in split:
+        marginals = replay_marginals(kernels)[0]
+        seen: dict[tuple[str, str], int] = {}
+        keys = []
+        for (name, start, end, tag), marginal in zip(kernels, marginals):
+            k = seen[name, tag] = seen.get((name, tag), -1) + 1
+            keys.append((name, tag, k))
+            acc = sums.setdefault((name, tag, k), [0.0, 0.0, 0.0, 0])
+            acc[0] += marginal
+            acc[1] += end - start
+            acc[2] += start - kernels[0][1]
+            acc[3] += 1
+        if len(sums) != len(keys):
+            raise ValueError("the launches differ between replays")
+    if any(acc[3] != replays for acc in sums.values()):
+        raise ValueError("the launches differ between replays")
+    means = [Launch(name, tag, m / replays, own / replays, at / replays)
+             for (name, tag, _), (m, own, at, _) in sums.items()]
+    return sorted(means, key=lambda launch: launch.start_us)
 
 
 def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, name_width: int = 90) -> list[str]:
     """Two tables from :func:`mean_launches`: per launch shape (kernel and tag, largest total
     marginal first: which product shapes are worth speeding up), then every launch of a replay in
-    order (which product of which layer costs what inside the chain)."""
+    order of its mean start (which product of which layer costs what inside the chain, and when it
+    starts)."""
     try:
         means = mean_launches(launches, replays)
     except ValueError as err:
@@ -131,31 +150,32 @@ def launch_lines(launches: list[tuple[str, float, float, str]], replays: int, na
     for launch in means:
         groups.setdefault((launch.name, launch.tag), []).append(launch)
     lines = ["per launch shape (us per replay; mean: per launch)",
-             f"{'marginal':>9} {'n':>4} {'mean':>7} {'own mean':>8}  {'launch':<28} kernel"]
+             f"{'marginal':>9} {'n':>4} {'mean':>7} {'own mean':>8}  {'launch':<38} kernel"]
     for (name, tag), group in sorted(groups.items(), key=lambda kv: -sum(g.marginal_us for g in kv[1])):
         total, n = sum(g.marginal_us for g in group), len(group)
         own = sum(g.own_us for g in group) / n
-        lines.append(f"{total:9.2f} {n:4d} {total / n:7.2f} {own:8.2f}  {tag:<28} {name[:name_width]}")
-    lines += ["", "per launch, in replay order (us, mean over replays)",
-              f"{'#':>4} {'marginal':>9} {'own':>8}  {'launch':<28} kernel"]
-    lines += [f"{i:4d} {m.marginal_us:9.2f} {m.own_us:8.2f}  {m.tag:<28} {m.name[:name_width]}"
+        lines.append(f"{total:9.2f} {n:4d} {total / n:7.2f} {own:8.2f}  {tag:<38} {name[:name_width]}")
+    lines += ["", "per launch, in order of mean start (us, mean over replays; at: start after the replay's first kernel)",
+              f"{'#':>4} {'at':>8} {'marginal':>9} {'own':>8}  {'launch':<38} kernel"]
+    lines += [f"{i:4d} {m.start_us:8.1f} {m.marginal_us:9.2f} {m.own_us:8.2f}  {m.tag:<38} {m.name[:name_width]}"
               for i, m in enumerate(means)]
     return lines
 
 
 def trace_kernel_launches(trace: dict) -> list[tuple[str, float, float, str]]:
     """``(name, start_us, end_us, tag)`` of the kernels in a ``torch.profiler`` Chrome trace
-    (``export_chrome_trace``), the tag naming the grid and the dynamic + static shared memory when
-    the trace gives them. Kernels only: device copies and memsets, which the per-kernel table of
+    (``export_chrome_trace``), the tag naming the grid, the dynamic + static shared memory and the
+    stream when the trace gives them. Kernels only: device copies and memsets, which the per-kernel table of
     ``profile_replays`` counts, are left out (the steps' graphs launch none). Events without a duration are skipped."""
     launches = []
     for event in trace.get("traceEvents", []):
         if event.get("cat") != "kernel" or "dur" not in event:
             continue
         args = event.get("args") or {}
-        grid, smem = args.get("grid"), args.get("shared memory")
+        grid, smem, stream = args.get("grid"), args.get("shared memory"), args.get("stream")
         tag = " ".join(([f"grid {'x'.join(str(g) for g in grid)}"] if grid else [])
-                       + ([f"smem {smem / 1024:.0f}K"] if isinstance(smem, (int, float)) else []))
+                       + ([f"smem {smem / 1024:.0f}K"] if isinstance(smem, (int, float)) else [])
+                       + ([f"stream {stream}"] if isinstance(stream, int) else []))
         start = float(event["ts"])
         launches.append((event["name"], start, start + float(event["dur"]), tag))
     return launches

@@ -52,26 +52,39 @@ def test_launch_lines_list_each_position_of_the_replay() -> None:
     first = [(n, s, e, f"grid {i}") for i, (n, s, e) in enumerate(REPLAY)]
     second = [(n, s + 40, e + 40 + (2 if n == "attn" else 0), t) for n, s, e, t in first]
     lines = launch_lines(second + first, replays=2)
-    at = lines.index("per launch, in replay order (us, mean over replays)")
+    at = next(i for i, line in enumerate(lines) if line.startswith("per launch, in order of mean start"))
     rows = [line.split() for line in lines[at + 2:]]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"] and [r[-1] for r in rows] == ["gemv", "attn", "norm", "gemv"]
-    assert [(float(r[1]), float(r[2])) for r in rows] == [(10.0, 10.0), (4.0, 10.0), (0.0, 7.0), (10.0, 10.0)]
-    assert [r[3:5] for r in rows] == [["grid", "0"], ["grid", "1"], ["grid", "2"], ["grid", "3"]]
+    assert [(float(r[2]), float(r[3])) for r in rows] == [(10.0, 10.0), (4.0, 10.0), (0.0, 7.0), (10.0, 10.0)]
+    assert [r[4:6] for r in rows] == [["grid", "0"], ["grid", "1"], ["grid", "2"], ["grid", "3"]]
     assert launch_lines(first, replays=3)[0].startswith("(no per-launch table: 4 kernels do not split")
     swapped = [second[0], (second[1][0], 43.0, 44.0, "grid 1"), (second[2][0], 46.0, 47.0, "grid 2"), second[3]]
     swapped[1], swapped[2] = ("norm", *swapped[1][1:]), ("attn", *swapped[2][1:])   # order differs
-    assert launch_lines(swapped + first, replays=2) == ["(no per-launch table: the launch order differs between "
-                                                        "replays)"]
+    assert launch_lines(swapped + first, replays=2) == ["(no per-launch table: the launches differ between replays)"]
+
+
+def test_launches_on_two_streams_match_by_stream_order_not_position() -> None:
+    """The side stream's cat starts before the main stream's head in one replay and after it in the
+    other: matched as the first cat and the first head of each replay, averaged, listed by mean start."""
+    one = [("proj", 0.0, 10.0, "s7"), ("cat", 10.0, 13.0, "s9"), ("head", 11.0, 30.0, "s7")]
+    two = [("proj", 100.0, 110.0, "s7"), ("head", 110.0, 129.0, "s7"), ("cat", 112.0, 117.0, "s9")]
+    lines = launch_lines(two + one, replays=2)
+    at = next(i for i, line in enumerate(lines) if line.startswith("per launch, in order of mean start"))
+    rows = [line.split() for line in lines[at + 2:]]
+    assert [r[-1] for r in rows] == ["proj", "head", "cat"]   # mean starts 0, 10.5, 11
+    # marginals: cat 3 then 0 (head covers it), head 17 then 19; own: cat 3 and 5, head 19 and 19
+    assert [(float(r[1]), float(r[2]), float(r[3])) for r in rows] == [(0.0, 10.0, 10.0), (10.5, 18.0, 19.0),
+                                                                        (11.0, 1.5, 4.0)]
 
 
 def test_trace_kernel_launches_read_kernels_with_grid_and_shared_memory() -> None:
     trace = {"traceEvents": [
         {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 3},
         {"cat": "kernel", "name": "_skinny_linear_kernel", "ts": 10.5, "dur": 4.25,
-         "args": {"grid": [32, 4, 1], "shared memory": 122880}},
+         "args": {"grid": [32, 4, 1], "shared memory": 122880, "stream": 7}},
         {"cat": "kernel", "name": "triton_red_fused", "ts": 12, "dur": 1, "args": {"grid": [10, 1, 1]}},
     ]}
-    assert trace_kernel_launches(trace) == [("_skinny_linear_kernel", 10.5, 14.75, "grid 32x4x1 smem 120K"),
+    assert trace_kernel_launches(trace) == [("_skinny_linear_kernel", 10.5, 14.75, "grid 32x4x1 smem 120K stream 7"),
                                             ("triton_red_fused", 12.0, 13.0, "grid 10x1x1")]
     assert trace_kernel_launches({}) == []
     odd = {"traceEvents": [{"cat": "kernel", "name": "k", "ts": 1, "dur": 2, "args": None},
