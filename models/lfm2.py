@@ -304,6 +304,23 @@ class Lfm2ForCausalLM(nn.Module):
         layers = self.model.layers
         return layers[layer + 1].operator_norm.weight if layer + 1 < len(layers) else self.model.embedding_norm.weight
 
+    def taps_ready(self, fwd: PartialForward) -> tuple[torch.Tensor, ...] | None:
+        """The aux taps of ``fwd`` (``aux_layer_ids`` order) if every one exists as a tensor already,
+        with no kernel to run for them; else None. A tapped layer's output is recorded once the next
+        layer has run (:meth:`advance`); the latest layer's output is ``fwd.h`` itself when nothing
+        is pending to add (``NormedCarry``: the sum was written by its last product's epilogue).
+        The runtime forks the draft's context injection at this point (runtime/steps.py
+        ``Steps.round_verify``)."""
+        taps = []
+        for i in fwd.aux_layer_ids:
+            if fwd.taps[i] is not None:
+                taps.append(fwd.taps[i])
+            elif i == fwd.done - 1 and not isinstance(fwd.delta, torch.Tensor):
+                taps.append(fwd.h)
+            else:
+                return None
+        return tuple(taps)
+
     def aux_taps(self, fwd: PartialForward) -> tuple[torch.Tensor, ...]:
         """The aux taps ``[B, T, H]`` of a finished forward, in ``aux_layer_ids`` order. The last layer's
         output is completed here (``h + delta``): no later layer adds it. Drafts never tap it

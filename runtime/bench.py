@@ -182,16 +182,17 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def verify_phase():
         v = steps.round_verify(steps.round_inputs(slots, False), tokens)
-        return v.hidden, v.delta, v.aux, v.rows
+        steps.join_injection()   # LFMSPARK_COMMIT_OVERLAP=early: the verify forked the injection (timed here)
+        return v.hidden, v.delta, v.aux, v.rows, v.injected
 
-    hidden, delta, aux, rows = verify_phase()
+    hidden, delta, aux, rows, injected = verify_phase()
 
     def commit_phase():
         from .steps import Drafted, Verified
 
         # round_commit: with LFMSPARK_COMMIT_OVERLAP=1 the context injection's side-stream fork and join too
         out = steps.round_commit(steps.round_inputs(slots, False), Drafted(tokens, None),
-                                 Verified(hidden, delta, aux, rows))
+                                 Verified(hidden, delta, aux, rows, injected))
         return out.tokens, out.n_new
 
     result = {}

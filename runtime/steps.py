@@ -44,15 +44,23 @@ from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN,
 from .state import SlotState
 
 
-def commit_overlap_requested() -> bool:
-    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): run the round's draft context injection on a side
-    stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`); ``0`` runs it
-    inside the commit region, after the acceptance."""
+def commit_overlap_mode() -> str:
+    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): where the round's draft context injection runs.
+    ``1``: on a side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`);
+    ``early``: on the side stream from the verify's last tapped layer on, concurrently with the verify's
+    remaining layers, the LM head and acceptance (:meth:`Steps.round_verify`); ``0``: inside the commit
+    region, after the acceptance."""
     value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit) "
-                         "or 1 (the default: on a side stream, concurrently with the LM head and acceptance)")
-    return value == "1"
+    if value not in ("0", "1", "early"):
+        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit), "
+                         "1 (the default: on a side stream, concurrently with the LM head and acceptance) or early "
+                         "(on the side stream from the verify's last tapped layer on)")
+    return value
+
+
+def commit_overlap_requested() -> bool:
+    """Whether the context injection runs on a side stream (``LFMSPARK_COMMIT_OVERLAP`` ``1`` or ``early``)."""
+    return commit_overlap_mode() != "0"
 
 
 @dataclass
@@ -86,6 +94,7 @@ class Verified:
     delta: Pending                # the logits, taken at acceptance, fuse the add or the carried norm (models/lfm2.py)
     aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
     rows: Rows                    # the window's slots, start (= s) and lens (all W columns), from the verify head
+    injected: bool = False        # the verify launched the context injection itself (LFMSPARK_COMMIT_OVERLAP=early)
 
 
 @dataclass
@@ -114,8 +123,11 @@ class Steps:
         # for the engine's life, so the warm-up and every capture use the same one (on CPU, none:
         # the injection runs in program order)
         self.commit_overlap = draft is not None and commit_overlap_requested()
+        # LFMSPARK_COMMIT_OVERLAP=early (round_verify): the injection forks from the verify itself
+        self.inject_early = self.commit_overlap and commit_overlap_mode() == "early"
         device = target.device
         self.side_stream = torch.cuda.Stream(device) if self.commit_overlap and device.type == "cuda" else None
+        self._injection_pending = False   # forked to the side stream and not yet joined (a capture-time flag)
 
     def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
         """The rows' per-slot state; called inside each region that needs it."""
@@ -237,11 +249,20 @@ class Steps:
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
         """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
-        column i predicts position s + i + 1."""
+        column i predicts position s + i + 1. With ``LFMSPARK_COMMIT_OVERLAP=early`` the draft context
+        injection forks to the side stream as soon as every aux tap exists, before the layers after
+        the last tapped one (:meth:`fork_injection`; :meth:`round_commit` joins it)."""
         caches = self.tcache.layer_caches(self.target.config)
         fwd = self.verify_head(inp.slots, d, caches[0])
-        fwd = self.target.advance(fwd, caches[1:], ForwardMode.VERIFY, self.later_target_layers)
-        return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows)
+        injected = False
+        for layer, cache in zip(self.later_target_layers, caches[1:]):
+            if self.inject_early and not injected:
+                taps = self.target.taps_ready(fwd)
+                if taps is not None:
+                    self.fork_injection(taps, fwd.rows)
+                    injected = True
+            fwd = self.target.advance(fwd, [cache], ForwardMode.VERIFY, [layer])
+        return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows, injected)
 
     def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
         """The verify up to its second layer: the window ``[x0, d]``'s embeddings and lens, and the
@@ -255,7 +276,9 @@ class Steps:
         """The round's last phase: :meth:`round_accept_commit`, which also injects the draft context
         of the accepted tokens; or, with ``LFMSPARK_COMMIT_OVERLAP=1``, :meth:`round_inject` (the
         whole window's context) on :attr:`side_stream`, concurrently with :meth:`round_accept_commit`
-        (then without its injection). This method is uncompiled glue: it launches no kernel itself.
+        (then without its injection); with ``LFMSPARK_COMMIT_OVERLAP=early`` the verify has already
+        forked it (:meth:`round_verify`), and this joins it. This method is uncompiled glue: it
+        launches no kernel itself.
 
         Why: after the verify's last layer the commit region's kernels ran one after the other, the
         LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, and then the
@@ -285,28 +308,54 @@ class Steps:
         the side stream's launches take their own set
         (:func:`~lfmspark.ops.skinny_linear.split_counter_set`). The other kernels beside it (argmax,
         conv commit, Inductor's acceptance and sampling kernels) use no counters; launches within
-        each stream stay ordered by the PDL contract, as on one stream."""
+        each stream stay ordered by the PDL contract, as on one stream.
+
+        Early (``LFMSPARK_COMMIT_OVERLAP=early``): beside the LM head the injection's products were
+        starved. On the H200 (docs/benchmarks.md, session 23) the LM head's 512 programs of 90 KB
+        shared memory held every SM, so the ``fc`` (120 KB a program) started 29 us after its input
+        was ready and ended 8 us after the LM head, and the injection, not the acceptance, ended the
+        round 11 us after the commit. Forked after the verify's last tapped layer (layer 13 of 16 at
+        the served shape), the injection also has the remaining layers to run beside, whose launches
+        each fill the SMs for a few microseconds only. Same kernels, same inputs, same values; the
+        side stream's split-K launches keep counter set 1, the main stream's (the remaining layers'
+        included) set 0."""
         if not self.commit_overlap:
             return self.round_accept_commit(inp, drafted, verified)
-        side = self.side_stream
-        if side is None:
-            self.round_inject(verified)
-            return self.round_accept_commit(inp, drafted, verified)
-        main = torch.cuda.current_stream(side.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side), split_counter_set(1):
-            self.round_inject(verified)
+        if not verified.injected:
+            self.fork_injection(verified.aux, verified.rows)
         out = self.round_accept_commit(inp, drafted, verified)
-        main.wait_stream(side)
+        self.join_injection()
         return out
 
-    def round_inject(self, verified: Verified) -> None:
+    def fork_injection(self, aux: tuple[torch.Tensor, ...], rows: Rows) -> None:
+        """Launch :meth:`round_inject` on :attr:`side_stream`, forked from the current stream (in
+        program order where there is none: CPU). The caller keeps ``aux`` and ``rows`` referenced
+        until :meth:`join_injection` (they are the verify's tensors, allocated on the current
+        stream: the allocator must not hand their memory to another allocation while the side
+        stream reads them). Split-K launches there take their own arrival counters (the class doc of
+        :meth:`round_commit`)."""
+        side = self.side_stream
+        if side is None:
+            self.round_inject(aux, rows)
+            return
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side), split_counter_set(1):
+            self.round_inject(aux, rows)
+        self._injection_pending = True
+
+    def join_injection(self) -> None:
+        """Make the current stream wait for a forked injection (nothing when none is pending)."""
+        if self._injection_pending:
+            torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
+            self._injection_pending = False
+
+    def round_inject(self, aux: tuple[torch.Tensor, ...], rows: Rows) -> None:
         """The draft context K/V of the verify's whole window ``[x0, d_1..d_gamma]`` at ``s .. s + gamma``
-        (``LFMSPARK_COMMIT_OVERLAP=1``, see :meth:`round_commit`): positions past the accepted ones
-        are written too, and never read. Takes the window's rows from the verify, not from the slot
-        state, whose committed length the concurrent :meth:`round_accept_commit` advances."""
-        rows = verified.rows
-        self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens)
+        from its aux taps (``LFMSPARK_COMMIT_OVERLAP`` ``1`` or ``early``, see :meth:`round_commit`):
+        positions past the accepted ones are written too, and never read. Takes the window's rows
+        from the verify, not from the slot state, whose committed length the concurrent
+        :meth:`round_accept_commit` advances."""
+        self.draft.inject_context(torch.cat(aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens)
 
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit

@@ -31,9 +31,9 @@ def tiny_target_config(moe: bool = False, vocab: int = V) -> TargetConfig:
                         rope_theta=10_000.0, **extra)
 
 
-def tiny_draft_config(block: int = 4, vocab: int = V, rank: int = V) -> DraftConfig:
+def tiny_draft_config(block: int = 4, vocab: int = V, rank: int = V, taps: tuple[int, ...] = (0, 2, 3)) -> DraftConfig:
     return DraftConfig(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, block_size=block, target_layer_ids=(0, 2, 3),
+                       num_key_value_heads=2, head_dim=8, block_size=block, target_layer_ids=taps,
                        mask_token_id=vocab - 1, vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10_000.0,
                        rope_is_neox_style=False, markov_rank=rank, markov_head_type="vanilla",
                        enable_confidence_head=True, confidence_head_with_markov=True)
@@ -87,8 +87,8 @@ def oracle_draft(perm: torch.Tensor, block: int = 4, seed: int = 1):
 
 
 @torch.no_grad()
-def random_tiny_draft(block: int = 4, seed: int = 1, vocab: int = V):
-    cfg = tiny_draft_config(block, vocab, rank=8)
+def random_tiny_draft(block: int = 4, seed: int = 1, vocab: int = V, taps: tuple[int, ...] = (0, 2, 3)):
+    cfg = tiny_draft_config(block, vocab, rank=8, taps=taps)
     draft = random_draft(cfg, 32, torch.float32, "cpu", seed)
     gen = torch.Generator().manual_seed(seed)
     for name, p in draft.named_parameters():

@@ -1,6 +1,7 @@
 """``LFMSPARK_COMMIT_OVERLAP=1`` (runtime/steps.py, ``Steps.round_commit``): the round's draft context
 injection as a region of its own, for the whole verify window, run beside the acceptance and commit
-(on a side stream on CUDA; in program order here). Nothing the draft reads may change: rounds give
+(on a side stream on CUDA; in program order here); ``early`` (``Steps.round_verify``): forked from the
+verify once its last tapped layer has run, beside the remaining layers too. Nothing the draft reads may change: rounds give
 the same tokens, state and caches as with the switch off, the draft cache compared at the positions
 before each row's committed length (the only ones the draft attends to as context: past it, the
 switch-off round leaves the block's scratch K/V and the switch-on round the injected window's)."""
@@ -20,19 +21,46 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
 
 @pytest.fixture(scope="module")
 def models():
-    return random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6)
+    # taps 0, 1, 2 of the 5-layer target: the last tapped layer's output is recorded when layer 3 runs
+    # (here the pending add is a tensor, so the tap exists once the next layer has added it), which
+    # leaves layer 4 for the early injection to run before
+    return random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6, taps=(0, 1, 2))
 
 
-def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool, compile: bool = False) -> Engine:
+def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool | str, compile: bool = False) -> Engine:
     # imposed acceptance: accept lengths spread over 0..gamma (random drafts alone are almost never
     # accepted), so the window's columns past the commit are written in most rounds
-    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1" if overlap else "0")
+    mode = overlap if isinstance(overlap, str) else ("1" if overlap else "0")
+    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", mode)
     target, draft = models
     engine = Engine(target, draft, max_batch=len(PROMPTS), max_seq_len=96, compile=compile,
                     imposed_acceptance=[0.7] * GAMMA)
     monkeypatch.delenv("LFMSPARK_COMMIT_OVERLAP")
-    assert engine.steps.commit_overlap is overlap
+    assert engine.steps.commit_overlap is (mode != "0") and engine.steps.inject_early is (mode == "early")
     return engine
+
+
+def _record_injections(engine: Engine) -> list[int]:
+    """Wrap the engine's injection, verify head and the verify's later layers (this engine's own
+    attributes, not the shared models): each injection appends how many later layers the last verify
+    had run by then."""
+    calls, layers_run = [], [0]
+
+    def counted(layer):
+        def run(*args, **kwargs):
+            layers_run[0] += 1
+            return layer(*args, **kwargs)
+        return run
+
+    def head(*args, **kwargs):
+        layers_run[0] = 0
+        return verify_head(*args, **kwargs)
+
+    engine.steps.later_target_layers = [counted(layer) for layer in engine.steps.later_target_layers]
+    verify_head, inject = engine.steps.verify_head, engine.steps.round_inject
+    engine.steps.verify_head = head
+    engine.steps.round_inject = lambda aux, rows: calls.append(layers_run[0]) or inject(aux, rows)
+    return calls
 
 
 def _admit(engine: Engine, sampling: bool) -> list[int]:
@@ -62,26 +90,38 @@ def _check_same_state(on: Engine, off: Engine, slots: list[int]) -> None:
             assert torch.equal(a[:, i, :committed], b[:, i, :committed])
 
 
+@pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_overlapped_commit_matches_the_plain_round(models, monkeypatch, sampling):
-    on, off = _engine(models, monkeypatch, True), _engine(models, monkeypatch, False)
-    injected = []
-    inject = on.steps.round_inject
-    on.steps.round_inject = lambda verified: injected.append(1) or inject(verified)
+def test_overlapped_commit_matches_the_plain_round(models, monkeypatch, sampling, mode):
+    on, off = _engine(models, monkeypatch, mode), _engine(models, monkeypatch, False)
+    injected = _record_injections(on)
     slots = _admit(on, sampling)
     assert slots == _admit(off, sampling)
     got, want = _rounds(on, slots, sampling, 8), _rounds(off, slots, sampling, 8)
     assert got == want
-    assert len(injected) == 8
+    # early: after the verify's layer 3 (the one that records tap 2), before layer 4 (3 of the 4 layers
+    # after the head's); else after all of them
+    assert injected == [3 if mode == "early" else 4] * 8
     lengths = {len(row) for rnd in want for row in rnd}
     assert len(lengths) >= 3 and min(lengths) <= GAMMA     # partial accepts: columns past the commit were written
     _check_same_state(on, off, slots)
 
 
+def test_early_injection_waits_for_the_last_tap(monkeypatch):
+    """A draft tapping the target's last layer but one leaves no layer to fork before: the injection
+    then runs at the commit, as with 1 (the last layer's output exists only after it ran)."""
+    target, draft = random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6, taps=(0, 2, 3))
+    engine = _engine((target, draft), monkeypatch, "early")
+    injected = _record_injections(engine)
+    _rounds(engine, _admit(engine, False), False, 2)
+    assert injected == [4, 4]
+
+
 @pytest.mark.slow
-def test_overlapped_commit_matches_the_plain_round_compiled(models, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "early"])
+def test_overlapped_commit_matches_the_plain_round_compiled(models, monkeypatch, mode):
     """The same with the regions compiled: the injection is a region of its own (graphs/compile.py)."""
-    on, off = _engine(models, monkeypatch, True, compile=True), _engine(models, monkeypatch, False, compile=True)
+    on, off = _engine(models, monkeypatch, mode, compile=True), _engine(models, monkeypatch, False, compile=True)
     assert "round_inject" in vars(on.steps) and "round_inject" not in vars(off.steps)  # compiled wrapper
     slots = _admit(on, False)
     assert slots == _admit(off, False)
@@ -95,16 +135,17 @@ def test_overlapped_commit_matches_the_plain_round_compiled(models, monkeypatch)
     _check_same_state(on, off, slots)
 
 
-def test_generate_with_overlap_matches(models, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "early"])
+def test_generate_with_overlap_matches(models, monkeypatch, mode):
     params = [SamplingParams(max_new_tokens=24, seed=i) for i in range(len(PROMPTS))]  # seeds: imposed draws
     want = [o.token_ids for o in _engine(models, monkeypatch, False).generate(PROMPTS, params)]
-    assert [o.token_ids for o in _engine(models, monkeypatch, True).generate(PROMPTS, params)] == want
+    assert [o.token_ids for o in _engine(models, monkeypatch, mode).generate(PROMPTS, params)] == want
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "on", ""])
+@pytest.mark.parametrize("value", ["yes", "2", "on", "", "Early"])
 def test_bad_switch_value_is_refused(models, monkeypatch, value):
     monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", value)
-    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .* or 1"):
+    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .*, 1 .* or early"):
         Engine(*models, max_batch=1, max_seq_len=64)
 
 
@@ -115,14 +156,16 @@ def test_switch_needs_no_draft(models, monkeypatch):
     assert not engine.steps.commit_overlap and engine.steps.side_stream is None
 
 
-def test_bench_phase_split_runs_with_overlap(models, monkeypatch):
-    """runtime/bench.py times the commit phase through ``Steps.round_commit`` (the fork and join too)."""
+@pytest.mark.parametrize("mode", ["1", "early"])
+def test_bench_phase_split_runs_with_overlap(models, monkeypatch, mode):
+    """runtime/bench.py times the commit phase through ``Steps.round_commit`` (the fork and join too);
+    with early, the verify phase forks and joins the injection, and the commit phase injects nothing."""
     from lfmspark.runtime.bench import time_round_phases
 
-    engine = _engine(models, monkeypatch, True)
-    calls = []
-    inject = engine.steps.round_inject
-    engine.steps.round_inject = lambda verified: calls.append(1) or inject(verified)
+    engine = _engine(models, monkeypatch, mode)
+    calls = _record_injections(engine)
     _admit(engine, False)
     phases = time_round_phases(engine, len(PROMPTS), iters=2)
     assert set(phases) == {"draft_ms", "verify_ms", "commit_ms"} and calls
+    # one injection per verify (early) or per commit (1); each phase runs once before its timed calls
+    assert calls == [3 if mode == "early" else 4] * len(calls)

@@ -160,11 +160,14 @@ def test_head_argmax_partials_change_no_token(monkeypatch):
                 engine._finish(r, "cancelled")
 
 
+@pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
+def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling, mode):
     """LFMSPARK_COMMIT_OVERLAP=1 (runtime/steps.py, Steps.round_commit): the captured round forks the
     draft's context injection onto a side stream beside the LM head and acceptance and joins it
-    back. Replayed, it gives the switch-off graphs' tokens, state and committed caches bit for bit.
+    back; with early (Steps.round_verify) it forks after the verify's last tapped layer (4 of 6:
+    before layer 5, the norm carry's sum being the tap). Replayed, it gives the switch-off graphs'
+    tokens, state and committed caches bit for bit.
     Split-K on both streams at once: the injection's fc (6 rows x 1024 -> 256) splits by default,
     and LFMSPARK_TUNE splits the target LM head (and the draft's, the same weight) in two, so the
     concurrent launches must keep to their own arrival counters (ops/skinny_linear.py)."""
@@ -174,13 +177,17 @@ def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling):
     assert swap_ab_config(6, 256, 1024, 4, sms).split_k > 1               # the fc at batch 1
     monkeypatch.setenv("LFMSPARK_TUNE", "tile@512x256.split_k=2")         # the LM head [512, 256]
     target, draft = small_models(taps=(0, 2, 3, 4))
-    engines = {}
+    engines, early_forks = {}, []
     for overlap in (True, False):
-        monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1" if overlap else "0")
+        monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", mode if overlap else "0")
         engines[overlap] = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4])
+        if overlap:   # what the verify did when each graph was captured
+            verify = engines[overlap].steps.round_verify
+            engines[overlap].steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
         engines[overlap].warmup(progress=False, sampling=sampling)
     on, off = engines[True], engines[False]
     assert on.steps.side_stream is not None and off.steps.side_stream is None
+    assert early_forks and set(early_forks) == {mode == "early"}
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
         slots = prefill_rows(on, n, sampling)
         assert prefill_rows(off, n, sampling) == slots
