@@ -14,10 +14,11 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
   folding the glue into it costs no extra graph;
 - tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
   (``finish_draft``); acceptance + commit for the round (``round_accept_commit``, which also joins
-  the verify's aux taps for the draft's context injection; with ``LFMSPARK_COMMIT_OVERLAP=1`` (the default) the
-  injection is a region of its own, ``round_inject``, run on a side stream beside the commit: the
-  stream fork and join live in the uncompiled glue, ``Steps.round_commit``, since Dynamo's
-  ``fullgraph`` regions hold no stream switches).
+  the verify's aux taps for the draft's context injection; with ``LFMSPARK_COMMIT_OVERLAP`` ``early`` (the
+  default) or ``1`` the injection is a region of its own, ``round_inject``, run on a side stream beside
+  the verify's last layers and the commit, or beside the commit: the stream fork and join live in the
+  uncompiled glue, ``Steps.fork_injection`` and ``Steps.round_commit``, since Dynamo's ``fullgraph``
+  regions hold no stream switches).
 
 A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which is what
 made whole-step compiles take about a minute per batch size on the H200 (docs/benchmarks.md). Per

@@ -582,6 +582,8 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     # 5 stages (as many as the budget holds) also when the programs leave SMs idle: fewer SMs must
     # each keep more bytes in flight (found inside the round, session 9; the sweep timed alone favoured 3)
     num_stages = 5 if split_k > 1 or n_blocks < sms else (4 if block_n >= 128 else 3)
+    if _stage_cap is not None:  # launches beside another stream's (stage_cap)
+        num_stages = max(2, min(num_stages, _stage_cap))
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
@@ -637,6 +639,27 @@ def split_counter_set(index: int) -> Iterator[None]:
         yield
     finally:
         _counter_set = saved
+
+
+_stage_cap: int | None = None  # the most pipeline stages default tile configs take now (stage_cap)
+
+
+@contextlib.contextmanager
+def stage_cap(stages: int) -> Iterator[None]:
+    """Default configurations of the tile launches made inside take at most ``stages`` (>= 2)
+    pipeline stages (an ``LFMSPARK_TUNE`` ``num_stages`` still wins): for launches on a stream that
+    runs beside another stream's, so that their programs fit in an SM's shared memory next to the
+    other stream's. Why: a program of the 64-column tiles holds (stages + 1) x 20 KB at M <= 16
+    (bf16, 128-wide K steps); at the default 5 stages (120 KB) it cannot share an SM with a 120 KB
+    program of the main stream, at 3 (80 KB) it can (228 KB per SM on the H200). The speculative
+    round's context injection runs under it (runtime/steps.py ``Steps.fork_injection``; measured in
+    docs/benchmarks.md, session 23). Picked when the launcher runs, like :func:`split_counter_set`."""
+    global _stage_cap
+    saved, _stage_cap = _stage_cap, stages
+    try:
+        yield
+    finally:
+        _stage_cap = saved
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:

@@ -39,28 +39,34 @@ from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
-from ..ops.skinny_linear import split_counter_set
+from ..ops.skinny_linear import split_counter_set, stage_cap
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
 from .state import SlotState
 
 
 def commit_overlap_mode() -> str:
-    """``LFMSPARK_COMMIT_OVERLAP`` (default ``1``): where the round's draft context injection runs.
+    """``LFMSPARK_COMMIT_OVERLAP`` (default ``early``): where the round's draft context injection runs.
     ``1``: on a side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`);
     ``early``: on the side stream from the verify's last tapped layer on, concurrently with the verify's
     remaining layers, the LM head and acceptance (:meth:`Steps.round_verify`); ``0``: inside the commit
     region, after the acceptance."""
-    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "1")
+    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "early")
     if value not in ("0", "1", "early"):
         raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit), "
-                         "1 (the default: on a side stream, concurrently with the LM head and acceptance) or early "
-                         "(on the side stream from the verify's last tapped layer on)")
+                         "1 (on a side stream, concurrently with the LM head and acceptance) or early (the "
+                         "default: on the side stream from the verify's last tapped layer on)")
     return value
 
 
 def commit_overlap_requested() -> bool:
     """Whether the context injection runs on a side stream (``LFMSPARK_COMMIT_OVERLAP`` ``1`` or ``early``)."""
     return commit_overlap_mode() != "0"
+
+
+# the pipeline stages of the context injection's products on the side stream (Steps.fork_injection): 3
+# (80 KB programs) fit beside the verify's 120 KB ones; on the H200 the early injection's round with 3
+# took 0.2362 ms per token against 0.2371 with the default 5 (docs/benchmarks.md, session 23)
+INJECTION_STAGES = 3
 
 
 @dataclass
@@ -333,13 +339,15 @@ class Steps:
         until :meth:`join_injection` (they are the verify's tensors, allocated on the current
         stream: the allocator must not hand their memory to another allocation while the side
         stream reads them). Split-K launches there take their own arrival counters (the class doc of
-        :meth:`round_commit`)."""
+        :meth:`round_commit`), and the products' tiles at most ``INJECTION_STAGES`` pipeline stages,
+        so that their programs fit beside the main stream's in shared memory
+        (:func:`~lfmspark.ops.skinny_linear.stage_cap`)."""
         side = self.side_stream
         if side is None:
             self.round_inject(aux, rows)
             return
         side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side), split_counter_set(1):
+        with torch.cuda.stream(side), split_counter_set(1), stage_cap(INJECTION_STAGES):
             self.round_inject(aux, rows)
         self._injection_pending = True
 

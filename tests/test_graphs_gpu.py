@@ -187,7 +187,10 @@ def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling, m
         engines[overlap].warmup(progress=False, sampling=sampling)
     on, off = engines[True], engines[False]
     assert on.steps.side_stream is not None and off.steps.side_stream is None
-    assert early_forks and set(early_forks) == {mode == "early"}
+    # early forks where the last tap is a tensor already: the norm carry's sum, at the skinny products'
+    # row counts (batch 1 and 2: 6 and 12 rows); at batch 4 (24 rows) the pending add is a tensor
+    # until the next layer runs, so the fork waits for the commit, as with 1
+    assert (True in early_forks) is (mode == "early") and False in early_forks
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
         slots = prefill_rows(on, n, sampling)
         assert prefill_rows(off, n, sampling) == slots

@@ -11,6 +11,7 @@ rounding, still about 3e-3 at these sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _counter_buffer, _split_counters, skinny_config,
                                         skinny_linear_reference, skinny_linear_triton, split_counter_set, split_k_plan,
-                                        swap_ab_config, regular_config)
+                                        stage_cap, swap_ab_config, swiglu_config, regular_config)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -168,6 +169,29 @@ def test_split_counter_set_selects_the_launches_buffer(triton_device: str) -> No
     assert _split_counters(x.device) is _counter_buffer(x.device, 0)
     assert _counter_buffer(x.device, 1) is not _counter_buffer(x.device, 0)
     assert not _counter_buffer(x.device, 1).any() and not _counter_buffer(x.device, 0).any()
+
+
+def test_stage_cap_limits_the_default_pipeline_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stage_cap`` (the round's context injection on its side stream, runtime/steps.py): the batch-1
+    injection's products (fc 10 x 10240 -> 2048, split; kv_proj 10 x 2048 -> 5120, 80 tiles: both 5
+    stages by default) take at most the cap, never under 2; the rest of the config and launches outside
+    are unchanged, and an LFMSPARK_TUNE value wins over the cap."""
+    monkeypatch.delenv("LFMSPARK_TUNE", raising=False)
+    shapes = [(10, 2048, 10240), (10, 5120, 2048)]
+    default = [swap_ab_config(M, N, K, 2, 132) for M, N, K in shapes]
+    assert [c.num_stages for c in default] == [5, 5]
+    with stage_cap(3):
+        capped = [swap_ab_config(M, N, K, 2, 132) for M, N, K in shapes]
+        assert swiglu_config(10, 8192, 2048, 2, 132).num_stages <= 3
+        with stage_cap(1):
+            assert swap_ab_config(10, 2048, 10240, 2, 132).num_stages == 2
+        monkeypatch.setenv("LFMSPARK_TUNE", "tile@2048x10240.num_stages=5")
+        assert swap_ab_config(10, 2048, 10240, 2, 132).num_stages == 5
+        monkeypatch.delenv("LFMSPARK_TUNE")
+    assert [c.num_stages for c in capped] == [3, 3]
+    assert [dataclasses.replace(c, num_stages=0) for c in capped] == [dataclasses.replace(c, num_stages=0)
+                                                                       for c in default]
+    assert [swap_ab_config(M, N, K, 2, 132) for M, N, K in shapes] == default
 
 
 def test_split_k_counters_are_reused_across_launches(triton_device: str) -> None:
