@@ -189,7 +189,7 @@ def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling, m
     assert on.steps.side_stream is not None and off.steps.side_stream is None
     # early forks where the last tap is a tensor already: the norm carry's sum, at the skinny products'
     # row counts (batch 1 and 2: 6 and 12 rows); at batch 4 (24 rows) the pending add is a tensor
-    # until the next layer runs, so the fork waits for the commit, as with 1
+    # until the next layer runs, which is the last one here, so the fork waits for the commit, as with 1
     assert (True in early_forks) is (mode == "early") and False in early_forks
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
         slots = prefill_rows(on, n, sampling)
