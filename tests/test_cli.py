@@ -38,7 +38,8 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
         (1, [0.5] * 4), (1, [1.0] * 4), (2, [0.5] * 4), (2, [1.0] * 4)]
     for r in res["target_only"] + res["speculative"]:
         for key in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_warmup_request", "tpot_ms_p50", "tpot_ms_p99",
-                    "tok_s_per_user", "tok_s_total", "step_ms", "step_bytes", "step_gbps", "prefill_ms"):
+                    "tok_s_per_user", "tok_s_total", "step_ms", "loop_step_ms", "step_bytes", "step_gbps",
+                    "prefill_ms"):
             assert isinstance(r[key], float | int) and r[key] > 0, key
         assert r["prefill_bucket"] == [r["batch"], 16]          # 6-token prompts: the narrowest bucket
     for r in res["speculative"]:
@@ -47,6 +48,10 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
         assert r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["commit_ms"] > 0
         if r["imposed_profile"] == [1.0] * 4:         # 1 prefill token + two full rounds of 4 + bonus
             assert r["tau"] == 5.0 and r["acceptance_per_position"] == [1.0] * 4
+            # every request: 10 decoded tokens in 2 rounds, so a loop round is 5 tokens' time
+            assert r["loop_step_ms"] == pytest.approx(5 * r["tpot_ms_p50"], rel=1e-9)
+    for r in res["target_only"]:                      # one decode step per token
+        assert r["loop_step_ms"] == pytest.approx(r["tpot_ms_p50"], rel=1e-9)
     for r in res["hf_eager"]:
         assert "error" in r or r["tpot_ms_p50"] > 0
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
