@@ -114,4 +114,3 @@ def l2_hints() -> tuple[str, str]:
         raise ValueError(f"LFMSPARK_L2_HINTS={value!r}: use 1 (streamed weights evict first, markov_w2 last) or 0 "
                          "(plain loads)")
     return L2_HINTS[value]
-

@@ -58,11 +58,6 @@ def commit_overlap_mode() -> str:
     return value
 
 
-def commit_overlap_requested() -> bool:
-    """Whether the context injection runs on a side stream (``LFMSPARK_COMMIT_OVERLAP`` ``1`` or ``early``)."""
-    return commit_overlap_mode() != "0"
-
-
 # the pipeline stages of the context injection's products on the side stream (Steps.fork_injection): 3
 # (80 KB programs) fit beside the verify's 120 KB ones; on the H200 the early injection's round with 3
 # took 0.2362 ms per token against 0.2371 with the default 5 (docs/benchmarks.md, session 23)
@@ -128,9 +123,10 @@ class Steps:
         # LFMSPARK_COMMIT_OVERLAP=1 (round_commit): the stream the context injection forks to, one
         # for the engine's life, so the warm-up and every capture use the same one (on CPU, none:
         # the injection runs in program order)
-        self.commit_overlap = draft is not None and commit_overlap_requested()
+        mode = commit_overlap_mode()
+        self.commit_overlap = draft is not None and mode != "0"
         # LFMSPARK_COMMIT_OVERLAP=early (round_verify): the injection forks from the verify itself
-        self.inject_early = self.commit_overlap and commit_overlap_mode() == "early"
+        self.inject_early = self.commit_overlap and mode == "early"
         device = target.device
         self.side_stream = torch.cuda.Stream(device) if self.commit_overlap and device.type == "cuda" else None
         self._injection_pending = False   # forked to the side stream and not yet joined (a capture-time flag)

@@ -15,7 +15,7 @@ from ..ops._dispatch import l2_hints, pdl_requested, pdl_trigger
 from ..ops.markov_walk_persistent import walk_mode
 from ..ops.tuning import tuning_overrides
 from ..ops.window_attention import window_attention_requested
-from .steps import commit_overlap_requested
+from .steps import commit_overlap_mode
 
 
 def check_switches() -> None:
@@ -30,6 +30,6 @@ def check_switches() -> None:
     norm_carry_requested()
     head_argmax_requested()
     tuning_overrides()
-    commit_overlap_requested()
+    commit_overlap_mode()
     walk_mode()
     window_attention_requested()

@@ -149,16 +149,16 @@ def jacobi_compare() -> list[dict]:
     variants = [(default, False), (default, True)]
     variants += [(PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw), True)
                  for bv, res, nw in [(256, 1, 8), (128, 2, 16), (128, 1, 8)]]
-    configs = [PersistentWalkConfig(block_v=256, resident=1, num_warps=8)]
+    persistent = PersistentWalkConfig(block_v=256, resident=1, num_warps=8)
     for kind, (w1, w2, base) in kinds.items():
         w1, w2, base = w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), base.to(dev, torch.bfloat16)
         head = tuple(t.contiguous() for t in argmax_partials_reference(base.view(G, V), 128))
-        want = markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0])
+        want = markov_greedy_walk_persistent(base, anchor, w1, w2, persistent)
         steps = walk_config(1, V, RANK)
         us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2)})
-        us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, configs[0]), flush_src, flush_dst)
-        rows.append({"weights": kind, "kernel": "persistent", "config": str(configs[0]), "us_per_walk": round(us, 2)})
+        us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, persistent), flush_src, flush_dst)
+        rows.append({"weights": kind, "kernel": "persistent", "config": str(persistent), "us_per_walk": round(us, 2)})
         for cfg, guess in variants:
             def walk():
                 return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, guesses=head if guess else None)
