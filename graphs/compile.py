@@ -13,19 +13,19 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
   is fused into the next layer's first norm, the last layer's into the tail's final norm), so
   folding the glue into it costs no extra graph;
 - tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
-  (``finish_draft``); acceptance + commit for the round (``round_accept_commit``, which also joins
-  the verify's aux taps for the draft's context injection; with ``LFMSPARK_COMMIT_OVERLAP`` ``early`` (the
-  default) or ``1`` the injection is a region of its own, ``round_inject``, run on a side stream beside
-  the verify's last layers and the commit, or beside the commit: the stream fork and join live in the
-  uncompiled glue, ``Steps.fork_injection`` and ``Steps.round_commit``, since Dynamo's ``fullgraph``
-  regions hold no stream switches).
+  (``finish_draft``); acceptance + commit for the round (``round_accept_commit``); the draft's
+  context injection (``round_inject``), run on a side stream beside the verify's last layers and
+  the commit: the stream fork and join live in the uncompiled glue, ``Steps.fork_injection`` and
+  ``Steps.round_commit``, since Dynamo's ``fullgraph`` regions hold no stream switches.
+
+The step module declares its regions (``@region`` in runtime/steps.py); :func:`compile_regions`
+compiles what it declares, plus every layer after the first.
 
 A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which is what
-made whole-step compiles take about a minute per batch size on the H200 (docs/benchmarks.md). Per
-batch size: decode compiles its head, one graph per later layer kind and its tail (4 for a dense
-LFM2 whose later layers have both kinds); a greedy round the draft head, the later draft layer,
-the draft tail, the verify head, the later target layer kinds and the commit (7; 8 with the
-injection's own region). The step as a
+made whole-step compiles take about a minute per batch size on the H200. Per batch size: decode
+compiles its head, one graph per later layer kind and its tail (4 for a dense LFM2 whose later
+layers have both kinds); a greedy round the draft head, the later draft layer, the draft tail, the
+verify head, the later target layer kinds, the injection and the commit (8). The step as a
 whole is still captured into one CUDA graph per batch size (graphs/capture.py). Between regions
 the step runs no tensor computation, only the per-layer cache slicing (views, no kernels;
 tests/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
@@ -35,7 +35,7 @@ its own launched without PDL and cost its full launch latency. Each layer receiv
 cache slices as inputs (models/cache.py), so nothing in a compiled layer depends on which layer it is.
 
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
-``LFMSPARK_CACHE_DIR`` (default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
+``LFMSPARK_CACHE_DIR`` (lfmspark/environment.py; default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
 from cache instead of recompiling (set at import, so it also holds for other ``torch.compile``
 calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins). Each region is compiled once
 per static shape (batch size) and, for the tails, sampling mode, so Dynamo's recompile limits are
@@ -54,13 +54,9 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..ops._dispatch import pdl_requested
+from ..environment import cache_dir, environment
 
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LFMSPARK_CACHE_DIR", Path.home() / ".cache" / "lfmspark" / "inductor"))
 
 
 COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
@@ -76,17 +72,10 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
     def compiled(fn):
         return torch.compile(fn, **COMPILE_OPTIONS)
 
-    steps.decode_head = compiled(steps.decode_head)
+    for name in steps.region_names():
+        setattr(steps, name, compiled(getattr(steps, name)))
     steps.later_target_layers = [compiled(layer) for layer in steps.later_target_layers]
-    steps.finish_decode = compiled(steps.finish_decode)
-    if steps.draft is not None:
-        steps.draft_head = compiled(steps.draft_head)
-        steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
-        steps.finish_draft = compiled(steps.finish_draft)
-        steps.verify_head = compiled(steps.verify_head)
-        steps.round_accept_commit = compiled(steps.round_accept_commit)
-        if steps.commit_overlap:
-            steps.round_inject = compiled(steps.round_inject)
+    steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
 
 
 # Set when lfmspark is imported: Inductor fixes its cache directory the first time it needs one
@@ -99,18 +88,13 @@ def configure_compile(n_variants: int) -> None:
     inductor.fx_graph_cache = True
     if not isinstance(inductor.post_grad_custom_post_pass, CacheKeyOfOps):  # keeps a pass the process set
         inductor.post_grad_custom_post_pass = CacheKeyOfOps(inductor.post_grad_custom_post_pass)
-    # Coordinate-descent tuning is what makes Inductor decompose M = 1 matmuls into tuned GEMV
-    # reductions (with the norms fused in). On the H200 that decode step was only ~1% faster than
-    # with cuBLAS GEMVs while every compile took 2-4x longer (docs/benchmarks.md), so it is off by
-    # default; LFMSPARK_COORDINATE_DESCENT=1 turns it on.
-    inductor.coordinate_descent_tuning = os.environ.get("LFMSPARK_COORDINATE_DESCENT", "0") == "1"
     inductor.triton.enable_pdl = inductor_pdl_enabled()
     # Eager numerics in the compiled regions: keep the bf16 rounding between fused ops (the residual
     # add before its RMSNorm, silu(gate) before the product) that Inductor would otherwise elide. The
-    # fused decode kernels (add_rmsnorm_gemv, swiglu_gemv, skinny_swiglu) round there, as HF eager
-    # does; with the rounding elided, a verify's compiled unfused layers computed slightly different
-    # numbers than the decode step's kernels, and bf16 speculation diverged from target-only decoding
-    # far more often (tests/test_graphs_gpu.py: 1 of 8 sequences identical, docs/benchmarks.md).
+    # fused decode kernels (add_rmsnorm_gemv, skinny_swiglu) round there, as HF eager does; with the
+    # rounding elided, a verify's compiled unfused layers computed slightly different numbers than
+    # the decode step's kernels, and bf16 speculation diverged from target-only decoding far more
+    # often (tests/test_graphs_gpu.py: 1 of 8 sequences identical).
     inductor.emulate_precision_casts = True
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)
@@ -120,15 +104,14 @@ def configure_compile(n_variants: int) -> None:
 
 class CacheKeyOfOps(CustomGraphPass):
     """A post-grad pass that changes nothing: its ``uuid`` adds to Inductor's FX-graph cache key what
-    that key does not see, the ``LFMSPARK_*`` switches of the process and the source of lfmspark's
-    ops and models.
+    that key does not see: the ``LFMSPARK_*`` values that reach the kernels (PDL, the tuning table;
+    lfmspark/environment.py) and the source of lfmspark's ops and models.
 
     Why: a compiled region checks every custom op's outputs against the shapes the op's fake kernel
     gave when it was compiled, and some of those follow launch parameters (the ssq partials of
     ``lfmspark::skinny_linear_add_norm`` have one row per column tile, whose width ``LFMSPARK_TUNE``
-    may change). A graph cached under other switches, or by an older heuristic, then failed its
-    size assert at the first run (found with a column-tile experiment: docs/benchmarks.md, session
-    19). Read when a region is compiled, like the switches.
+    may change). A graph cached under another tuning table, or by an older heuristic, then failed
+    its size assert at the first run.
 
     ``inner``: a pass the process had installed in this slot; it still runs, and its ``uuid`` joins
     the key (none, or a plain callable without one, turns Inductor's caching off, as it would alone)."""
@@ -146,23 +129,15 @@ class CacheKeyOfOps(CustomGraphPass):
             inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
             if inner is None:
                 return None
-        switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("LFMSPARK_") and k != "LFMSPARK_CACHE_DIR")
+        env = environment()
         package = Path(__file__).resolve().parent.parent
-        sources = get_hash_for_files(tuple(sorted(str(p) for d in ("ops", "models") for p in (package / d).glob("*.py"))))
-        return hashlib.sha256(repr((switches, sources, inner)).encode()).hexdigest()
-
-
-def inductor_pdl_requested() -> bool:
-    """``LFMSPARK_INDUCTOR_PDL`` (default ``1``): the switch alone (:func:`inductor_pdl_enabled` decides)."""
-    value = os.environ.get("LFMSPARK_INDUCTOR_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_INDUCTOR_PDL={value!r}: use 1 (Inductor's kernels use PDL) or 0 (off)")
-    return value == "1"
+        sources = get_hash_for_files(tuple(sorted(str(p) for d in ("ops", "models") for p in (package / d).rglob("*.py"))))
+        return hashlib.sha256(repr((env.pdl, env.triton_on_cpu, env.tune, sources, inner)).encode()).hexdigest()
 
 
 def inductor_pdl_enabled() -> bool:
-    """Whether Inductor's kernels follow the PDL contract too (``LFMSPARK_PDL``, and
-    ``LFMSPARK_INDUCTOR_PDL``, default ``1``; on the H200 it took 0.1 ms off the batch-1 round).
+    """Whether Inductor's kernels follow the PDL contract too: with lfmspark's (unless ``LFMSPARK_PDL=0``;
+    on the H200 it took 0.1 ms off the batch-1 round).
 
     Inductor's PDL codegen (``triton.enable_pdl``) skips ``gdc_wait`` in a kernel that does not
     touch what the kernel scheduled just before it wrote. That breaks the chain: such a kernel can
@@ -170,7 +145,7 @@ def inductor_pdl_enabled() -> bool:
     then read the earlier kernel's output too soon. :func:`_make_inductor_kernels_always_wait`
     makes every generated kernel wait before its first load or store; where this PyTorch lacks the
     hooks it patches, Inductor's PDL stays off."""
-    if not inductor_pdl_requested() or not pdl_requested():
+    if not environment().pdl:
         return False
     if not _make_inductor_kernels_always_wait():
         log.warning("this PyTorch's Inductor has no PDL hooks lfmspark can make safe: its kernels launch without PDL")

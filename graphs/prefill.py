@@ -1,7 +1,7 @@
 """Prefill at bucket shapes, replayed from CUDA graphs when captured (the TTFT path).
 
 Why: an eager prefill launches each of its kernels from Python. For LFM2.5-1.2B on the H200 a
-128-token prompt took 14-21 ms that way (docs/benchmarks.md, "TTFT"), most of it host-side launch
+128-token prompt took 14-21 ms that way, most of it host-side launch
 work, while the GPU needs a fraction of that: below a few hundred tokens a prefill is bound by
 reading the weights once, like a decode step. A captured graph replays the same kernels without
 the host in the loop.
@@ -27,7 +27,7 @@ On by default (``Engine(prefill_graph_tokens=1024)``; ``0`` runs every chunk eag
 shape). On the H200 the buckets take the TTFT of a 128-token prompt from 12-20 ms to 2.3-2.5 ms
 (LFM2.5-1.2B). Sessions 11-12 kept them opt-in because, captured after the step graphs, they left
 every later decode step ~20 us slower (batch 1: 0.731 -> 0.752 ms per token). Session 13 found this
-to be a driver-level state of CUDA graphs with PDL edges (docs/benchmarks.md): a synthetic chain of
+to be a driver-level state of CUDA graphs with PDL edges: a synthetic chain of
 PDL launches replays ~12% slower for good once the process has captured its fourth graph, or once a
 kernel on a side stream has been the first to write newly allocated memory. Captured *before* the
 step graphs, the buckets cost the decode nothing (0.731 ms), so :meth:`Engine.warmup` now warms and

@@ -21,6 +21,18 @@ from .compile import compile_regions
 log = logging.getLogger("lfmspark")
 
 
+# Uncompiled steps dispatch each op below autograd and ADInplaceOrView: the engine never
+# differentiates (its parameters do not require grad, the steps run under no_grad), and those two
+# layers only record autograd history and bump version counters. On a CPU, where a step of a small
+# model is a few hundred small ops, they cost a third of the step: torch's Python
+# ADInplaceOrView kernel alone took ~0.1 ms a call of a custom op that mutates an argument (each
+# attention and ShortConv layer's cache write; torch._library.utils.fill_defaults). On a 2-core CPU
+# the tiny preset's decode step went from 3.6 to 2.4 ms (medians of 20). Tensors made under the
+# guard are ordinary tensors (inference_mode's would be inference tensors). The guard is private
+# to torch; without it, inference_mode (below autograd only).
+_below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", torch.inference_mode)
+
+
 class StepKind(enum.Enum):
     DECODE = "decode"          # target-only: one token per row
     ROUND = "round"            # DSpark speculative round
@@ -81,7 +93,10 @@ class EagerRunner:
             size = next(b for b in self.buckets if b >= len(slots))
             slots = list(slots) + [-1] * (size - len(slots))
         slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        return self._fns[kind](slots_t, sampling)
+        if self.compiled:
+            return self._fns[kind](slots_t, sampling)
+        with _below_autograd():
+            return self._fns[kind](slots_t, sampling)
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
                sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:

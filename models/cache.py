@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.rope import rope_cos_sin_table
+from ..ops.attention.rope import rope_cos_sin_table
 from .config import ATTENTION, DraftConfig, TargetConfig
 
 # one decoder layer's share of the cache: (k, v) or (conv_state, conv_tape), each a one-layer slice

@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
-from ..ops.kv_write import window_positions
-from ..ops.rope import apply_rope, gather_cos_sin
-from ..ops.window_attention import fits_window, window_attention_requested
+from ..ops.argmax_rows import argmax_last
+from ..ops.attention.rope import apply_rope, gather_cos_sin, window_positions
+from ..ops.routing import window_attention
 from .cache import DraftCache
 from .config import ConfigError, DraftConfig, TargetConfig
-from .layers import (HeadLogits, Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, greedy_picks, head_logits,
-                     linear, linear_pair, project_norm_feed_forward)
+from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, linear, linear_pair, norm_linear,
+                     project_norm_feed_forward)
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
@@ -112,9 +112,9 @@ class DraftLayer(nn.Module):
         ``lfmspark::skinny_linear_pair`` launch over ``q_proj`` and this layer's ``kv_proj`` slice, and
         one ``lfmspark::qkv_norm_rope_write`` (as the target's attention) normalises and rotates q and
         k and writes K/V: two launches where the unfused path below takes six (two products,
-        Inductor's three q norm + RoPE kernels, the K/V write); with ``LFMSPARK_WINDOW_ATTENTION``
-        (the default) ``lfmspark::qkv_window_attention`` does that inside the attention's launch
-        (ops/window_attention.py). The numbers are the unfused path's:
+        Inductor's three q norm + RoPE kernels, the K/V write); where the window fits one attention
+        tile (ops/routing.py ``window_attention``: the served blocks do) ``lfmspark::qkv_window_attention``
+        does that inside the attention's launch. The numbers are the unfused path's:
         the op computes the ``q_norm`` module's RMSNorm and ``apply_rope`` in fp32 on the same table
         rows (``start + t``) with the same roundings; only the products' fp32 summation order may
         differ (the pair's split-K is chosen for its total width), by an ulp in bf16.
@@ -127,7 +127,7 @@ class DraftLayer(nn.Module):
         ``delta`` may be a ``NormedCarry`` of ``input_layernorm`` (``x`` is then the previous
         layer's output), which the pair product finishes; with ``next_norm`` (the next layer's
         ``input_layernorm`` weight, or the final norm's) this layer may hand one on
-        (models/layers.py ``project_norm_feed_forward``, ``LFMSPARK_NORM_CARRY``)."""
+        (models/layers.py ``project_norm_feed_forward``)."""
         attn = self.self_attn
         B, G, _ = x.shape
         x = completed(x, delta)
@@ -139,7 +139,7 @@ class DraftLayer(nn.Module):
             qkv = linear_pair(h, attn.q_proj.weight, kv_weight)
         scale = attn.head_dim ** -0.5
         # one eps serves q and k: q_norm's is the config's rms_norm_eps, as self.eps
-        if qkv is not None and window_attention_requested() and fits_window(G, attn.n_heads, k_cache.shape[-2]):
+        if qkv is not None and window_attention(G, attn.n_heads, k_cache.shape[-2]):
             o = lfm.qkv_window_attention(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0, slots,
                                          start, lens, self.eps, self.is_neox, False, scale)
         else:
@@ -154,7 +154,7 @@ class DraftLayer(nn.Module):
                                        lens, self.eps, self.is_neox)
             o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, scale)
         return project_norm_feed_forward(x, o.reshape(B, G, -1), attn.o_proj, self.post_attention_layernorm, self.mlp,
-                                         fuse=False, next_norm=next_norm)
+                                         decode=False, next_norm=next_norm)
 
 
 class MarkovHead(nn.Module):
@@ -240,11 +240,13 @@ class DSparkDraft(nn.Module):
 
     # -- context ----------------------------------------------------------------------------
     def inject_context(self, aux: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
-                       lens: torch.Tensor) -> None:
+                       lens: torch.Tensor, side_stream: bool = False) -> None:
         """Write context K/V for the first ``lens[b]`` columns of ``aux [B, T, n_taps*H_t]`` at
-        positions ``start[b] + t`` in every draft layer."""
-        ctx = self.hidden_norm(self.fc(aux))
-        kv = linear(ctx, self.kv_proj.flatten(0, 1))
+        positions ``start[b] + t`` in every draft layer. ``side_stream``: the call runs beside the
+        main stream (the speculative round's, runtime/steps.py), which its products must know
+        (models/layers.py ``linear``)."""
+        ctx = self.hidden_norm(linear(aux, self.fc.weight, side_stream))
+        kv = linear(ctx, self.kv_proj.flatten(0, 1), side_stream)
         lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, 0, slots, start, lens,
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 
@@ -297,38 +299,38 @@ class DSparkDraft(nn.Module):
         x, delta = self.block_hidden(anchor, cache, slots, start)
         return self.head_and_walk(x, delta, anchor, pick)
 
-    def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker
-                      ) -> DraftProposal:
+    def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker,
+                      walk: str = "jacobi", count_passes: bool = False) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
-        :meth:`block_hidden`), then the Markov walk. With a ``NormedCarry`` of the final norm, the
-        fused greedy walk (which reads the logits only) takes the LM head's product of the carry,
-        with the head's argmax partials (models/layers.py ``head_logits``); every other walk runs the
-        norm on ``x``, as it also reads the normed states."""
+        :meth:`block_hidden`), then the Markov walk (``walk``, ``count_passes``: :meth:`walk`). With
+        a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
+        takes the LM head's product of the carry; every other walk runs the norm on ``x``, as it
+        also reads the normed states."""
         if isinstance(delta, NormedCarry) and self._fused_walk(pick):
-            head = head_logits(x, delta, self.norm, self.lm_head)
-            return self.walk(head.logits, None, anchor, pick, head.partials)
+            return self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick, walk, count_passes)
         h = self.norm(completed(x, delta))
-        return self.walk(self.lm_head(h), h, anchor, pick)
+        return self.walk(self.lm_head(h), h, anchor, pick, walk, count_passes)
 
     def _fused_walk(self, pick: TokenPicker) -> bool:
         """Whether :meth:`walk` takes the fused greedy path (tokens only; the normed states unread)."""
         return pick is greedy_pick and (self.markov_head is None or self.markov_head.kind == "vanilla")
 
     def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker,
-             partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftProposal:
+             walk: str = "jacobi", count_passes: bool = False) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
         logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
         :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
-        (``logits`` and ``confidence`` None), one launch at batch 1 (ops/markov_walk.py), starting from
-        the head's argmax ``partials`` ``[B * G, tiles]`` where given. Otherwise slot by slot, keeping
-        each slot's corrected logits (``h``, the normed states ``[B, G, H]``, is read there only)."""
+        (``logits`` and ``confidence`` None), in one launch at batch 1 on the kernel family ``walk``
+        names (ops/routing.py ``WALKS``; ``count_passes``: the Jacobi kernel tallies its passes for
+        the benchmark). Otherwise slot by slot, keeping each slot's corrected logits (``h``, the
+        normed states ``[B, G, H]``, is read there only)."""
         head, conf_head = self.markov_head, self.confidence_head
         B, G, _ = base.shape
         if pick is greedy_pick and head is None:
-            return DraftProposal(tokens=greedy_picks(HeadLogits(base, partials)), logits=None, confidence=None)
+            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
         if pick is greedy_pick and head.kind == "vanilla":
             tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight,
-                                            *(partials or (None, None)))
+                                            walk, count_passes)
             return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None

@@ -30,20 +30,14 @@ into the final norm (:meth:`Lfm2ForCausalLM.compute_logits`). Results are bit-id
 at the end of each layer, eager and compiled (graphs/compile.py keeps the bf16 rounding of the sum
 that Inductor would elide).
 
-Fused norm (one-row decode on CUDA, ``LFMSPARK_FUSED_NORM``, models/layers.py): at batch 1 a
-DECODE forward runs each add + RMSNorm + projection as one ``lfmspark::add_rmsnorm_gemv`` kernel:
-the layer's pending add with ``operator_norm`` and ``in_proj`` / ``qkv_proj``, the mid-layer add
-with ``ffn_norm`` and the dense SwiGLU's gate/up GEMV (MoE feed-forwards stay unfused), and in
-:meth:`Lfm2ForCausalLM.compute_logits` the last add with the final norm and the LM head. That
-kernel normalises the sum *after* its rounding to the activation dtype, as HF eager does and as
-this module does, uncompiled and compiled. Several rows on CUDA (2-16: the batch-1 verify, short
-prompt chunks) run the mixer's ``out_proj`` with the residual add and the ``ffn_norm`` statistics in
-its epilogue and the norm's row scale in the gate/up product's (``LFMSPARK_NORM_EPILOGUE``,
-models/layers.py); other shapes and CPU take the unfused path. In a VERIFY forward those layers
-also start the next layer's ``operator_norm`` (the final ``embedding_norm`` after the last) in
-their down projection's epilogue and hand it on as a ``NormedCarry`` instead of a ``delta``
-(``LFMSPARK_NORM_CARRY``): its consumer, ``in_proj`` / ``qkv_proj`` or the LM head, applies the row
-scale in its own epilogue, so no norm kernel runs between the verify's layers.
+Where the products, norms and attention windows run is ops/routing.py's choice, applied in
+models/layers.py: at one-row decode on CUDA each add + RMSNorm + projection is one
+``lfmspark::add_rmsnorm_gemv`` (the layer's pending add with ``operator_norm`` and ``in_proj`` /
+``qkv_proj``, the mid-layer add with ``ffn_norm`` and a dense SwiGLU's gate/up product, the last add
+with the final norm and the LM head); on 2-16 rows outside decode (the batch-1 verify, short prompt
+chunks) the norms ride in the products' epilogues, and a VERIFY forward hands each layer's output on
+as a ``NormedCarry`` that the next layer's first product (or the LM head) finishes. That kernel
+normalises the sum *after* its rounding to the activation dtype, as HF eager does.
 """
 
 from __future__ import annotations
@@ -56,11 +50,11 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
-from ..ops.window_attention import fits_window, window_attention_requested
+from ..ops.routing import window_attention
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
-from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, greedy_picks, head_logits, norm_linear,
-                     project_norm_feed_forward)
+from ..ops.argmax_rows import argmax_last
+from .layers import Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, norm_linear, project_norm_feed_forward
 
 lfm = torch.ops.lfmspark
 
@@ -127,11 +121,11 @@ class Lfm2Attention(nn.Module):
         rounding; HF rounds cos/sin to the activation dtype first, a difference within bf16 noise),
         writes K and V of the first ``rows.lens`` tokens to the cache and returns the queries: three
         launches before (Inductor's q and k kernels and the K/V write). Windows of at most one
-        attention row tile (decode, verify) fold that launch into the attention's:
-        ``lfmspark::qkv_window_attention`` (ops/window_attention.py, ``LFMSPARK_WINDOW_ATTENTION``)."""
+        attention row tile (decode, verify; ops/routing.py ``window_attention``) fold that launch
+        into the attention's: ``lfmspark::qkv_window_attention`` (ops/attention/window_attention.py)."""
         B, T, _ = qkv.shape
         k_cache, v_cache = kv
-        if window_attention_requested() and fits_window(T, self.n_heads, self.n_kv):
+        if window_attention(T, self.n_heads, self.n_kv):
             o = lfm.qkv_window_attention(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache,
                                          v_cache, 0, rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True,
                                          True, self.scale)
@@ -207,14 +201,14 @@ class Lfm2DecoderLayer(nn.Module):
         ``delta`` may also be a ``NormedCarry`` (``h`` is then the previous layer's output), and
         with ``next_norm`` (the weight of the norm after this layer) the layer may return one in
         place of its delta (models/layers.py ``project_norm_feed_forward``)."""
-        fuse = mode is ForwardMode.DECODE
+        decode = mode is ForwardMode.DECODE
         if self.is_attention:
-            h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, fuse)
+            h_in, qkv = norm_linear(h, delta, self.operator_norm, self.self_attn.qkv_proj, decode)
             mixed, out_proj = self.self_attn.attend(qkv, layer_cache, rows, rope), self.self_attn.out_proj
         else:
-            h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, fuse)
+            h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, decode)
             mixed, out_proj = self.conv.mix(bcx, layer_cache, rows, mode), self.conv.out_proj
-        h, pending = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, fuse,
+        h, pending = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, decode,
                                                next_norm)
         return h_in, h, pending
 
@@ -258,7 +252,7 @@ class Lfm2ForCausalLM(nn.Module):
             if isinstance(delta, NormedCarry):   # its statistics are of every column: dropped (h is complete)
                 delta = None
             h, delta = h[picked], None if delta is None else delta[picked]
-        return TargetOutput(logits=self.compute_logits(h, delta, fuse=mode is ForwardMode.DECODE), aux=aux)
+        return TargetOutput(logits=self.compute_logits(h, delta, decode=mode is ForwardMode.DECODE), aux=aux)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: TargetCache, slots: torch.Tensor, start: torch.Tensor,
                       lens: torch.Tensor | None = None, mode: ForwardMode = ForwardMode.PREFILL,
@@ -328,18 +322,17 @@ class Lfm2ForCausalLM(nn.Module):
         last = len(self.model.layers) - 1
         return tuple(completed(fwd.h, fwd.delta) if i == last else fwd.taps[i] for i in fwd.aux_layer_ids)
 
-    def compute_logits(self, h: torch.Tensor, delta: Pending, fuse: bool = True) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor, delta: Pending, decode: bool = True) -> torch.Tensor:
         """Logits of the last layer's output ``h + delta`` (see :meth:`hidden_states`; with a
-        ``NormedCarry``, of ``h``, the LM head applying the final norm's row scale). ``fuse``: a
+        ``NormedCarry``, of ``h``, the LM head applying the final norm's row scale). ``decode``: a
         single row may run the add, final norm and LM head as one kernel (``norm_linear``; the
         decode step's one-row case); :meth:`forward` passes it for DECODE only."""
-        return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, fuse)[1]
+        return norm_linear(h, delta, self.model.embedding_norm, self.lm_head, decode)[1]
 
     def compute_greedy(self, h: torch.Tensor, delta: Pending) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, logits.argmax(-1))`` of :meth:`compute_logits` (unfused), the argmax from the LM
-        head's own partials where it writes them (models/layers.py ``head_logits``; the verify's greedy picks)."""
-        head = head_logits(h, delta, self.model.embedding_norm, self.lm_head)
-        return head.logits, greedy_picks(head)
+        """``(logits, logits.argmax(-1))`` of :meth:`compute_logits` (the verify's greedy picks)."""
+        logits = self.compute_logits(h, delta)
+        return logits, argmax_last(logits)
 
     @staticmethod
     def commit(cache: TargetCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     leaves tie order unspecified, so bf16 router scores without an expert bias may pick another of
     two tied experts than HF does). Computed from pairwise ranks,
     which Inductor fuses into one small kernel; ``torch.topk`` costs a sort and a gather kernel
-    per layer (~9 us of a ~2 ms LFM2-8B-A1B decode step, 22 times; docs/benchmarks.md)."""
+    per layer (~9 us of a ~2 ms LFM2-8B-A1B decode step, 22 times)."""
     E = scores.shape[-1]
     idx = torch.arange(E, device=scores.device)
     s_i, s_j = scores[:, :, None], scores[:, None, :]

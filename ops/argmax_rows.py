@@ -15,7 +15,7 @@ equals ``0.0``), and a NaN counts as the maximum (the first NaN's index wins). A
 gives 0. Inputs of any float dtype are compared in fp32 (exact for bf16 / fp16).
 
 The jitted helpers :func:`block_argmax` and :func:`combine_argmax` are shared with the fused greedy
-Markov walk (ops/markov_walk.py).
+Markov walk (ops/markov_walk/op.py).
 """
 
 from __future__ import annotations
@@ -178,8 +178,7 @@ def argmax_rows_triton(x: torch.Tensor, block_v: int | None = None) -> torch.Ten
 
 def reduce_partials_into(pv: torch.Tensor, pi: torch.Tensor, out: torch.Tensor) -> None:
     """Stage 2: ``out[r]`` (int64 ``[R]``, contiguous) = the argmax column of row ``r``'s partials
-    ``pv, pi [R, nb]`` (contiguous, column order); also what ops/head_argmax.py runs on an LM head's
-    epilogue partials."""
+    ``pv, pi [R, nb]`` (contiguous, column order)."""
     R, nb = pv.shape
     _argmax_final_kernel[(R,)](pv, pi, out, nb, 1, BLOCK_P=block_p(nb), num_warps=4, **pdl_kwargs(pv))
 

@@ -272,7 +272,9 @@ def short_conv_prefill_reference(bcx, weight, conv_state, layer, slots, start, l
     out = torch.where(real[:, None, None], c_gate * z, torch.zeros_like(z))
     idx = lens[:, None] + torch.arange(K - 1, device=bx.device)[None, :]
     new_state = torch.gather(x_ext, 1, idx[:, :, None].expand(-1, -1, H))
-    conv_state[layer, slots[real]] = new_state[real].to(conv_state.dtype)
+    for b, slot in enumerate(slots.tolist()):     # one copy per real row (no masked gather and scatter)
+        if slot >= 0:
+            conv_state[layer, slot] = new_state[b].to(conv_state.dtype)
     return out
 
 

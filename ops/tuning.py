@@ -3,8 +3,7 @@ inside a real step.
 
 Why: a kernel timed alone and the same kernel inside the decode step's PDL chain can rank launch
 parameters differently. On the H200 the one-row GEMV's 1024-wide K steps were the best timed alone,
-yet 2048-wide steps made the whole LFM2.5-1.2B decode step 5% faster (docs/benchmarks.md, session
-7). So parameters are tuned by timing the whole step once per variant, one process each, e.g. with
+yet 2048-wide steps made the whole LFM2.5-1.2B decode step 5% faster. So parameters are tuned by timing the whole step once per variant, one process each, e.g. with
 ``scripts/device_run.sh``'s ``ab`` step::
 
     AB_VARIANTS="base:LFMSPARK_TUNE= k256:LFMSPARK_TUNE=tile.block_k=256" STEPS=ab bash scripts/device_run.sh
@@ -12,32 +11,32 @@ yet 2048-wide steps made the whole LFM2.5-1.2B decode step 5% faster (docs/bench
 The value is a comma-separated list of ``kind.parameter=integer``; each replaces what the heuristic
 would choose for every launch of that kind (the heuristic's later choices, e.g. the pipeline depth
 that fits a K step, follow the replaced value). Kinds: ``gemv`` (one-row products,
-ops/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
+ops/linear/skinny_linear.py), ``tile`` and ``tile_swiglu`` (the several-row swap-AB products and the fused
 gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with the add + RMSNorm
-prologue, ops/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk.py), ``walk_grid``
-(the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk_persistent.py),
-``walk_jacobi`` (the Jacobi walk, the same keys, ops/markov_walk_jacobi.py), ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
-i.e. the few-row decode / verify / draft windows, not prefill; ops/cache_attention.py).
+prologue, ops/linear/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk/op.py), ``walk_grid``
+(the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk/persistent.py),
+``walk_jacobi`` (the Jacobi walk, the same keys, ops/markov_walk/jacobi.py), ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
+i.e. the few-row decode / verify / draft windows, not prefill; ops/attention/cache_attention.py).
 
 The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
 it applies only to products with ``N`` output columns (gate columns for ``tile_swiglu``) and
 reduction length ``K``, at any row count, and wins over the kind-wide key. Why: inside the
 speculative round the products' distance from their bandwidth floor ranges from 40% to 97% of the
-copy bandwidth by shape (docs/benchmarks.md, session 8), and a kind-wide override that helps the
+copy bandwidth by shape, and a kind-wide override that helps the
 small products hurts the large ones, so they are tuned one shape at a time. Parameters
 are read at launch, i.e. when a graph is captured. An override is not checked against the kernel's
 resources: too many stages fail at launch with Triton's out-of-resources error. K steps are capped
-at the next power of two of K, like the heuristics' own. The benchmark's JSON records the variable
-with every other ``LFMSPARK_*`` switch; the kernel microbenchmarks' "default" rows
-(benchmarks/kernels) follow it too, so unset it for those.
+at the next power of two of K, like the heuristics' own. The benchmark's JSON records the value;
+the kernel microbenchmarks' "default" rows (benchmarks/kernels) follow it too, so unset it for those.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
+
+from ..environment import environment
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +59,9 @@ SHAPED_KINDS = ("gemv", "tile", "tile_swiglu")   # kinds whose launchers know th
 _SHAPE = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
 
 
-@functools.lru_cache(maxsize=8)
-def _parse(value: str) -> dict[str, int]:
+def parse_tune(value: str) -> dict[str, int]:
+    """An ``LFMSPARK_TUNE`` value parsed: ``{"kind.param" or "kind@NxK.param": value}`` (raises
+    ``ValueError`` naming a bad item). lfmspark/environment.py reads the variable."""
     valid = ", ".join(f"{kind}.{p}" for kind, params in KNOBS.items() for p in params)
     overrides: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
@@ -90,20 +90,24 @@ def _parse(value: str) -> dict[str, int]:
 
 
 def tuning_overrides() -> dict[str, int]:
-    """``LFMSPARK_TUNE`` parsed: ``{"kind.param" or "kind@NxK.param": value}`` (raises ``ValueError``
-    naming a bad item)."""
-    return dict(_parse(os.environ.get("LFMSPARK_TUNE", "")))
+    """The overrides in force (``LFMSPARK_TUNE``, read once: lfmspark/environment.py)."""
+    return dict(environment().tune)
 
 
 def tuned(kind: str, param: str, default: int, shape: tuple[int, int] | None = None) -> int:
     """``default`` unless ``LFMSPARK_TUNE`` overrides ``kind.param``, or, for a product of ``shape =
     (N, K)``, ``kind@NxK.param`` (which wins)."""
     assert param in KNOBS[kind], (kind, param)
-    overrides = _parse(os.environ.get("LFMSPARK_TUNE", ""))
+    overrides = _overrides(environment().tune)
     if shape is not None and (scoped := f"{kind}@{shape[0]}x{shape[1]}.{param}") in overrides:
         _log_applied(scoped, overrides[scoped])
         return overrides[scoped]
     return overrides.get(f"{kind}.{param}", default)
+
+
+@functools.lru_cache(maxsize=8)
+def _overrides(items: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    return dict(items)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 """Rounding an fp32 sum to the weight dtype inside a kernel, as ``F.linear`` in that dtype rounds
-its fp32 accumulator once: shared by the Markov walk's kernels (ops/markov_walk.py,
-ops/markov_walk_persistent.py), whose argmax must see the bias the module would compute."""
+its fp32 accumulator once: shared by the Markov walk's kernels (ops/markov_walk/op.py,
+ops/markov_walk/persistent.py), whose argmax must see the bias the module would compute."""
 
 from __future__ import annotations
 

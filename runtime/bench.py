@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ..environment import VARIABLES
 from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops._dispatch import use_pdl
-from ..ops.markov_walk_jacobi import jacobi_pass_counts
+from ..ops.markov_walk.jacobi import jacobi_pass_counts
 from .engine import Engine
 from .sampling import SamplingParams
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
@@ -62,6 +63,7 @@ class BenchConfig:
     json_path: str | None = None
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
     prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
+    markov_walk: str = "jacobi"        # Engine(markov_walk=...)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +184,7 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def verify_phase():
         v = steps.round_verify(steps.round_inputs(slots, False), tokens)
-        steps.join_injection()   # LFMSPARK_COMMIT_OVERLAP=early: the verify forked the injection (timed here)
+        steps.join_injection()   # the verify forked the draft's context injection: timed here
         return v.hidden, v.delta, v.aux, v.rows, v.injected
 
     hidden, delta, aux, rows, injected = verify_phase()
@@ -190,7 +192,7 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     def commit_phase():
         from .steps import Drafted, Verified
 
-        # round_commit: with LFMSPARK_COMMIT_OVERLAP=1 the context injection's side-stream fork and join too
+        # round_commit: with the injection's fork where the verify did not fork it (injected False)
         out = steps.round_commit(steps.round_inputs(slots, False), Drafted(tokens, None),
                                  Verified(hidden, delta, aux, rows, injected))
         return out.tokens, out.n_new
@@ -278,7 +280,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     # one request before the measured runs: the first request of a process paid 0.5-0.8 s of one-time costs
-    # in its TTFT on the H200 (docs/benchmarks.md); it is reported apart, not mixed into p50/p99
+    # in its TTFT on the H200; it is reported apart, not mixed into p50/p99
     warm = engine.generate(torch.randint(0, vocab, (1, cfg.prompt_len), generator=gen).tolist(),
                            SamplingParams(temperature=cfg.temperature, max_new_tokens=2, stop_token_ids=[],
                                           seed=cfg.seed))
@@ -332,7 +334,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
             sum(p[k] for p in per_position if not math.isnan(p[k])) / max(1, sum(not math.isnan(p[k]) for p in per_position))
             for k in range(engine.block_size)]
         row["imposed_acceptance"] = imposed
-        if walks:  # the Jacobi walk ran (ops/markov_walk_jacobi.py): its w2 passes depend on the Markov weights
+        if walks:  # the Jacobi walk ran (ops/markov_walk/jacobi.py): its w2 passes depend on the Markov weights
             row["walk_passes_mean"] = passes / walks
     return row
 
@@ -382,9 +384,9 @@ def environment(device: torch.device) -> dict:
         env["triton"] = None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    # the runtime switches in force (unset ones take their documented defaults) and whether the
-    # kernels launch with programmatic dependent launch here: they change the timings
-    env["switches"] = {name: os.environ[name] for name in sorted(os.environ) if name.startswith("LFMSPARK_")}
+    # the LFMSPARK_* variables set (lfmspark/environment.py) and whether the kernels launch with
+    # programmatic dependent launch here: they change the timings
+    env["variables"] = {name: os.environ[name] for name in sorted(VARIABLES) if name in os.environ}
     env["pdl"] = use_pdl(torch.empty(0, device=device))
     return env
 
@@ -428,9 +430,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             if device.type == "cuda":
                 kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
-                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, **kw)
+                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, markov_walk=cfg.markov_walk, **kw)
             else:
                 engines[kind] = Engine(target, None, **kw)
+            engines[kind].steps.count_walk_passes = True   # walk_passes; read when the graphs are traced
             t0 = time.perf_counter()
             rep = engines[kind].warmup(progress=True, sampling=cfg.temperature > 0)
             warmups[kind] = {"seconds": time.perf_counter() - t0, **rep.as_dict()}
@@ -448,7 +451,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     # Order: every engine row first, then the phase splits, then the HF baselines, then the profiles.
     # On the H200 a process's decode steps ran 20 us slower (rounds up to 50 us) for good once new
     # small allocator segments had been created on a stream or pool with none cached, as the phase
-    # split's captures do (docs/benchmarks.md, session 12), so work that allocates runs after every
+    # split's captures do, so work that allocates runs after every
     # engine timing.
     phase_rows: list[tuple[dict, list[float] | None]] = []
     for batch in cfg.batch_sizes:
@@ -479,7 +482,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results["hf_static_compile"].append(_hf_row(target, cfg, batch, device, compiled=True))
             save()
     # Profiles come last, after every timing: a torch.profiler session leaves CUPTI attached to the
-    # process, which slows later kernel launches (docs/benchmarks.md: 10.0 us per eager launch on
+    # process, which slows later kernel launches (10.0 us per eager launch on
     # the H200 before a profile, 14.3 us after), and the HF eager baseline is launch-bound.
     if cfg.profile_dir and device.type == "cuda":
         for engine in engines.values():

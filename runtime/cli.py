@@ -16,6 +16,7 @@ import time
 from ..models.config import ConfigError
 from ..models.loading import CheckpointError
 from ..models.presets import DRAFT_PRESETS, TARGET_PRESETS
+from ..ops.routing import WALKS
 
 
 def _int_list(text: str) -> list[int]:
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-graph-tokens", type=_non_negative, default=1024,
                    help="prompts run at bucket shapes of up to this many tokens, replayed from CUDA graphs "
                         "(default 1024; 0: eager prefill at each prompt's own shape; see README)")
+    b.add_argument("--markov-walk", choices=WALKS, default="jacobi",
+                   help="the draft's greedy Markov walk kernel (default jacobi; see Engine)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
@@ -130,7 +133,7 @@ def _bench(args) -> int:
                       hf_compile_timeout_s=args.hf_compile_timeout, device=device,
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
                       phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
-                      prefill_graph_tokens=args.prefill_graph_tokens)
+                      prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk)
     report = run_bench(cfg)
     print(table(report))
     if args.json:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..environment import environment
 from ..graphs.prefill import PrefillRunner, prefill_buckets
 from ..graphs.runner import EagerRunner, StepKind, WarmupReport
 from ..models.cache import DraftCache, TargetCache
@@ -37,14 +38,14 @@ from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
 from ..models.config import DraftConfig, TargetConfig
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
-from ..ops.window_attention import launch_variant as attention_launch_variant
+from ..ops.attention.window_attention import launch_variant as attention_launch_variant
 from ..ops.moe import launch_variant as moe_launch_variant
+from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
 from .sampling import SamplingError, SamplingParams
 from .state import SlotPool, SlotState
 from .steps import Steps
-from .switches import check_switches
 
 log = logging.getLogger("lfmspark")
 
@@ -108,8 +109,8 @@ def prefill_warm_shapes(max_batch: int, longest: int,
     """The ``(rows, length)`` prefills that compile every Triton variant a prefill can need, for
     prompts of up to ``longest`` tokens per chunk.
 
-    On the H200 each variant a first request compiled cost it 0.3-0.6 s of TTFT
-    (docs/benchmarks.md, "TTFT"). Which variant a kernel needs is decided by compile-time choices
+    On the H200 each variant a first request compiled cost it 0.3-0.6 s of TTFT.
+    Which variant a kernel needs is decided by compile-time choices
     and by Triton's specialization of integer arguments ("== 1", "% 16 == 0"):
 
     - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
@@ -158,14 +159,22 @@ class Engine:
 
     The engine is inference-only: it turns ``requires_grad`` off on the models' parameters, and the
     draft borrows the target's embedding and LM head (``DSparkDraft.attach_target``).
+
+    ``markov_walk`` picks the kernel of the draft's greedy Markov walk (the tokens are the same):
+    ``"jacobi"`` (default; one launch whose cost grows with the fixed-point passes a round needs,
+    which ``lfmspark bench`` reports as ``walk_passes``), ``"persistent"`` (the sequential walk in
+    one launch: for trained heads whose bias often moves the argmax, i.e. many passes) or
+    ``"steps"`` (one launch per block slot).
     """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 prefill_graph_tokens: int = 1024, chat: bool = True):
-        check_switches()
+                 prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi"):
+        environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
+        if markov_walk not in WALKS:
+            raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
         cfg = target.config
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -197,7 +206,7 @@ class Engine:
             self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
         self.imposed_acceptance = self._imposed(imposed_acceptance)
         self.state = SlotState(max_batch, self.device)
-        self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance)
+        self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
         # prefill_graph_tokens > 0 (the default): prompts run at bucket shapes (graphs/prefill.py),
@@ -301,7 +310,7 @@ class Engine:
 
         Why the prefill comes first: on the H200, bucket graphs captured after the step graphs left
         every later batch-1 decode step ~20 us slower (0.731 -> 0.752 ms), captured before them they
-        cost nothing (docs/benchmarks.md, session 13)."""
+        cost nothing."""
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
                                "state slots as scratch; call it right after constructing the engine")

@@ -3,10 +3,11 @@
 All of them are plain tensor code over the slot-indexed state, with no host syncs: accepted
 lengths, positions, slots and anchors stay on the device, so ``decode`` and ``spec_round`` are
 captured whole in a CUDA graph per batch size (DESIGN §5). Their regions are what gets compiled,
-with ``fullgraph=True`` (graphs/compile.py): the heads ``decode_head``, ``draft_head`` and
-``verify_head`` (the glue before a model's layers, together with its first layer), the later
-layers, and the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit`` (and, with
-``LFMSPARK_COMMIT_OVERLAP=1``, the default, ``round_inject``: see :meth:`Steps.round_commit`).
+with ``fullgraph=True`` (graphs/compile.py), each declared here by :func:`region`: the heads
+``decode_head``, ``draft_head`` and ``verify_head`` (the glue before a model's layers, together
+with its first layer), the tails ``finish_decode``, ``finish_draft``, ``round_accept_commit``, and
+the draft's context injection ``round_inject`` (on a side stream: :meth:`Steps.round_commit`); the
+layers after the first are compiled too, one graph per kind.
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 
@@ -29,8 +30,9 @@ states) → the correction/bonus token becomes the next anchor.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -39,29 +41,20 @@ from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
-from ..ops.skinny_linear import split_counter_set, stage_cap
 from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
 from .state import SlotState
 
 
-def commit_overlap_mode() -> str:
-    """``LFMSPARK_COMMIT_OVERLAP`` (default ``early``): where the round's draft context injection runs.
-    ``1``: on a side stream, concurrently with the LM head and acceptance (:meth:`Steps.round_commit`);
-    ``early``: on the side stream from the verify's last tapped layer on, concurrently with the verify's
-    remaining layers, the LM head and acceptance (:meth:`Steps.round_verify`); ``0``: inside the commit
-    region, after the acceptance."""
-    value = os.environ.get("LFMSPARK_COMMIT_OVERLAP", "early")
-    if value not in ("0", "1", "early"):
-        raise ValueError(f"LFMSPARK_COMMIT_OVERLAP={value!r}: use 0 (the context injection inside the commit), "
-                         "1 (on a side stream, concurrently with the LM head and acceptance) or early (the "
-                         "default: on the side stream from the verify's last tapped layer on)")
-    return value
+F = TypeVar("F", bound=Callable)
 
 
-# the pipeline stages of the context injection's products on the side stream (Steps.fork_injection): 3
-# (80 KB programs) fit beside the verify's 120 KB ones; on the H200 the early injection's round with 3
-# took 0.2362 ms per token against 0.2371 with the default 5 (docs/benchmarks.md, session 23)
-INJECTION_STAGES = 3
+def region(draft: bool = False) -> Callable[[F], F]:
+    """Declare a :class:`Steps` method one compiled region (graphs/compile.py ``compile_regions``);
+    ``draft``: only when the engine has a draft."""
+    def mark(fn: F) -> F:
+        fn.compiled_region = "draft" if draft else "target"
+        return fn
+    return mark
 
 
 @dataclass
@@ -95,7 +88,7 @@ class Verified:
     delta: Pending                # the logits, taken at acceptance, fuse the add or the carried norm (models/lfm2.py)
     aux: tuple[torch.Tensor, ...]  # n_taps x [B, W, H] target features for the draft context (joined at commit)
     rows: Rows                    # the window's slots, start (= s) and lens (all W columns), from the verify head
-    injected: bool = False        # the verify launched the context injection itself (LFMSPARK_COMMIT_OVERLAP=early)
+    injected: bool = False        # the verify forked the context injection itself (Steps.round_verify)
 
 
 @dataclass
@@ -109,27 +102,31 @@ class Steps:
 
     def __init__(self, target: Lfm2ForCausalLM, tcache: TargetCache, state: SlotState,
                  draft: DSparkDraft | None = None, dcache: DraftCache | None = None,
-                 imposed_acceptance: torch.Tensor | None = None):
+                 imposed_acceptance: torch.Tensor | None = None, markov_walk: str = "jacobi"):
         self.target, self.tcache, self.state = target, tcache, state
         self.draft, self.dcache = draft, dcache
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
         self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
+        # the greedy Markov walk's kernel family (Engine(markov_walk=...)), and whether the Jacobi
+        # kernel tallies its passes (the benchmark sets it before capturing: read at trace time)
+        self.markov_walk = markov_walk
+        self.count_walk_passes = False
         # what decode and the round run for the layers after the first (the first runs inside the
         # head regions): the layers, or compiled wrappers of them (graphs.compile.compile_regions);
         # prefill always runs the plain layers (any length)
         self.later_target_layers = list(target.model.layers[1:])
         self.later_draft_layers = list(draft.layers[1:]) if draft is not None else []
-        # LFMSPARK_COMMIT_OVERLAP=1 (round_commit): the stream the context injection forks to, one
-        # for the engine's life, so the warm-up and every capture use the same one (on CPU, none:
-        # the injection runs in program order)
-        mode = commit_overlap_mode()
-        self.commit_overlap = draft is not None and mode != "0"
-        # LFMSPARK_COMMIT_OVERLAP=early (round_verify): the injection forks from the verify itself
-        self.inject_early = self.commit_overlap and mode == "early"
+        # the stream the draft's context injection forks to (round_verify), one for the engine's life,
+        # so the warm-up and every capture use the same one (on CPU, none: program order)
         device = target.device
-        self.side_stream = torch.cuda.Stream(device) if self.commit_overlap and device.type == "cuda" else None
+        self.side_stream = torch.cuda.Stream(device) if draft is not None and device.type == "cuda" else None
         self._injection_pending = False   # forked to the side stream and not yet joined (a capture-time flag)
+
+    def region_names(self) -> list[str]:
+        """The methods declared as compiled regions (:func:`region`) that this engine runs."""
+        kinds = ("target", "draft") if self.draft is not None else ("target",)
+        return [name for name, fn in vars(type(self)).items() if getattr(fn, "compiled_region", None) in kinds]
 
     def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
         """The rows' per-slot state; called inside each region that needs it."""
@@ -183,6 +180,7 @@ class Steps:
         fwd = self.target.advance(fwd, caches[1:], ForwardMode.DECODE, self.later_target_layers)
         return self.finish_decode(fwd.h, fwd.delta, slots, sampling)
 
+    @region()
     def decode_head(self, slots: torch.Tensor, first_cache: LayerCache) -> PartialForward:
         """The step up to its second layer: the rows' anchors and lengths, the embedding, the
         window's lens and the first layer (with its cache slices ``first_cache``)."""
@@ -190,6 +188,7 @@ class Steps:
         fwd = self.target.begin(row.x0[:, None], self.tcache.rope, slots, row.s, torch.ones_like(row.s))
         return self.target.advance(fwd, [first_cache], ForwardMode.DECODE, self.target.model.layers[:1])
 
+    @region()
     def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, sampling: bool
                       ) -> StepOutput:
         """Final norm of ``h + delta`` (the last layer's output, see ``Lfm2ForCausalLM.hidden_states``),
@@ -224,6 +223,7 @@ class Steps:
                                     first=1)
         return self.finish_draft(inp, x, delta)
 
+    @region(draft=True)
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
                    ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
         """The draft up to its second layer: the block's embeddings and lens, and its first layer.
@@ -235,6 +235,7 @@ class Steps:
                                          self.draft.layers[:1])
         return x, delta, row.s, lens
 
+    @region(draft=True)
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
         row = self.read_rows(inp.slots, inp.sampling)
@@ -246,26 +247,26 @@ class Steps:
             draft_probs.append(probs)
             return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
 
-        proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick)
+        proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
+                                            self.count_walk_passes)
         return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
         """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
-        column i predicts position s + i + 1. With ``LFMSPARK_COMMIT_OVERLAP=early`` the draft context
-        injection forks to the side stream as soon as every aux tap exists, before the layers after
-        the last tapped one (:meth:`fork_injection`; :meth:`round_commit` joins it)."""
+        column i predicts position s + i + 1. The draft context injection forks to the side stream
+        as soon as every aux tap exists, before the layers after the last tapped one
+        (:meth:`fork_injection`; :meth:`round_commit` joins it)."""
         caches = self.tcache.layer_caches(self.target.config)
         fwd = self.verify_head(inp.slots, d, caches[0])
         injected = False
         for layer, cache in zip(self.later_target_layers, caches[1:]):
-            if self.inject_early and not injected:
-                taps = self.target.taps_ready(fwd)
-                if taps is not None:
-                    self.fork_injection(taps, fwd.rows)
-                    injected = True
+            if not injected and (taps := self.target.taps_ready(fwd)) is not None:
+                self.fork_injection(taps, fwd.rows)
+                injected = True
             fwd = self.target.advance(fwd, [cache], ForwardMode.VERIFY, [layer])
         return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows, injected)
 
+    @region(draft=True)
     def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
         """The verify up to its second layer: the window ``[x0, d]``'s embeddings and lens, and the
         first layer."""
@@ -275,24 +276,24 @@ class Steps:
         return self.target.advance(fwd, [first_cache], ForwardMode.VERIFY, self.target.model.layers[:1])
 
     def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
-        """The round's last phase: :meth:`round_accept_commit`, which also injects the draft context
-        of the accepted tokens; or, with ``LFMSPARK_COMMIT_OVERLAP=1``, :meth:`round_inject` (the
-        whole window's context) on :attr:`side_stream`, concurrently with :meth:`round_accept_commit`
-        (then without its injection); with ``LFMSPARK_COMMIT_OVERLAP=early`` the verify has already
-        forked it (:meth:`round_verify`), and this joins it. This method is uncompiled glue: it
+        """The round's last phase: :meth:`round_accept_commit` beside the draft context injection
+        (:meth:`round_inject`) on :attr:`side_stream`, which the verify forked (:meth:`round_verify`),
+        or, where its taps only existed after the last layer (taps of the layer before the last, on
+        a path that hands on a pending delta), this forks; then joins it. Uncompiled glue: it
         launches no kernel itself.
 
-        Why: after the verify's last layer the commit region's kernels ran one after the other, the
-        LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, and then the
-        injection (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted
-        length only to mask its write. Overlapped, the batch-1 round's tail after the verify went
-        from 103 to 91 us on the H200 (docs/benchmarks.md, session 11). Written for all ``gamma + 1`` columns it needs nothing from
-        the acceptance, so it can run beside it. Same kernels on the same inputs, so the same
-        values; the extra columns sit at positions ``>= s' = s + a + 1``, the new committed length,
-        which the draft never reads as context: the next block attends to ``[0, s' + gamma)``
-        (ops/cache_attention.py, non-causal) after each draft layer has written its own K/V at
-        ``s' .. s' + gamma - 1`` (all ``gamma`` columns, positions past the cache length skipped by
-        both), and the next round's injection rewrites them from ``s'`` on.
+        Why: after the verify's last layer the commit region's kernels ran one after the other: the
+        LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, then the injection
+        (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted length only to
+        mask its write. Written for all ``gamma + 1`` columns it needs nothing from the acceptance,
+        so it runs beside it, and from the verify's last tapped layer on (layer 13 of 16 at the
+        served shape) beside the remaining layers too, whose launches fill the SMs for a few
+        microseconds each (beside the LM head alone, whose 512 programs hold every SM, it was
+        starved). Same kernels on the same inputs, so the same values; the extra columns sit at
+        positions ``>= s' = s + a + 1``, the new committed length, which the draft never reads as
+        context: the next block attends to ``[0, s' + gamma)`` (non-causal) after each draft layer
+        has written its own K/V at ``s' .. s' + gamma - 1``, and the next round's injection
+        rewrites them from ``s'`` on.
 
         Capture: the side stream forks from the current stream (the capture stream under
         graphs/capture.py) and joins back before the round returns, so a captured round records a
@@ -301,28 +302,12 @@ class Steps:
         referenced here until after the join, so the allocator cannot hand their memory to a
         current-stream allocation while the injection still reads it.
 
-        Split-K (ops/skinny_linear.py): the side stream's ``fc`` product is split-K (the batch-1
-        round's 10 x 10240 -> 2048 at the LFM2.5-1.2B shape: 4 splits), and the one product beside
-        it, the LM head, may be too: on the skinny kernel (10 rows at batch 1; up to 64 with
-        ``LFMSPARK_SKINNY_LINEAR=all``) a 65536-token vocabulary fills the H200's SMs with 512
-        unsplit column tiles, but a vocabulary under ~8.4k tokens, or an ``LFMSPARK_TUNE``
-        ``tile.split_k``, splits it. Concurrent split-K launches must not share arrival counters, so
-        the side stream's launches take their own set
-        (:func:`~lfmspark.ops.skinny_linear.split_counter_set`). The other kernels beside it (argmax,
-        conv commit, Inductor's acceptance and sampling kernels) use no counters; launches within
-        each stream stay ordered by the PDL contract, as on one stream.
-
-        Early (``LFMSPARK_COMMIT_OVERLAP=early``): beside the LM head the injection's products were
-        starved. On the H200 (docs/benchmarks.md, session 23) the LM head's 512 programs of 90 KB
-        shared memory held every SM, so the ``fc`` (120 KB a program) started 29 us after its input
-        was ready and ended 8 us after the LM head, and the injection, not the acceptance, ended the
-        round 11 us after the commit. Forked after the verify's last tapped layer (layer 13 of 16 at
-        the served shape), the injection also has the remaining layers to run beside, whose launches
-        each fill the SMs for a few microseconds only. Same kernels, same inputs, same values; the
-        side stream's split-K launches keep counter set 1, the main stream's (the remaining layers'
-        included) set 0."""
-        if not self.commit_overlap:
-            return self.round_accept_commit(inp, drafted, verified)
+        Split-K (ops/linear/skinny_linear.py): the injection's ``fc`` product is split-K (10 x 10240 ->
+        2048 at the LFM2.5-1.2B shape: 4 splits), and products beside it may be too (a vocabulary under
+        ~8.4k tokens splits the LM head, an ``LFMSPARK_TUNE`` ``tile.split_k`` any product).
+        Concurrent split-K launches must not share arrival counters, so the side stream's take their
+        own set (``skinny_linear(..., side_stream=True)``); the other kernels use no counters, and
+        launches within each stream stay ordered by the PDL contract, as on one stream."""
         if not verified.injected:
             self.fork_injection(verified.aux, verified.rows)
         out = self.round_accept_commit(inp, drafted, verified)
@@ -334,17 +319,16 @@ class Steps:
         program order where there is none: CPU). The caller keeps ``aux`` and ``rows`` referenced
         until :meth:`join_injection` (they are the verify's tensors, allocated on the current
         stream: the allocator must not hand their memory to another allocation while the side
-        stream reads them). Split-K launches there take their own arrival counters (the class doc of
-        :meth:`round_commit`), and the products' tiles at most ``INJECTION_STAGES`` pipeline stages,
-        so that their programs fit beside the main stream's in shared memory
-        (:func:`~lfmspark.ops.skinny_linear.stage_cap`)."""
+        stream reads them). The products there run as side-stream launches (their own split-K
+        counters, at most ``SIDE_STREAM_STAGES`` pipeline stages so that their programs fit beside
+        the main stream's in shared memory: ops/linear/skinny_linear.py)."""
         side = self.side_stream
         if side is None:
-            self.round_inject(aux, rows)
+            self.round_inject(aux, rows, side_stream=False)
             return
         side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side), split_counter_set(1), stage_cap(INJECTION_STAGES):
-            self.round_inject(aux, rows)
+        with torch.cuda.stream(side):
+            self.round_inject(aux, rows, side_stream=True)
         self._injection_pending = True
 
     def join_injection(self) -> None:
@@ -353,24 +337,24 @@ class Steps:
             torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
             self._injection_pending = False
 
-    def round_inject(self, aux: tuple[torch.Tensor, ...], rows: Rows) -> None:
+    @region(draft=True)
+    def round_inject(self, aux: tuple[torch.Tensor, ...], rows: Rows, side_stream: bool) -> None:
         """The draft context K/V of the verify's whole window ``[x0, d_1..d_gamma]`` at ``s .. s + gamma``
-        from its aux taps (``LFMSPARK_COMMIT_OVERLAP`` ``1`` or ``early``, see :meth:`round_commit`):
-        positions past the accepted ones are written too, and never read. Takes the window's rows
-        from the verify, not from the slot state, whose committed length the concurrent
-        :meth:`round_accept_commit` advances."""
-        self.draft.inject_context(torch.cat(aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens)
+        from its aux taps (see :meth:`round_commit`): positions past the accepted ones are written
+        too, and never read. Takes the window's rows from the verify, not from the slot state, whose
+        committed length the concurrent :meth:`round_accept_commit` advances."""
+        self.draft.inject_context(torch.cat(aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens, side_stream)
 
+    @region(draft=True)
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
-        x0, d_1..d_a (conv state from the tape, draft context from the aux states, unless
-        :meth:`round_inject` writes it: ``LFMSPARK_COMMIT_OVERLAP=1``)."""
+        x0, d_1..d_a (the conv state from the tape; the draft context is :meth:`round_inject`'s)."""
         st, gamma = self.state, self.gamma
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s
         d = drafted.tokens
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
-        if rows is None:   # [B, W], no fp32 copy; from the LM head's argmax partials where it writes them
+        if rows is None:   # [B, W], no fp32 copy
             target_pick = self.target.compute_greedy(verified.hidden, verified.delta)[1]
             accepted = d == target_pick[:, :-1]
         else:
@@ -397,8 +381,6 @@ class Steps:
 
         commit = a + 1
         self.target.commit(self.tcache, inp.slots, commit)
-        if not self.commit_overlap:
-            self.draft.inject_context(torch.cat(verified.aux, dim=-1), self.dcache, inp.slots, s, commit)
         w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final

@@ -2,7 +2,7 @@
 
 Why: with programmatic dependent launch a kernel starts while its predecessor still runs and then
 waits for it, so the profiler's per-kernel durations include that wait and add up to more than the
-replay (session 7's decode: 868 us of kernel time in a 0.75 ms replay). What a kernel costs the
+replay (a batch-1 decode: 868 us of kernel time in a 0.75 ms replay). What a kernel costs the
 step is how far it pushes the end of the GPU timeline past every kernel that started before it:
 walking a replay's kernels in start order with the latest end seen so far (the frontier), a kernel
 adds ``max(0, end - max(frontier, start))``, and a start past the frontier leaves the GPU idle for

@@ -18,16 +18,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lfmspark.ops.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
-from lfmspark.ops.markov_walk_jacobi import _markov_walk_jacobi_kernel
-from lfmspark.ops.markov_walk_persistent import _markov_walk_persistent_kernel
-from lfmspark.ops.skinny_linear import _gemv_kernel, _skinny_linear_kernel
-from lfmspark.ops.swiglu_gemv import _swiglu_gemv_kernel
+from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
+from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
+from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
+from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
 
 # pointer parameters by name (every other pointer: bf16)
-INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "gi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
+INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
             "tok_ptr": "*i64", "stats_ptr": "*i64"}
-F32_PTRS = {"ws_ptr", "pv_ptr", "gv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
+F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
 
 
 def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) -> None:
@@ -44,7 +43,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
             sig[n] = "i32"
     k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "ARGMAX", "WEIGHT_EVICT", "RESIDENT", "GUESSED", "W2_EVICT")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
 
 
@@ -55,29 +54,25 @@ def main() -> None:
     for swiglu in (False, True):
         compile_one(_add_rmsnorm_gemv_kernel, dict(HAS_DELTA=True, SWIGLU=swiglu, SCALE_LAST=True, BLOCK_N=4, BLOCK_K=2048,
                                                    EVEN_K=True, PDL=2))
-    compile_one(_swiglu_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=False, PDL=2))
     for split in (False, True):
-        for am, sw in ((False, False), (True, False), (False, True)):
-            compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=split, SWAP_AB=True,
+        for sw in (False, True):
+            compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=split,
                                                     SWIGLU=sw, TWO_WEIGHTS=False, ADD_NORM=False, ROW_NORM=True, SSQ_TILES=32,
-                                                    ARGMAX=am, WEIGHT_EVICT="evict_first", DOT_PRECISION="tf32", UPCAST=False,
-                                                    PDL=1), num_stages=4)
-    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True, SWAP_AB=True,
+                                                    DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=4)
+    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=True, ADD_NORM=False, ROW_NORM=False, SSQ_TILES=2,
-                                            ARGMAX=False, WEIGHT_EVICT="", DOT_PRECISION="tf32", UPCAST=False, PDL=1))
-    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True, SWAP_AB=True,
+                                            DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
-                                            ARGMAX=False, WEIGHT_EVICT="evict_first", DOT_PRECISION="tf32", UPCAST=False, PDL=1))
-    for resident, guessed, ev in ((2, False, ""), (2, False, "evict_last"), (2, True, ""), (2, True, "evict_last"),
-                                  (1, True, "evict_last"), (0, True, "evict_last")):
+                                            DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,
                                                      RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,
-                                                     GUESSED=guessed, BLOCK_G=256, ROUND=1, DOT_PRECISION="tf32",
-                                                     UPCAST=False, W2_EVICT=ev, POLL_ASM=True, PDL=True), num_warps=8)
-    for ev in ("", "evict_last"):
-        compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
-                                                         STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
-                                                         UPCAST=False, W2_EVICT=ev, POLL_ASM=True, PDL=True), num_warps=8)
+                                                     ROUND=1, DOT_PRECISION="tf32", UPCAST=False, COUNT_PASSES=count,
+                                                     POLL_ASM=True, PDL=True), num_warps=8)
+    compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
+                                                     STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
+                                                     UPCAST=False, POLL_ASM=True, PDL=True), num_warps=8)
 
 
 if __name__ == "__main__":

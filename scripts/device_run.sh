@@ -41,9 +41,6 @@ for step in $STEPS; do
     skinny)
       timeout ${T_SKINNY:-60} python3 benchmarks/kernels/skinny_linear.py ${SKINNY_ARGS:-} --json $RUN/skinny.json 2>&1 \
         | tee $RUN/skinny.log | tail -${SKINNY_LINES:-32} ;;
-    ffnprobe)  # the one-launch feed-forward probe (docs/benchmarks.md, session 18): check, then time against two launches
-      timeout ${T_FFN:-150} python3 benchmarks/kernels/ffn_fused_probe.py --check --time ${FFN_ARGS:---group 1,2,4 --block-n 32,64 --prefetch 0,1 --num-warps 4,8} \
-        --json $RUN/ffn_fused.json 2>&1 | tee $RUN/ffn_fused.log | tail -${FFN_LINES:-45} ;;
     fusednorm)
       timeout ${T_FUSEDNORM:-90} python3 benchmarks/kernels/add_rmsnorm_gemv.py ${FUSEDNORM_ARGS:-} --json $RUN/fused_norm.json \
         2>&1 | tee $RUN/fused_norm.log | tail -${FUSEDNORM_LINES:-30} ;;
@@ -68,25 +65,22 @@ for step in $STEPS; do
           --json $RUN/ab_$name.json > $RUN/ab_$name.log 2>&1 || tail -20 $RUN/ab_$name.log
       done
       python3 scripts/ab_summary.py $RUN/ab_*.json | tee $RUN/ab_summary.txt ;;
-    allocprobe)  # the allocator-state slowdown (docs/benchmarks.md, sessions 12-13): one process per variant,
-                 # ALLOC_VARIANTS="name|ENV=1|probe args;name2|...", default: PDL on / off, the round, and a
-                 # synthetic 100-launch chain graph with and without PDL (no lfmspark model)
-      IFS=';' read -ra variants <<< "${ALLOC_VARIANTS:-pdl|LFMSPARK_PDL=1|;nopdl|LFMSPARK_PDL=0|;round|LFMSPARK_PDL=1|--draft;micro|LFMSPARK_PDL=1|--micro;micronopdl|LFMSPARK_PDL=1|--micro --no-pdl}"
-      for v in "${variants[@]}"; do
-        IFS='|' read -r name envs extra <<< "$v"
-        echo "--- $name ($envs $extra)"
-        env $envs timeout ${T_ALLOC:-120} python3 scripts/alloc_state_probe.py --preset lfm2.5-1.2b $extra \
-          --json $RUN/alloc_$name.json 2>&1 | tee $RUN/alloc_$name.log | grep -E "step|Error" | cut -c1-120
-      done ;;
-    normprobe)  # the round with the norm kernels removed (timing only; scripts/norm_removal_probe.py), NORM_MODES;
-                # LFMSPARK_NORM_CARRY from NORM_CARRY, default 0 (what `remaining` measures against)
-      for mode in ${NORM_MODES:-none remaining}; do
-        echo "--- $mode"
-        LFMSPARK_NORM_CARRY=${NORM_CARRY:-0} timeout ${T_NORM:-150} python3 scripts/norm_removal_probe.py $mode bench --preset lfm2.5-1.2b --batch-sizes 1 \
-          --runs 2 --no-hf --no-phase-split --imposed-acceptance 0.8 --profile-dir $RUN/profile_norm_$mode \
-          --json $RUN/norm_$mode.json > $RUN/norm_$mode.log 2>&1 || tail -20 $RUN/norm_$mode.log
+    oldnew)  # the benchmark on another checkout (OLD_TREE, carried: e.g. `git archive COMMIT | tar x -C .devrun/old`)
+             # and on this one, in one call: LFM2.5-1.2B batch 1 and 8, LFM2-8B-A1B batch 1, imposed 0.8, no HF;
+             # each tree installed in turn, each with its own compile cache
+      for tree in ${OLD_TREE:-.devrun/old} .; do
+        name=$([ "$tree" = . ] && echo new || echo old)
+        python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_$name.log 2>&1 || { tail $RUN/install_$name.log; continue; }
+        for preset in lfm2.5-1.2b:1,8 lfm2-8b-a1b:1; do
+          p=${preset%%:*}; b=${preset#*:}
+          echo "--- $name $p $b"
+          (cd $tree && LFMSPARK_CACHE_DIR=/tmp/oldnew_$name TORCHINDUCTOR_CACHE_DIR=/tmp/oldnew_$name timeout ${T_OLDNEW:-240} \
+            python3 -m lfmspark.runtime.cli bench --preset $p --batch-sizes $b --runs 2 --no-hf --no-phase-split \
+            --imposed-acceptance 0.8 --json $RUN/oldnew_${name}_$p.json > $RUN/oldnew_${name}_$p.log 2>&1) \
+            || tail -20 $RUN/oldnew_${name}_$p.log
+        done
       done
-      python3 scripts/ab_summary.py $RUN/norm_*.json | tee $RUN/norm_summary.txt ;;
+      python3 scripts/ab_summary.py $RUN/oldnew_*.json | tee $RUN/oldnew_summary.txt ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac

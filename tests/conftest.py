@@ -32,3 +32,14 @@ def pytest_collection_modifyitems(config, items):
 def triton_device() -> str:
     """Where the Triton kernels run in this session: ``cuda`` if present, else the interpreter on CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _environment_read_fresh():
+    """lfmspark reads its ``LFMSPARK_*`` variables once (lfmspark/environment.py): a test that changes
+    them calls ``environment.reload()`` (``set_env`` in env_vars.py), and the next test, whose
+    monkeypatch has undone the change, reads them afresh."""
+    yield
+    from lfmspark import environment
+
+    environment.environment.cache_clear()

@@ -130,3 +130,21 @@ def random_tiny_draft_with_context(block: int = 4):
     with torch.no_grad():
         draft.inject_context(aux, cache, slot, torch.zeros_like(start), start)
     return draft, cache, slot, start
+
+
+class TapsNeverReadyEarly:
+    """A target stand-in whose verify never offers its taps before the last layer: the draft's
+    context injection then forks at the commit (``Steps.round_commit``'s fallback). Everything else
+    is the target's."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def taps_ready(self, fwd):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target(*args, **kwargs)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lfmspark.environment import VARIABLES
 from lfmspark.runtime.cli import main
 
 
@@ -19,7 +20,7 @@ def lfmspark(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, monkeypatch):
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
+    monkeypatch.setenv("LFMSPARK_TUNE", "gemv.block_k=1024")   # recorded, and harmless on a CPU
     out = tmp_path / "bench.json"
     code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "11",
                  "--runs", "1", "--imposed-acceptance", "0.5", "--imposed-acceptance", "1", "--device", "cpu",
@@ -28,7 +29,8 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     report = json.loads(out.read_text())
     assert report["schema"] == 2
     assert {"date", "command", "torch", "transformers", "lfmspark", "device"} <= set(report["environment"])
-    assert report["environment"]["switches"]["LFMSPARK_FUSED_NORM"] == "1"
+    variables = report["environment"]["variables"]       # every LFMSPARK_* variable set, e.g. a cache dir
+    assert variables["LFMSPARK_TUNE"] == "gemv.block_k=1024" and set(variables) <= set(VARIABLES)
     assert report["environment"]["pdl"] is False  # CPU
     assert report["models"] == "preset tiny + tiny-dspark"
     assert report["imposed_acceptance"] == [[0.5] * 4, [1.0] * 4]

@@ -13,6 +13,7 @@ from lfmspark.models.config import DraftConfig
 from lfmspark.models.dspark import greedy_pick
 from lfmspark.models.presets import random_draft
 from reference_dspark import reference_block
+from env_vars import interpret_triton
 
 V, H, TAPS = 96, 32, 3
 
@@ -131,7 +132,7 @@ def test_greedy_pick_walk_gives_the_argmax_walk(head, monkeypatch):
     with torch.no_grad():
         general = draft.walk(base, h, anchor, lambda k, logits: logits.argmax(-1))
         greedy = draft.walk(base, h, anchor, greedy_pick)
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")        # the ops on their Triton kernels
+        interpret_triton(monkeypatch)        # the ops on their Triton kernels
         greedy_triton = draft.walk(base, h, anchor, greedy_pick)
     assert general.logits is not None and general.confidence is not None
     assert torch.equal(greedy.tokens, general.tokens) and torch.equal(greedy_triton.tokens, general.tokens)

@@ -1,19 +1,19 @@
 """The draft layer's fused q/K/V path (models/dspark.py ``DraftLayer.forward``): one
 ``lfmspark::skinny_linear_pair`` over ``q_proj`` and the layer's ``kv_proj`` slice, then one
-``lfmspark::qkv_window_attention`` (or ``lfmspark::qkv_norm_rope_write`` and the attention, with
-``LFMSPARK_WINDOW_ATTENTION=0``), against the unfused path it replaces (two products, the
+``lfmspark::qkv_window_attention`` (or ``lfmspark::qkv_norm_rope_write`` and the attention, the
+route of longer windows), against the unfused path it replaces (two products, the
 ``q_norm`` module, ``apply_rope``, ``lfmspark::kv_norm_rope_write``) and the cache-free oracle
 (tests/reference_dspark.py): the block's hidden states, the K/V it writes to the draft cache, the
 proposals, and which ops ran.
 
-The fused path is taken on the skinny route (2-16 rows), which :func:`_routed_to_skinny` grants on
+The fused path is taken on the skinny route (2-16 rows), which ops/routing.py grants on
 CUDA only, so the CPU tests route rows as CUDA does by default (1-16 rows; the predicate
 monkeypatched, as tests/models/test_fused_norm.py does); the unfused path is today's code, reached
 by making ``linear_pair`` decline. With the ops' CPU references the two paths are bit-identical:
 the products are the same ``F.linear`` calls, and the op's reference is the unfused RMSNorm and
 RoPE. On the Triton kernels (interpreter; CUDA in the ``gpu`` tests) the products' summation order
 and the kernel's reductions differ, so results agree to rounding. The norms between layers
-(``LFMSPARK_NORM_CARRY``, which would feed the pair a carried norm) stay off here:
+(a ``NormedCarry``, which would feed the pair a carried norm) stay off here:
 tests/models/test_norm_carry.py covers them.
 """
 
@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from eager_ops import EagerOpRecorder
+from lfmspark.ops import routing
 from lfmspark.models import dspark, layers
 from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import DraftConfig
 from lfmspark.models.presets import random_draft
-from lfmspark.ops.window_attention import window_attention_requested
 from reference_dspark import reference_block
+from env_vars import interpret_triton
 
 V, H, TAPS = 96, 32, 3
 PAIR, QKV, KV = ("lfmspark.skinny_linear_pair.default", "lfmspark.qkv_norm_rope_write.default",
@@ -42,7 +43,15 @@ WINDOW = "lfmspark.qkv_window_attention.default"
 
 @pytest.fixture(autouse=True)
 def _no_norm_carry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_NORM_CARRY", "0")
+    """The layers hand on pending deltas, not carried norms (the next norm's weight withheld), so
+    the two paths' outputs compare as tensors; tests/models/test_norm_carry.py covers the carry."""
+    forward = dspark.DraftLayer.forward
+
+    def without_next_norm(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start, lens,
+                          next_norm=None):
+        return forward(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start, lens)
+
+    monkeypatch.setattr(dspark.DraftLayer, "forward", without_next_norm)
 
 
 def _config(neox: bool = False, block: int = 5, heads: int = 4, head_dim: int = 8, hidden: int = H) -> DraftConfig:
@@ -87,9 +96,16 @@ def _with_context(draft, cfg: DraftConfig, dtype: torch.dtype, device: str, leng
     return cache, feats, slots_t, start
 
 
+def _route_windows(m: pytest.MonkeyPatch, window: str) -> None:
+    """``window == "0"``: every attention window on the two launches (qkv_norm_rope_write +
+    cache_attention), the path longer windows take."""
+    if window == "0":
+        m.setattr(dspark, "window_attention", lambda *args: False)
+
+
 def _route_few_rows(m: pytest.MonkeyPatch) -> None:
     """CUDA's default routing on the CPU: 1-16 rows on the skinny ops (their CPU implementations)."""
-    m.setattr(layers, "_routed_to_skinny", lambda x: 1 <= x.numel() // x.shape[-1] <= 16)
+    m.setattr(routing, "product_kernels", lambda x: True)
 
 
 def _block(draft, cache: DraftCache, anchors, slots, start, fused: bool, monkeypatch: pytest.MonkeyPatch,
@@ -108,11 +124,11 @@ def _block(draft, cache: DraftCache, anchors, slots, start, fused: bool, monkeyp
     return x, delta, c.k, c.v, ops
 
 
-def _check_ops(ops, fused: bool, n_layers: int) -> None:
-    """Fused: one pair product and one qkv op per layer (the window attention, which includes it, with
-    ``LFMSPARK_WINDOW_ATTENTION=1``), no K/V write of its own; unfused the reverse. Either way the
-    block's ``lens`` is made once, not per layer."""
-    window = fused and window_attention_requested()
+def _check_ops(ops, fused: bool, n_layers: int, window: bool = True) -> None:
+    """Fused: one pair product and one qkv op per layer (the window attention, which includes it,
+    unless ``window`` is off), no K/V write of its own; unfused the reverse. Either way the block's
+    ``lens`` is made once, not per layer."""
+    window = fused and window
     assert ops[PAIR] == (n_layers if fused else 0)
     assert ops[WINDOW] == (n_layers if window else 0)
     assert ops[QKV] == (n_layers if fused and not window else 0)
@@ -136,15 +152,15 @@ def test_fused_path_is_the_unfused_path_on_the_references(monkeypatch: pytest.Mo
                                                           neox: bool, window: str) -> None:
     """Two rows of a 5-token block (10 rows: the skinny route): hidden states and both caches
     bit-identical, the block's K/V really written, the ops as expected; with and without the window
-    attention (``LFMSPARK_WINDOW_ATTENTION``)."""
-    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
+    attention (the two-launch path forced by patching the route)."""
+    _route_windows(monkeypatch, window)
     cfg = _config(neox=neox)
     draft, _, _ = _draft(cfg, dtype, "cpu", seed=3 + neox)
     lengths, slots, anchors = _rows("cpu", 2)
     cache, _, slots_t, start = _with_context(draft, cfg, dtype, "cpu", lengths, slots)
     x_f, d_f, k_f, v_f, ops_f = _block(draft, cache, anchors, slots_t, start, True, monkeypatch)
     x_u, d_u, k_u, v_u, ops_u = _block(draft, cache, anchors, slots_t, start, False, monkeypatch)
-    _check_ops(ops_f, True, cfg.num_hidden_layers)
+    _check_ops(ops_f, True, cfg.num_hidden_layers, window == "1")
     _check_ops(ops_u, False, cfg.num_hidden_layers)
     assert torch.equal(x_f, x_u) and torch.equal(d_f, d_u)
     assert torch.equal(k_f, k_u) and torch.equal(v_f, v_u)
@@ -175,15 +191,15 @@ def test_fused_path_on_the_triton_kernels(monkeypatch: pytest.MonkeyPatch, neox:
     one to rounding (hidden states, written K/V), and its proposals with the cache-free oracle.
     q widths of 32 (the pair's tiles narrowed to 32 columns) and 64; the 64 also without the window
     attention."""
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
-    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
+    interpret_triton(monkeypatch)
+    _route_windows(monkeypatch, window)
     cfg = _config(neox=neox, heads=heads, head_dim=head_dim)
     draft, embed, lm_head = _draft(cfg, torch.float32, "cpu", seed=5)
     lengths, slots, anchors = _rows("cpu", 2)
     cache, feats, slots_t, start = _with_context(draft, cfg, torch.float32, "cpu", lengths, slots)
     x_f, d_f, k_f, v_f, ops_f = _block(draft, cache, anchors, slots_t, start, True, monkeypatch)
     x_u, d_u, k_u, v_u, _ = _block(draft, cache, anchors, slots_t, start, False, monkeypatch)
-    _check_ops(ops_f, True, cfg.num_hidden_layers)
+    _check_ops(ops_f, True, cfg.num_hidden_layers, window == "1")
     for got, want in ((x_f, x_u), (d_f, d_u), (k_f, k_u), (v_f, v_u)):
         assert _rel_err(got, want) < 1e-5, _rel_err(got, want)
     with monkeypatch.context() as m, torch.no_grad():
@@ -225,7 +241,7 @@ def test_fused_path_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: the real routing (LFMSPARK_SKINNY_LINEAR's default), the Triton kernels
+# CUDA: the real routing, the Triton kernels
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -234,7 +250,6 @@ def test_gpu_fused_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, B: 
     """A draft with 2048-wide q (32 heads of 64) and 8 K/V heads, at the round's 10 rows: the
     fused path is taken by default, agrees with the unfused one to rounding (the pair's split-K
     differs from the two products'), and in fp32 its proposals match the cache-free oracle."""
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
     cfg = dataclasses.replace(_config(block=block), hidden_size=512, num_attention_heads=32, num_key_value_heads=8,
                               head_dim=64, intermediate_size=1024)
     draft, embed, lm_head = _draft(cfg, dtype, "cuda", seed=11)

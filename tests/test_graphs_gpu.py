@@ -15,6 +15,8 @@ from lfmspark.graphs.runner import EagerRunner, StepKind
 from lfmspark.models.config import ATTENTION, CONV, DraftConfig, TargetConfig
 from lfmspark.models.presets import random_draft, random_target
 from lfmspark.runtime import Engine, SamplingParams
+from env_vars import set_env
+from spec_fixtures import TapsNeverReadyEarly
 
 pytestmark = pytest.mark.gpu
 
@@ -105,20 +107,19 @@ def test_graph_replay_equals_eager_round(moe, sampling):
                 engine._finish(r, "cancelled")
 
 
-def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does(monkeypatch):
-    """The captured greedy round at batch 1 and 2 runs the Jacobi walk (ops/markov_walk_jacobi.py;
-    rows x slots <= 16 lanes); an eager engine under ``LFMSPARK_WALK=steps`` runs the sequential
+def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
+    """The captured greedy round at batch 1 and 2 runs the Jacobi walk (ops/markov_walk/jacobi.py;
+    rows x slots <= 16 lanes); an eager engine with ``markov_walk="steps"`` runs the sequential
     step kernels. Equal committed tokens and acceptance lengths round after round mean equal draft
     proposals. These models' Markov biases are as large as their logits, so the walk needs several
     passes: the pass tally shows the correction passes ran inside the graphs."""
-    from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts
+    from lfmspark.ops.markov_walk.jacobi import jacobi_pass_counts
 
-    monkeypatch.delenv("LFMSPARK_WALK", raising=False)
     target, draft = small_models()
     graph_engine = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2])
+    graph_engine.steps.count_walk_passes = True
     graph_engine.warmup(progress=False, sampling=False)
-    eager_engine = Engine(target, draft, max_batch=2, max_seq_len=256, cuda_graphs=False)
-    monkeypatch.setenv("LFMSPARK_WALK", "steps")            # read at launch: the eager rounds only
+    eager_engine = Engine(target, draft, max_batch=2, max_seq_len=256, cuda_graphs=False, markov_walk="steps")
     for n in (1, 2):
         g_slots = prefill_rows(graph_engine, n, False)
         e_slots = prefill_rows(eager_engine, n, False)
@@ -131,66 +132,36 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does(monkeypatch):
                 engine._finish(r, "cancelled")
 
 
-def test_head_argmax_partials_change_no_token(monkeypatch):
-    """``LFMSPARK_HEAD_ARGMAX=1`` (the default; models/layers.py ``head_logits``): in the captured
-    greedy round at batch 1 and 2 both LM heads write argmax partials (ops/head_argmax.py; this
-    model's 512-token head is split-K, so the partials come from the fix-up), the verify's picks and
-    the Jacobi walk's guesses are read from them. Against the same captured rounds with the switch
-    off (``argmax_rows`` and the walk's own guess pass): equal committed tokens and acceptance
-    lengths round after round, in bf16, the served dtype."""
-    import lfmspark.ops.head_argmax as head_argmax
-
-    calls = []
-    traced = head_argmax.skinny_linear_argmax_triton
-    monkeypatch.setattr(head_argmax, "skinny_linear_argmax_triton", lambda *a, **k: calls.append(1) or traced(*a, **k))
-    monkeypatch.delenv("LFMSPARK_WALK", raising=False)
-    target, draft = small_models(dtype=torch.bfloat16)
-    engines = {}
-    for on in (True, False):
-        monkeypatch.setenv("LFMSPARK_HEAD_ARGMAX", "1" if on else "0")   # read at trace time
-        engines[on] = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2])
-        before = len(calls)
-        engines[on].warmup(progress=False, sampling=False)
-        assert (len(calls) > before) == on       # the warm-up's rounds ran the op, or did not
-    for n in (1, 2):
-        slots = {on: prefill_rows(engine, n, False) for on, engine in engines.items()}
-        same_rounds(engines[True], engines[False], slots[True], slots[False], False, rounds=8)
-        for engine in engines.values():
-            for r in list(engine._active):
-                engine._finish(r, "cancelled")
-
-
-@pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_overlapped_commit_graphs_match_the_plain_round(monkeypatch, sampling, mode):
-    """LFMSPARK_COMMIT_OVERLAP=1 (runtime/steps.py, Steps.round_commit): the captured round forks the
-    draft's context injection onto a side stream beside the LM head and acceptance and joins it
-    back; with early (Steps.round_verify) it forks after the verify's last tapped layer (4 of 6:
-    before layer 5, the norm carry's sum being the tap). Replayed, it gives the switch-off graphs'
-    tokens, state and committed caches bit for bit.
+def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, sampling):
+    """runtime/steps.py: the captured round forks the draft's context injection onto a side stream
+    after the verify's last tapped layer (4 of 6: before layer 5, the norm carry's sum being the tap)
+    and joins it at the commit. Replayed, it gives the tokens, state and committed caches of graphs
+    whose injection forks at the commit, bit for bit.
     Split-K on both streams at once: the injection's fc (6 rows x 1024 -> 256) splits by default,
     and LFMSPARK_TUNE splits the target LM head (and the draft's, the same weight) in two, so the
-    concurrent launches must keep to their own arrival counters (ops/skinny_linear.py)."""
-    from lfmspark.ops.skinny_linear import swap_ab_config
+    concurrent launches must keep to their own arrival counters (ops/linear/skinny_linear.py)."""
+    from lfmspark.ops.linear.skinny_linear import swap_ab_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert swap_ab_config(6, 256, 1024, 4, sms).split_k > 1               # the fc at batch 1
-    monkeypatch.setenv("LFMSPARK_TUNE", "tile@512x256.split_k=2")         # the LM head [512, 256]
+    set_env(monkeypatch, TUNE="tile@512x256.split_k=2")                   # the LM head [512, 256]
     target, draft = small_models(taps=(0, 2, 3, 4))
     engines, early_forks = {}, []
-    for overlap in (True, False):
-        monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", mode if overlap else "0")
-        engines[overlap] = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4])
-        if overlap:   # what the verify did when each graph was captured
-            verify = engines[overlap].steps.round_verify
-            engines[overlap].steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
-        engines[overlap].warmup(progress=False, sampling=sampling)
+    for early in (True, False):
+        engines[early] = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4])
+        if early:   # what the verify did when each graph was captured
+            verify = engines[early].steps.round_verify
+            engines[early].steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
+        else:
+            engines[early].steps.target = TapsNeverReadyEarly(target)
+        engines[early].warmup(progress=False, sampling=sampling)
     on, off = engines[True], engines[False]
-    assert on.steps.side_stream is not None and off.steps.side_stream is None
+    assert on.steps.side_stream is not None and off.steps.side_stream is not None
     # early forks where the last tap is a tensor already: the norm carry's sum, at the skinny products'
     # row counts (batch 1 and 2: 6 and 12 rows); at batch 4 (24 rows) the pending add is a tensor
-    # until the next layer runs, which is the last one here, so the fork waits for the commit, as with 1
-    assert (True in early_forks) is (mode == "early") and False in early_forks
+    # until the next layer runs, which is the last one here, so the fork waits for the commit
+    assert True in early_forks and False in early_forks
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
         slots = prefill_rows(on, n, sampling)
         assert prefill_rows(off, n, sampling) == slots
@@ -255,8 +226,7 @@ def test_bf16_speculation_identity_rate():
     """In bf16 the verify GEMMs batch differently from decode, so greedy identity with target-only
     is reported, not required; it must still be high for these small models at batch 8 (8/8 on the
     H200 in session 14). At batch 1 (one-row GEMVs against the verify's 10-row tiles) it is low on
-    these models, 1-2 of 8 sequences over 48 tokens, with or without ``LFMSPARK_NORM_EPILOGUE``
-    (docs/benchmarks.md, session 14), so it is not asserted there."""
+    these models, 1-2 of 8 sequences over 48 tokens, so it is not asserted there."""
     target, draft = small_models(dtype=torch.bfloat16)
     prompts = [[i, i + 1, i + 2] for i in range(8)]
     params = SamplingParams(max_new_tokens=48)

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import lfmspark.ops.moe as moe
-from lfmspark.ops.cache_attention import plan_launch
-from lfmspark.ops.window_attention import fits_window, launch_variant, window_block
+from lfmspark.ops.attention.cache_attention import plan_launch
+import lfmspark.ops.attention.window_attention as window_attention_module
+from lfmspark.ops.attention.window_attention import launch_variant, window_block
+from lfmspark.ops.routing import window_attention
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.models.presets import target_preset
 from lfmspark.runtime.engine import prefill_variants, prefill_warm_shapes
@@ -44,11 +46,12 @@ def test_every_prefill_shape_uses_an_attention_variant_the_warmup_compiled(heads
 def test_the_attention_variant_names_the_kernel_and_its_window_block(monkeypatch: pytest.MonkeyPatch, window: str):
     """A group of 3: 9-row windows of 11-16 and 17-21 tokens share a launch plan but not the window
     kernel's token block, so the warm-up must tell them apart (and cover both)."""
-    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", window)
+    if window == "0":   # every window on the two launches: no window kernel to tell apart
+        monkeypatch.setattr(window_attention_module, "window_attention", lambda *args: False)
     H, n_kv, hd, cache, sms = 24, 8, 64, 1024, 132
     plan = lambda r, n: plan_launch(r, n, H, n_kv, hd, cache, 2, sms).variant      # noqa: E731
     variant = lambda r, n: launch_variant(r, n, H, n_kv, hd, cache, 2, sms)        # noqa: E731
-    assert plan(9, 16) == plan(9, 17) and fits_window(17, H, n_kv) and window_block(16) != window_block(17)
+    assert plan(9, 16) == plan(9, 17) and window_attention(17, H, n_kv) and window_block(16) != window_block(17)
     assert (variant(9, 16) != variant(9, 17)) == (window == "1")
     assert variant(9, 30) == ("cache", plan(9, 30))                               # past one row tile
     warmed = {variant(r, n) for r, n in prefill_warm_shapes(16, cache, [variant])}

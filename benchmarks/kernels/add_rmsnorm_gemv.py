@@ -1,7 +1,7 @@
 """Microbenchmark: ``lfmspark::add_rmsnorm_gemv`` (residual add + RMSNorm + one-row GEMV, or the
 SwiGLU gate/up GEMV, in one kernel) against the unfused decode path it replaces: the add and
 RMSNorm as one Inductor kernel (what the compiled layer runs: ``s = h + delta`` and the normalised
-row) followed by ``lfmspark::skinny_linear`` / ``lfmspark::swiglu_gemv`` (bf16, batch 1).
+row) followed by ``lfmspark::skinny_linear`` / ``lfmspark::skinny_swiglu`` (bf16, batch 1).
 
 Shapes: the one-row products that follow a norm in LFM2.5-1.2B (``in_proj``, ``qkv_proj``, the
 gate/up GEMV, the LM head; K = 2048) and LFM2-350M (K = 1024), plus LFM2-2.6B's wider FFN.
@@ -29,7 +29,7 @@ import json
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.add_rmsnorm_gemv import add_rmsnorm_gemv_triton, launch_params, rmsnorm_reference
+from lfmspark.ops.linear.add_rmsnorm_gemv import add_rmsnorm_gemv_triton, launch_params, rmsnorm_reference
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -86,7 +86,7 @@ def _fused(h, delta, norm_weight, swiglu, **launch):
 
 
 def _unfused(h, delta, norm_weight, swiglu):
-    gemv = torch.ops.lfmspark.swiglu_gemv if swiglu else torch.ops.lfmspark.skinny_linear
+    gemv = torch.ops.lfmspark.skinny_swiglu if swiglu else torch.ops.lfmspark.skinny_linear
 
     def one(w):
         _, x = _add_rmsnorm(h, delta, norm_weight)
@@ -112,7 +112,7 @@ def run(copy_gbps: float, shapes=tuple(SHAPES)) -> list[dict]:
         rows.append(row("add_rmsnorm_gemv", shape, fused, n_bytes, copy_gbps, block_n=block_n, num_warps=num_warps,
                         rel_err=round(_check(h, delta, norm_weight, weights[0], swiglu), 5)))
         unfused = _per_product_ms(_unfused(h, delta, norm_weight, swiglu), weights)
-        gemv = "swiglu_gemv" if swiglu else "skinny_linear"
+        gemv = "skinny_swiglu" if swiglu else "skinny_linear"
         rows.append(row(f"add+rmsnorm (Inductor) + {gemv}", shape, unfused, n_bytes, copy_gbps,
                         saved_us=round((unfused - fused) * 1e3, 2)))
         del weights

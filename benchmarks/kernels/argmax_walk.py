@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
-from lfmspark.ops.head_argmax import argmax_partials_reference
-from lfmspark.ops.markov_walk_jacobi import jacobi_pass_counts, jacobi_walk_config, markov_greedy_walk_jacobi
-from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig, markov_greedy_walk_persistent
+from lfmspark.ops.markov_walk.op import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
+from lfmspark.ops.markov_walk.jacobi import jacobi_pass_counts, jacobi_walk_config, markov_greedy_walk_jacobi
+from lfmspark.ops.markov_walk.persistent import PersistentWalkConfig, markov_greedy_walk_persistent
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -65,14 +64,14 @@ def sweep(batches: list[int]) -> list[dict]:
         base = torch.randn(B, G, V, device=dev).bfloat16()          # the LM head's own output dtype
         anchor = torch.randint(0, V, (B,), device=dev)
         default = walk_config(B, V, RANK)
-        want = markov_greedy_walk_triton(base, anchor, w1, w2, default)
+        want = markov_greedy_walk_triton(base, anchor, w1, w2, config=default)
         for block_v in (64, 128, 256):
             for block_r in (64, 128, 256):
                 for num_warps in (4, 8):
                     cfg = WalkConfig(block_v=block_v, block_r=block_r, num_warps=num_warps)
                     try:
-                        same = torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, cfg), want)
-                        us = time_ms(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, cfg)) * 1e3
+                        same = torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, config=cfg), want)
+                        us = time_ms(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, config=cfg)) * 1e3
                     except Exception as exc:  # e.g. out of registers / shared memory: report, go on
                         rows.append({"B": B, "config": str(cfg), "error": type(exc).__name__})
                         continue
@@ -108,9 +107,9 @@ def persistent_sweep(batches: list[int]) -> list[dict]:
         anchor = torch.randint(0, V, (B,), generator=g).to(dev)
         want = markov_greedy_walk_reference(base.cpu().float(), anchor.cpu(), w1.cpu(), w2.cpu())
         steps = walk_config(B, V, RANK)
-        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
+        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, config=steps), flush_src, flush_dst)
         rows.append({"B": B, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2),
-                     "same_tokens": torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, steps).cpu(), want)})
+                     "same_tokens": torch.equal(markov_greedy_walk_triton(base, anchor, w1, w2, config=steps).cpu(), want)})
         for cfg in configs:
             try:
                 same = torch.equal(markov_greedy_walk_persistent(base, anchor, w1, w2, cfg).cpu(), want)
@@ -131,9 +130,7 @@ def jacobi_compare() -> list[dict]:
     state: biases ~0.006 against logits ~0.9, so the bias rarely moves an argmax) and the
     order-independent test weights (biases as large as the logits: many passes). Tokens are
     compared with the persistent walk's, whose per-slot numerics the Jacobi walk shares. The Jacobi
-    rows run its default config with the guess pass and with the LM head's argmax partials
-    (``guesses``: what ``skinny_linear_argmax`` writes at 128-column tiles), then the other configs
-    with the partials."""
+    rows run its default config, then others."""
     dev, rows = "cuda", []
     g = torch.Generator().manual_seed(0)
     flush_src = torch.empty(64 * 2 ** 20, device=dev, dtype=torch.float32)
@@ -146,24 +143,21 @@ def jacobi_compare() -> list[dict]:
                        torch.randint(-40, 41, (1, G, V), generator=g) / 4),
     }
     default = jacobi_walk_config()
-    variants = [(default, False), (default, True)]
-    variants += [(PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw), True)
-                 for bv, res, nw in [(256, 1, 8), (128, 2, 16), (128, 1, 8)]]
+    variants = [default] + [PersistentWalkConfig(block_v=bv, resident=res, num_warps=nw)
+                            for bv, res, nw in [(256, 1, 8), (128, 2, 16), (128, 1, 8)]]
     persistent = PersistentWalkConfig(block_v=256, resident=1, num_warps=8)
     for kind, (w1, w2, base) in kinds.items():
         w1, w2, base = w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), base.to(dev, torch.bfloat16)
-        head = tuple(t.contiguous() for t in argmax_partials_reference(base.view(G, V), 128))
         want = markov_greedy_walk_persistent(base, anchor, w1, w2, persistent)
         steps = walk_config(1, V, RANK)
-        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, steps), flush_src, flush_dst)
+        us = _cold_l2_us(lambda: markov_greedy_walk_triton(base, anchor, w1, w2, config=steps), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "steps", "config": str(steps), "us_per_walk": round(us, 2)})
         us = _cold_l2_us(lambda: markov_greedy_walk_persistent(base, anchor, w1, w2, persistent), flush_src, flush_dst)
         rows.append({"weights": kind, "kernel": "persistent", "config": str(persistent), "us_per_walk": round(us, 2)})
-        for cfg, guess in variants:
+        for cfg in variants:
             def walk():
-                return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, guesses=head if guess else None)
-            label = {"weights": kind, "kernel": "jacobi", "config": str(cfg),
-                     "guesses": "head partials" if guess else "pass 0"}
+                return markov_greedy_walk_jacobi(base, anchor, w1, w2, cfg, count_passes=True)
+            label = {"weights": kind, "kernel": "jacobi", "config": str(cfg)}
             try:
                 before = jacobi_pass_counts()
                 same = torch.equal(walk(), want)

@@ -20,7 +20,7 @@ except ImportError:  # run as a script: python benchmarks/kernels/cache_attentio
     from common import copy_bandwidth_gbps, row, time_ms
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.cache_attention import _sm_count, plan_launch
+from lfmspark.ops.attention.cache_attention import _sm_count, plan_launch
 
 N_HEADS, N_KV, HEAD_DIM = 32, 8, 64
 CACHE_LEN = 8192 + 64

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.rope import rope_cos_sin_table
+from lfmspark.ops.attention.rope import rope_cos_sin_table
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms

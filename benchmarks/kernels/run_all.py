@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import argmax_walk  # noqa: E402
 import cache_attention  # noqa: E402
 import kv_norm_rope_write  # noqa: E402
-import kv_write  # noqa: E402
 import moe  # noqa: E402
 import short_conv  # noqa: E402
 import skinny_linear  # noqa: E402
@@ -30,7 +29,7 @@ def main() -> None:
 
     copy = copy_bandwidth_gbps()
     report = {"copy_gbps": copy, "rows": []}
-    for module in (kv_write, short_conv, kv_norm_rope_write, cache_attention, moe, skinny_linear, argmax_walk):
+    for module in (short_conv, kv_norm_rope_write, cache_attention, moe, skinny_linear, argmax_walk):
         rows = module.run(copy)
         report["rows"] += rows
         print(tabulate(rows, headers="keys"), flush=True)

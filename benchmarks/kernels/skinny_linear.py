@@ -10,11 +10,11 @@ no call finds its weight in L2; the reported time is per product.
 
 The sweep times, at each shape and M: cuBLAS, the default config (``skinny_config``), the swap-AB
 heuristic (``swap_ab_config``, M > 1), then candidate configs until ``--budget`` runs out: a grid
-over the regular ``tl.dot`` kernel and the swap-AB kernel for M > 1 (or the GEMV kernel for M = 1).
+over the swap-AB ``tl.dot`` kernel for M > 1 (the GEMV kernel for M = 1).
 It goes config by config over all the cases (every case holds its weights), so a compiled kernel is
 timed at every shape and split count before the next one is compiled: the budget buys compiles, and
 the sampled configs are measured everywhere. ``--json`` records every timing with its full config
-and a per-case summary (cuBLAS, default, best regular, best swap-AB, swap-AB heuristic).
+and a per-case summary (cuBLAS, default, best GEMV, best swap-AB, swap-AB heuristic).
 
     python benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes --budget 75 --json sweep.json
 
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (SkinnyConfig, skinny_config, skinny_linear_triton, skinny_swiglu_triton,
+from lfmspark.ops.linear.skinny_linear import (SkinnyConfig, skinny_config, skinny_linear_triton, skinny_swiglu_triton,
                                         split_k_plan, swap_ab_config, swiglu_config)
 
 try:
@@ -110,19 +110,15 @@ SPLITS = (1, 2, 4, 8)
 _SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block: larger pipelines cannot launch
 
 
-def _candidates(M: int) -> list[SkinnyConfig]:
-    """The regular kernel's grid (the GEMV kernel's for M = 1)."""
-    if M == 1:  # the tl.dot-free kernel
-        return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=2, gemv=True)
-                for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048), (1, 2, 4), (4, 8))]
-    widths = (16, 32, 64, 128) if M <= 16 else (32, 64, 128)
-    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
-            for bn, bk, sk, nw, ns in itertools.product(widths, (64, 128, 256), SPLITS, (4, 8), (3, 4))]
+def _gemv_candidates() -> list[SkinnyConfig]:
+    """The GEMV kernel's grid (M = 1)."""
+    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=2, gemv=True)
+            for bn, bk, sk, nw in itertools.product((4, 8, 16), (512, 1024, 2048), (1, 2, 4), (4, 8))]
 
 
 def _swap_candidates() -> list[SkinnyConfig]:
     """The swap-AB kernel's grid (M > 1): 64/128-wide weight tiles (wgmma's A operand)."""
-    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns, swap_ab=True)
+    return [SkinnyConfig(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
             for bn, bk, sk, ns, nw in itertools.product((64, 128), (64, 128, 256), SPLITS, (3, 4, 5), (4, 8))]
 
 
@@ -152,19 +148,15 @@ def _groups(configs: list[SkinnyConfig], seed: int = 0) -> list[list[SkinnyConfi
     return groups
 
 
-def _schedule(rows_m: tuple[int, ...], variants: tuple[str, ...]) -> list[tuple[str, list[SkinnyConfig]]]:
-    """``(variant, group)`` in sweep order: the variants' groups interleaved, two swap-AB groups per
-    regular (or GEMV) group, the focus of the sweep. Each config appears once; it is timed at every
-    case it applies to (``_applies``)."""
+def _schedule(rows_m: tuple[int, ...]) -> list[tuple[str, list[SkinnyConfig]]]:
+    """``(variant, group)`` in sweep order: the kernels' groups interleaved, two swap-AB groups per
+    GEMV group. Each config appears once; it is timed at every case it applies to (``_applies``)."""
     queues: dict[str, list[list[SkinnyConfig]]] = {}
     if 1 in rows_m:
-        queues["gemv"] = _groups(_candidates(1))
-    if any(m > 1 for m in rows_m) and "regular" in variants:
-        grids = [_candidates(m) for m in sorted(rows_m) if m > 1]
-        queues["regular"] = _groups(list(dict.fromkeys(itertools.chain(*grids))))
-    if any(m > 1 for m in rows_m) and "swap_ab" in variants:
+        queues["gemv"] = _groups(_gemv_candidates())
+    if any(m > 1 for m in rows_m):
         queues["swap_ab"] = _groups(_swap_candidates())
-    weight = {"swap_ab": 2, "regular": 1, "gemv": 1}
+    weight = {"swap_ab": 2, "gemv": 1}
     order = []
     while any(queues.values()):
         for variant, queue in queues.items():
@@ -175,22 +167,17 @@ def _schedule(rows_m: tuple[int, ...], variants: tuple[str, ...]) -> list[tuple[
 
 
 def _variant(cfg: SkinnyConfig, M: int) -> str:
-    if M == 1 and cfg.gemv:
-        return "gemv"
-    return "swap_ab" if cfg.swap_ab else "regular"
+    return "gemv" if M == 1 and cfg.gemv else "swap_ab"
 
 
 def _applies(cfg: SkinnyConfig, M: int, N: int, K: int, sms: int) -> bool:
     """Whether a grid config is worth timing at this case: the kernel family that M uses (GEMV for
-    M = 1, the tl.dot kernels for M > 1), a tl.dot pipeline that fits in shared memory, regular
-    tiles at least 32 wide for M > 16 (as ``_candidates``), a split count the launcher keeps as
-    asked (otherwise it duplicates a smaller one), and no split when the column tiles alone give two
+    M = 1, the tl.dot kernel for M > 1), a tl.dot pipeline that fits in shared memory, a split
+    count the launcher keeps as asked (otherwise it duplicates a smaller one), and no split when the column tiles alone give two
     programs per SM."""
     if (M == 1) != cfg.gemv:
         return False
     if not cfg.gemv and _smem_bytes(cfg, M) > _SMEM_LIMIT:
-        return False
-    if not cfg.gemv and not cfg.swap_ab and M > 16 and cfg.block_n < 32:
         return False
     if cfg.split_k > 1 and (split_k_plan(K, cfg.block_k, cfg.split_k)[1] != cfg.split_k
                             or -(-N // cfg.block_n) >= 2 * sms):
@@ -202,19 +189,19 @@ def _describe(r: dict) -> str:
     """A timing row's config, short: kernel, block_n, block_k, split_k, num_warps, num_stages."""
     if r["variant"] == "cuBLAS":
         return ""
-    kind = "gemv" if r["gemv"] else "swap" if r["swap_ab"] else "dot"
+    kind = "gemv" if r["gemv"] else "swap"
     return f"{kind} bn{r['block_n']} bk{r['block_k']} sk{r['split_k']} w{r['num_warps']} s{r['num_stages']}"
 
 
 def _summary(rows: list[dict], cases: list[tuple[int, int, int]]) -> list[dict]:
-    """Per case: cuBLAS, the default config, the best regular and swap-AB configs, the swap-AB heuristic."""
+    """Per case: cuBLAS, the default config, the best GEMV and swap-AB configs, the swap-AB heuristic."""
     out = []
     for M, N, K in cases:
         mine = [r for r in rows if (r["M"], r["N"], r["K"]) == (M, N, K) and "us" in r]
         s = {"M": M, "N": N, "K": K}
         for name, pick in [("cuBLAS", lambda r: r["variant"] == "cuBLAS"),
                            ("default", lambda r: r["role"] == "default"),
-                           ("best_regular", lambda r: r["variant"] in ("regular", "gemv")),
+                           ("best_gemv", lambda r: r["variant"] == "gemv"),
                            ("best_swap_ab", lambda r: r["variant"] == "swap_ab"),
                            ("swap_heuristic", lambda r: r["role"] == "swap_heuristic")]:
             best = min((r for r in mine if pick(r)), key=lambda r: r["us"], default=None)
@@ -222,7 +209,7 @@ def _summary(rows: list[dict], cases: list[tuple[int, int, int]]) -> list[dict]:
             if name != "cuBLAS":  # the full repr (SkinnyConfig(block_n=..., ...)) and the short form
                 s[f"{name}_config"] = best and best["config"]
                 s[f"{name}_short"] = best and _describe(best)
-        s["timed_regular"] = sum(r["variant"] in ("regular", "gemv") for r in mine)
+        s["timed_gemv"] = sum(r["variant"] == "gemv" for r in mine)
         s["timed_swap_ab"] = sum(r["variant"] == "swap_ab" for r in mine)
         out.append(s)
     return out
@@ -230,7 +217,7 @@ def _summary(rows: list[dict], cases: list[tuple[int, int, int]]) -> list[dict]:
 
 def sweep(copy_gbps: float, budget_s: float = 480.0, rows_m: tuple[int, ...] = tuple(ROWS),
           shapes: tuple[tuple[int, int], ...] = tuple(SHAPES),
-          variants: tuple[str, ...] = ("regular", "swap_ab"), iters: int = 25) -> tuple[list[dict], list[dict]]:
+          iters: int = 25) -> tuple[list[dict], list[dict]]:
     """Time cuBLAS, the default config and the swap-AB heuristic at every case, then the grid
     (``_schedule``) until ``budget_s`` seconds have gone on it (compiles included); returns every
     timing (with its full config) and the per-case summary."""
@@ -260,11 +247,11 @@ def sweep(copy_gbps: float, budget_s: float = 480.0, rows_m: tuple[int, ...] = t
         record(F.linear, M, N, K, "cuBLAS", "cuBLAS")
         cfg = skinny_config(M, N, K, DTYPE.itemsize, sms)
         record(skinny(cfg), M, N, K, _variant(cfg, M), "default", cfg)
-        if M > 1 and "swap_ab" in variants:
+        if M > 1:
             cfg = swap_ab_config(M, N, K, DTYPE.itemsize, sms)
             record(skinny(cfg), M, N, K, "swap_ab", "swap_heuristic", cfg)
     t0 = time.time()
-    for variant, group in _schedule(rows_m, variants):
+    for variant, group in _schedule(rows_m):
         if time.time() - t0 > budget_s:
             break
         for (M, N, K), cfg in itertools.product(cases, group):
@@ -283,7 +270,7 @@ def print_sweep(rows: list[dict], summary: list[dict]) -> None:
     for s in summary:
         ok = sorted((r for r in rows if (r["M"], r["N"], r["K"]) == (s["M"], s["N"], s["K"]) and "us" in r),
                     key=lambda r: r["us"])
-        top = [r for v in ("regular", "gemv", "swap_ab") for r in [x for x in ok if x["variant"] == v][:3]]
+        top = [r for v in ("gemv", "swap_ab") for r in [x for x in ok if x["variant"] == v][:3]]
         fixed = [r for r in ok if r["role"] != "candidate" and r not in top]
         print(tabulate([{**{k: r.get(k) for k in keep}, "config": _describe(r)}
                         for r in sorted(top + fixed, key=lambda r: r["us"])], headers="keys"))
@@ -311,7 +298,7 @@ def _swiglu_applies(cfg: SkinnyConfig, M: int, F_: int, K: int, sms: int) -> boo
     """Whether a swap-AB grid config is worth timing on the fused op: both weight tiles' pipeline
     fits in shared memory, and a split count the launcher keeps, only when the ``F / BLOCK_N``
     programs alone give less than two per SM (as ``_applies``)."""
-    if not cfg.swap_ab or cfg.num_stages * (2 * cfg.block_n + _block_m(M)) * cfg.block_k * DTYPE.itemsize > _SMEM_LIMIT:
+    if cfg.num_stages * (2 * cfg.block_n + _block_m(M)) * cfg.block_k * DTYPE.itemsize > _SMEM_LIMIT:
         return False
     if cfg.split_k > 1 and (split_k_plan(K, cfg.block_k, cfg.split_k)[1] != cfg.split_k
                             or -(-F_ // cfg.block_n) >= 2 * sms):
@@ -413,13 +400,8 @@ if __name__ == "__main__":
                         help="the fused skinny_swiglu against skinny_linear + activation at the served w13 shapes "
                              "(with --sweep: also its config grid)")
     parser.add_argument("--target-shapes", action="store_true", help="sweep only the target's six shapes")
-    parser.add_argument("--variants", default="regular,swap_ab",
-                        help="kernel families of the M > 1 grid: regular, swap_ab or both")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    variants = tuple(v for v in args.variants.split(",") if v)
-    if not set(variants) <= {"regular", "swap_ab"}:
-        parser.error(f"--variants: unknown {sorted(set(variants) - {'regular', 'swap_ab'})}")
     copy_gbps = copy_bandwidth_gbps()
     rows_m = tuple(int(m) for m in args.rows.split(",")) if args.rows else tuple(SWIGLU_ROWS if args.swiglu else ROWS)
     shapes = tuple(SHAPES[:6]) if args.target_shapes else tuple(SHAPES)
@@ -431,7 +413,7 @@ if __name__ == "__main__":
         act = torch.compile(_silu_mul, fullgraph=True, dynamic=False)
         rows, summary = swiglu_bench(copy_gbps, act, args.budget if args.sweep else 0.0, rows_m)
     elif args.sweep:
-        rows, summary = sweep(copy_gbps, args.budget, rows_m, shapes, variants)
+        rows, summary = sweep(copy_gbps, args.budget, rows_m, shapes)
     else:
         rows = run(copy_gbps)
     if args.json:

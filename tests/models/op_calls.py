@@ -20,7 +20,7 @@ class OpCalls:
         if attr != self.name:
             return op
 
-        def recorded(*args):
+        def recorded(*args, **kwargs):
             self.calls.append(args)
-            return op(*args)
+            return op(*args, **kwargs)
         return recorded

@@ -1,16 +1,17 @@
 """The fused add + RMSNorm + GEMV path of the target (models/layers.py ``norm_linear`` /
-``norm_feed_forward``, ``LFMSPARK_FUSED_NORM``), exercised on CPU (the kernel itself is checked natively on the GPU in
-tests/ops/test_add_rmsnorm_gemv.py; the tiny model's head_dim 8 is below the CUDA attention
-kernel's minimum).
+``norm_feed_forward``, ops/routing.py ``NormRoute.GEMV``), exercised on CPU (the kernel itself is
+checked natively on the GPU in tests/ops/test_add_rmsnorm_gemv.py; the tiny model's head_dim 8 is
+below the CUDA attention kernel's minimum).
 
 On CUDA a one-row DECODE forward runs each residual add, RMSNorm and the projection after it as
 one ``lfmspark::add_rmsnorm_gemv``. Here the route is forced on CPU by patching the routing
-predicate (``_routed_to_skinny``: one row goes to the GEMV kernels, as on CUDA by default) and the
-fused op runs its Triton kernel under the interpreter; the reference is the same model with
-``LFMSPARK_FUSED_NORM=0`` (the add, the norm and the projection as separate modules). Checked for
-the dense and MoE targets, fp32 and bf16: decode logits, caches and how many fused calls a step
-makes; that prefill, verify, several rows and an unpatched CPU never take the fused path; the
-engine's decode loop; and the fused layer under ``torch.compile(fullgraph=True)``.
+predicate (``routing.product_kernels``: one row goes to the GEMV kernels, as on CUDA) and the
+fused op runs its Triton kernel under the interpreter; the reference is the same model on the
+plain module path (``product_kernels`` false, as on an unpatched CPU: the add, the norm and the
+projection as separate modules). Checked for the dense and MoE targets, fp32 and bf16: decode
+logits, caches and how many fused calls a step makes; that prefill, verify, several rows and an
+unpatched CPU never take the fused path; the engine's decode loop; and the fused layer under
+``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import os
 import pytest
 import torch
 
+from lfmspark.ops import routing
 import lfmspark.models.layers as layers
-import lfmspark.ops.add_rmsnorm_gemv as fused_op_module
+import lfmspark.ops.linear.add_rmsnorm_gemv as fused_op_module
 from lfmspark.models.cache import TargetCache
 from lfmspark.models.lfm2 import ForwardMode
 from op_calls import OpCalls
@@ -30,15 +32,20 @@ from spec_fixtures import random_tiny_target
 
 @pytest.fixture
 def one_row_route(monkeypatch) -> OpCalls:
-    """The CUDA routing on CPU: one row goes to the GEMV kernels (skinny_linear, swiglu_gemv and
+    """The CUDA routing on CPU: one row goes to the GEMV kernels (skinny_linear, skinny_swiglu and
     the fused op; their CPU implementations, the fused op's Triton kernel in the interpreter where
     it is on, i.e. on a machine without CUDA; its PyTorch reference otherwise)."""
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
+    monkeypatch.setattr(routing, "product_kernels", lambda x: x.numel() == x.shape[-1])
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     monkeypatch.setattr(fused_op_module, "use_triton", lambda t: interpreter)
     counting = OpCalls("add_rmsnorm_gemv")
     monkeypatch.setattr(layers, "lfm", counting)
     return counting
+
+
+def _modules_route(monkeypatch) -> None:
+    """The plain module path: no product on lfmspark's kernels (an unpatched CPU's routing)."""
+    monkeypatch.setattr(routing, "product_kernels", lambda x: False)
 
 
 def _model(moe: bool, dtype: torch.dtype):
@@ -54,9 +61,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _decode(model, cache, tokens, slot, start, monkeypatch, fused: bool) -> list[torch.Tensor]:
+def _decode(model, cache, tokens, slot, start) -> list[torch.Tensor]:
     """Logits ``[1, V]`` of one-row DECODE steps feeding ``tokens`` from position ``start``."""
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1" if fused else "0")
     out = []
     with torch.no_grad():
         for i, t in enumerate(tokens):
@@ -66,7 +72,7 @@ def _decode(model, cache, tokens, slot, start, monkeypatch, fused: bool) -> list
     return out
 
 
-# bounds on the relative logits error of the fused path against the unfused one: fp32 differs only
+# bounds on the relative logits error of the fused path against the modules: fp32 differs only
 # in summation orders; in bf16 the interpreter truncates the kernel's roundings (to nearest on the
 # GPU), and the differences travel through the layers and the decode steps
 LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -74,36 +80,36 @@ LOGITS_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_fused_decode_matches_unfused(monkeypatch, one_row_route, moe, dtype):
+def test_fused_decode_matches_the_modules(monkeypatch, one_row_route, moe, dtype):
     model = _model(moe, dtype)
     cfg = model.config
     cache = TargetCache.allocate(cfg, 2, 32, 4, dtype, "cpu")
     prompt, slot = [3, 14, 15, 9, 26], 1
-    with torch.no_grad():                      # a prompt (several rows: unfused) fills the state
+    with torch.no_grad():                      # a prompt (several rows: the modules) fills the state
         model(torch.tensor([prompt]), cache, torch.tensor([slot]), torch.tensor([0]), mode=ForwardMode.PREFILL)
     assert one_row_route.calls == []
     ref_cache = _clone(cache)
     steps = [5, 35, 8, 9]
-    fused = _decode(model, cache, steps, slot, len(prompt), monkeypatch, fused=True)
+    fused = _decode(model, cache, steps, slot, len(prompt))
     # per step: operator_norm (every layer) + ffn_norm (dense SwiGLU layers only) + the final norm
     n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) if moe else cfg.num_hidden_layers
     per_step = [False] * cfg.num_hidden_layers + [True] * n_dense + [False]
     assert sorted(args[5] for args in one_row_route.calls) == sorted(per_step * len(steps))   # the swiglu flags
     one_row_route.calls.clear()
-    unfused = _decode(model, ref_cache, steps, slot, len(prompt), monkeypatch, fused=False)
+    _modules_route(monkeypatch)
+    modules = _decode(model, ref_cache, steps, slot, len(prompt))
     assert one_row_route.calls == []
-    for a, b in zip(fused, unfused, strict=True):
+    for a, b in zip(fused, modules, strict=True):
         assert a.dtype == dtype and a.shape == (1, cfg.vocab_size)
         assert _rel_err(a, b) < LOGITS_TOL[dtype]
-    assert fused[-1].argmax() == unfused[-1].argmax() or dtype == torch.bfloat16
+    assert fused[-1].argmax() == modules[-1].argmax() or dtype == torch.bfloat16
     for x, y in ((cache.k, ref_cache.k), (cache.v, ref_cache.v), (cache.conv_state, ref_cache.conv_state)):
         assert _rel_err(x, y) < LOGITS_TOL[dtype]
 
 
-def test_only_one_row_decode_is_fused(monkeypatch, one_row_route):
+def test_only_one_row_decode_is_fused(one_row_route):
     """Prefill (one token too), verify and a two-row decode take the modules; so does the
     compute_logits of prefill's last token."""
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
     model = _model(False, torch.float32)
     cache = TargetCache.allocate(model.config, 2, 32, 4, torch.float32, "cpu")
     with torch.no_grad():
@@ -117,8 +123,7 @@ def test_only_one_row_decode_is_fused(monkeypatch, one_row_route):
 
 
 def test_cpu_without_the_route_is_unfused(monkeypatch):
-    """On CPU (no patch) the default switch changes nothing: the op is never called."""
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
+    """On CPU (the routing unpatched) a one-row decode step takes the modules: the op is never called."""
     counting = OpCalls("add_rmsnorm_gemv")
     monkeypatch.setattr(layers, "lfm", counting)
     model = _model(False, torch.float32)
@@ -128,24 +133,17 @@ def test_cpu_without_the_route_is_unfused(monkeypatch):
     assert counting.calls == []
 
 
-def test_switch_is_validated(monkeypatch):
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "yes")
-    with pytest.raises(ValueError, match="LFMSPARK_FUSED_NORM='yes'"):
-        layers.fused_norm_requested()
-    monkeypatch.delenv("LFMSPARK_FUSED_NORM")
-    assert layers.fused_norm_requested()
-
-
 def test_engine_decode_takes_the_fused_path(monkeypatch, one_row_route):
     """Batch-1 greedy generation (the runtime's decode step and its compute_logits) emits the same
-    tokens fused and unfused, and the fused run calls the op."""
+    tokens on the fused route as on the modules, and only the fused run calls the op."""
     from lfmspark.runtime import Engine, SamplingParams
 
     model = _model(False, torch.float32)
     params = SamplingParams(max_new_tokens=5)
     tokens = {}
     for fused in (True, False):
-        monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1" if fused else "0")
+        if not fused:
+            _modules_route(monkeypatch)
         one_row_route.calls.clear()
         tokens[fused] = Engine(model, None, max_batch=1, max_seq_len=64).generate([[3, 1, 4, 1, 5]], params)
         tokens[fused] = tokens[fused][0].token_ids
@@ -161,8 +159,7 @@ def test_fused_layer_compiles(monkeypatch):
 
     from lfmspark.models.lfm2 import Rows
 
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda x: x.numel() == x.shape[-1])
-    monkeypatch.setenv("LFMSPARK_FUSED_NORM", "1")
+    monkeypatch.setattr(routing, "product_kernels", lambda x: x.numel() == x.shape[-1])
     model = _model(False, torch.float32)
     cfg = model.config
     cache = TargetCache.allocate(cfg, 1, 32, 4, torch.float32, "cpu")

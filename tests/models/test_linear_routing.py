@@ -1,5 +1,9 @@
-"""``models.layers.linear``: the LFMSPARK_SKINNY_LINEAR switch is validated; CPU always uses F.linear.
-``models.layers.SwiGLU``: which fused or unfused kernels the gate/up product takes per mode and row count."""
+"""Where the models' products run (ops/routing.py, applied by models/layers.py): ``linear`` takes
+``lfmspark::skinny_linear`` for 1-16 rows on CUDA and ``F.linear`` otherwise; a dense ``SwiGLU``'s
+gate/up product takes ``skinny_swiglu`` (the activation in its epilogue) for 1-16 rows; ``linear_pair``
+takes ``skinny_linear_pair`` for 2-16 rows. On CPU the CUDA-only condition is lifted by patching
+``routing.product_kernels``, so the row-count rules are checked here; the GPU tests check the real
+routes against the ops they name."""
 
 from __future__ import annotations
 
@@ -7,36 +11,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lfmspark.models.layers import linear
+import lfmspark.models.layers as layers
+from lfmspark.ops import routing
+from lfmspark.models.layers import SwiGLU, linear
 
 
-def test_unknown_skinny_mode_is_refused(monkeypatch):
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "1")
-    with pytest.raises(ValueError, match="LFMSPARK_SKINNY_LINEAR='1'.*'all'"):
-        linear(torch.randn(2, 8), torch.randn(4, 8))
+class Spy:
+    """``torch.ops.lfmspark``, recording which ops a module calls."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.lfmspark, name)
+        return lambda *args, **kw: self.calls.append(name) or op(*args, **kw)
 
 
-@pytest.mark.parametrize("mode", ["off", "gemv", "all", "verify"])
-def test_cpu_products_are_f_linear_in_every_mode(monkeypatch, mode):
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
+def test_cpu_products_are_f_linear():
     x, w = torch.randn(3, 5, 8), torch.randn(6, 8)
     assert torch.equal(linear(x, w), F.linear(x, w))
+    assert not routing.skinny_product(torch.randn(1, 8))          # CPU: never the product kernels
 
 
-def test_up_to_16_rows_take_the_skinny_kernels_by_default(monkeypatch):
-    from lfmspark.models.layers import skinny_rows
-
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
-    assert skinny_rows() == (1, 16)
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "gemv")
-    assert skinny_rows() == (1, 1)
+@pytest.mark.parametrize("rows, routed", [(1, True), (10, True), (16, True), (17, False), (64, False)])
+def test_linear_takes_the_skinny_op_for_up_to_16_rows(monkeypatch, rows, routed):
+    calls: list[str] = []
+    monkeypatch.setattr(routing, "product_kernels", lambda t: True)
+    monkeypatch.setattr(layers, "lfm", Spy(calls))
+    x, w = torch.randn(1, rows, 16), torch.randn(24, 16)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    assert calls == (["skinny_linear"] if routed else [])
 
 
 @pytest.mark.gpu
-def test_gpu_default_routing(monkeypatch):
+def test_gpu_default_routing():
     """On CUDA, up to 16 rows go through lfmspark::skinny_linear (bit-identical to calling it), more
     rows through cuBLAS (bit-identical to F.linear)."""
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
     w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     for rows in (1, 10, 16):
         x = torch.randn(1, rows, 2048, device="cuda", dtype=torch.bfloat16)
@@ -47,8 +57,6 @@ def test_gpu_default_routing(monkeypatch):
 
 
 def test_cpu_swiglu_is_the_unfused_composition():
-    from lfmspark.models.layers import SwiGLU
-
     mlp = SwiGLU(16, 24)
     torch.nn.init.normal_(mlp.w13.weight)
     torch.nn.init.normal_(mlp.w2.weight)
@@ -57,62 +65,24 @@ def test_cpu_swiglu_is_the_unfused_composition():
     assert torch.equal(mlp(x), F.linear(F.silu(gate) * up, mlp.w2.weight))
 
 
-@pytest.mark.gpu
-def test_gpu_one_row_swiglu_uses_the_fused_gemv(monkeypatch):
-    from lfmspark.models.layers import SwiGLU
-
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
-    mlp = SwiGLU(2048, 8192).to("cuda", torch.bfloat16)
-    torch.nn.init.normal_(mlp.w13.weight, std=2048 ** -0.5)
-    torch.nn.init.normal_(mlp.w2.weight, std=8192 ** -0.5)
-    x = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
-    fused = torch.ops.lfmspark.swiglu_gemv(x.view(1, 2048), mlp.w13.weight)
-    out = mlp(x)
-    assert torch.equal(out, torch.ops.lfmspark.skinny_linear(fused, mlp.w2.weight).view(1, 1, 2048))
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
-    plain = mlp(x)
-    assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2
-
-
-@pytest.mark.parametrize("mode, rows, want", [
-    ("few", 1, "swiglu_gemv"), ("few", 2, "skinny_swiglu"), ("few", 10, "skinny_swiglu"), ("few", 16, "skinny_swiglu"),
-    ("few", 17, "unfused"), ("gemv", 10, "unfused"), ("off", 1, "unfused"), ("verify", 1, "unfused"),
-    ("verify", 9, "skinny_swiglu"), ("all", 17, "skinny_linear"), ("all", 64, "skinny_linear"),
-], ids=lambda v: str(v))
-def test_swiglu_routing(monkeypatch, mode, rows, want):
-    """Which kernels a dense SwiGLU's gate/up product takes per LFMSPARK_SKINNY_LINEAR mode and row
-    count, with the CUDA-only condition of the routing lifted (CPU): the fused one-row GEMV, the
-    fused 2-16-row op, the unfused skinny product (routed counts above 16) or cuBLAS (not routed);
-    the result is the unfused composition within rounding whichever it is."""
-    import lfmspark.models.layers as layers
-
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
-    lo, hi = layers.skinny_rows()
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: lo <= t.numel() // t.shape[-1] <= hi)
-    calls = []
-
-    class Spy:  # torch.ops.lfmspark, recording which ops the module calls
-        def __getattr__(self, name):
-            op = getattr(torch.ops.lfmspark, name)
-            return lambda *args: calls.append(name) or op(*args)
-
-    monkeypatch.setattr(layers, "lfm", Spy())
+@pytest.mark.parametrize("rows, fused", [(1, True), (2, True), (10, True), (16, True), (17, False)])
+def test_swiglu_routing(monkeypatch, rows, fused):
+    """1-16 rows: the fused gate/up op and w2 on the skinny product; more: cuBLAS and the unfused
+    activation. The result is the unfused composition within rounding whichever runs."""
+    calls: list[str] = []
+    monkeypatch.setattr(routing, "product_kernels", lambda t: True)
+    monkeypatch.setattr(layers, "lfm", Spy(calls))
     mlp = layers.SwiGLU(16, 24)
     x = torch.randn(1, rows, 16)
     out = mlp(x)
     gate, up = F.linear(x, mlp.w13.weight).chunk(2, dim=-1)
     torch.testing.assert_close(out, F.linear(F.silu(gate) * up, mlp.w2.weight), rtol=1e-5, atol=1e-6)
-    # the gate/up product, then w2 (on the same route: same rows)
-    expected = {"unfused": [], "skinny_linear": ["skinny_linear", "skinny_linear"]}
-    assert calls == expected.get(want, [want, "skinny_linear"])
+    assert calls == (["skinny_swiglu", "skinny_linear"] if fused else [])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [9, 10, 16])
-def test_gpu_few_row_swiglu_uses_the_fused_op(monkeypatch, rows):
-    from lfmspark.models.layers import SwiGLU
-
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+@pytest.mark.parametrize("rows", [1, 9, 10, 16])
+def test_gpu_few_row_swiglu_uses_the_fused_op(rows):
     mlp = SwiGLU(2048, 8192).to("cuda", torch.bfloat16)
     torch.nn.init.normal_(mlp.w13.weight, std=2048 ** -0.5)
     torch.nn.init.normal_(mlp.w2.weight, std=8192 ** -0.5)
@@ -120,24 +90,16 @@ def test_gpu_few_row_swiglu_uses_the_fused_op(monkeypatch, rows):
     fused = torch.ops.lfmspark.skinny_swiglu(x.view(rows, 2048), mlp.w13.weight)
     out = mlp(x)
     assert torch.equal(out, torch.ops.lfmspark.skinny_linear(fused, mlp.w2.weight).view(1, rows, 2048))
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", "off")    # cuBLAS and the unfused activation
-    plain = mlp(x)
+    gate, up = F.linear(x, mlp.w13.weight).chunk(2, dim=-1)          # cuBLAS and the unfused activation
+    plain = F.linear(F.silu(gate) * up, mlp.w2.weight)
     assert ((out.float() - plain.float()).norm() / plain.float().norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("mode, rows, routed", [
-    ("few", 1, False), ("few", 2, True), ("few", 10, True), ("few", 16, True), ("few", 17, False),
-    ("gemv", 10, False), ("off", 10, False), ("verify", 9, True), ("all", 17, False),
-], ids=lambda v: str(v))
-def test_linear_pair_routing(monkeypatch, mode, rows, routed):
-    """``linear_pair`` runs ``lfmspark::skinny_linear_pair`` for 2-16 rows on the skinny route (the
-    CUDA-only condition lifted, as above) and declines (None) otherwise: one row (the GEMV kernel
-    has no pair variant), more than 16, rows not routed."""
-    import lfmspark.models.layers as layers
-
-    monkeypatch.setenv("LFMSPARK_SKINNY_LINEAR", mode)
-    lo, hi = layers.skinny_rows()
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: lo <= t.numel() // t.shape[-1] <= hi)
+@pytest.mark.parametrize("rows, routed", [(1, False), (2, True), (10, True), (16, True), (17, False)])
+def test_linear_pair_routing(monkeypatch, rows, routed):
+    """``linear_pair`` runs ``lfmspark::skinny_linear_pair`` for 2-16 rows and declines (None)
+    otherwise: one row (the GEMV kernel has no pair variant), more than 16."""
+    monkeypatch.setattr(routing, "product_kernels", lambda t: True)
     x, w_a, stack = torch.randn(1, rows, 16), torch.randn(32, 16), torch.randn(2, 24, 16)
     out = layers.linear_pair(x, w_a, stack[1])
     if not routed:
@@ -150,9 +112,7 @@ def test_linear_pair_routing(monkeypatch, mode, rows, routed):
 def test_linear_pair_declines_weights_the_op_does_not_take(monkeypatch):
     """A first weight that is not whole 16-row tiles, mixed dtypes, different row strides: None
     (the caller's unfused products), never an error."""
-    import lfmspark.models.layers as layers
-
-    monkeypatch.setattr(layers, "_routed_to_skinny", lambda t: True)
+    monkeypatch.setattr(routing, "product_kernels", lambda t: True)
     x, w_b = torch.randn(10, 16), torch.randn(8, 16)
     assert layers.linear_pair(x, torch.randn(24, 16), w_b) is None
     assert layers.linear_pair(x, torch.randn(32, 16, dtype=torch.float64), w_b) is None
@@ -162,11 +122,23 @@ def test_linear_pair_declines_weights_the_op_does_not_take(monkeypatch):
     assert layers.linear_pair(x, torch.randn(32, 16), w_b) is None      # CPU: never routed
 
 
-@pytest.mark.gpu
-def test_gpu_linear_pair_uses_the_pair_op(monkeypatch):
-    import lfmspark.models.layers as layers
+def test_norm_routes():
+    """ops/routing.py ``norm_route`` (CUDA-only condition aside): one-row decode in the GEMV's
+    prologue (hidden sizes up to 8192), 2-16 rows outside decode in the epilogues, else modules."""
+    route = routing.norm_route
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(routing, "product_kernels", lambda t: True)
+        assert route(torch.empty(1, 1, 2048), decode=True) is routing.NormRoute.GEMV
+        assert route(torch.empty(1, 1, 16384), decode=True) is routing.NormRoute.MODULES
+        assert route(torch.empty(4, 1, 2048), decode=True) is routing.NormRoute.MODULES
+        assert route(torch.empty(1, 10, 2048), decode=False) is routing.NormRoute.EPILOGUE
+        assert route(torch.empty(1, 1, 2048), decode=False) is routing.NormRoute.MODULES
+        assert route(torch.empty(1, 17, 2048), decode=False) is routing.NormRoute.MODULES
+    assert route(torch.empty(1, 10, 2048), decode=False) is routing.NormRoute.MODULES      # CPU
 
-    monkeypatch.delenv("LFMSPARK_SKINNY_LINEAR", raising=False)
+
+@pytest.mark.gpu
+def test_gpu_linear_pair_uses_the_pair_op():
     x = torch.randn(1, 10, 2048, device="cuda", dtype=torch.bfloat16)
     w_a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
     stack = torch.randn(4, 1024, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5

@@ -11,7 +11,7 @@ Two oracles:
   the kernel is held to tight bounds (``s`` bit-exact).
 - the module composition (models/layers.py ``RMSNorm``, ``F.linear``, ``silu(gate) * up``), which the
   op's reference reproduces bit for bit for the plain product (SwiGLU: the several-row verify's
-  epilogue pair instead, ops/add_rmsnorm_gemv.py), and the kernel up to bf16 noise.
+  epilogue pair instead, ops/linear/add_rmsnorm_gemv.py), and the kernel up to bf16 noise.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.models.layers import RMSNorm
-from lfmspark.ops.add_rmsnorm_gemv import MAX_K, add_rmsnorm_gemv_reference, add_rmsnorm_gemv_triton
+from lfmspark.ops.linear.add_rmsnorm_gemv import MAX_K, add_rmsnorm_gemv_reference, add_rmsnorm_gemv_triton
+from env_vars import interpret_triton, set_env
 
 # bound on the relative error of y against the emulation (summation order only; for bf16 a few
 # outputs may land one ulp apart) and against the fp64 / module composition (bf16 rounding noise)
@@ -200,7 +201,7 @@ def _bad(**changes):
 ])
 def test_rejects_bad_inputs(monkeypatch, triton_on_cpu, changes, match):
     if triton_on_cpu:
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+        interpret_triton(monkeypatch)
     with pytest.raises(ValueError, match=match):
         torch.ops.lfmspark.add_rmsnorm_gemv(**_bad(**changes))
 
@@ -215,7 +216,7 @@ def test_rejects_bad_block_n():
 @pytest.mark.parametrize("triton_on_cpu", [False, True], ids=["reference", "triton"])
 def test_opcheck(monkeypatch, triton_on_cpu, with_delta, swiglu):
     if triton_on_cpu:
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+        interpret_triton(monkeypatch)
     h, delta, norm_weight, weight = _inputs("cpu", torch.float32, 12, 96, swiglu, with_delta)
     torch.library.opcheck(torch.ops.lfmspark.add_rmsnorm_gemv, (h, delta, norm_weight, 1e-5, weight, swiglu))
 
@@ -252,9 +253,9 @@ def test_gpu_pdl_graph_replay_is_bit_exact(monkeypatch):
             h, delta = torch.ops.lfmspark.add_rmsnorm_gemv(h, delta, nw, 1e-5, w, i % 3 == 2)
         return h, delta
 
-    monkeypatch.setenv("LFMSPARK_PDL", "0")
+    set_env(monkeypatch, PDL="0")
     want = chain()
-    monkeypatch.setenv("LFMSPARK_PDL", "1")
+    set_env(monkeypatch, PDL="1")
     assert use_pdl(h0), "the H200 supports PDL"
     chain()                                   # compile the PDL variants outside the capture
     torch.cuda.synchronize()

@@ -12,6 +12,7 @@ import torch
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops import argmax_rows as argmax_rows_module
 from lfmspark.ops.argmax_rows import argmax_block_v, argmax_last, argmax_rows_reference, argmax_rows_triton
+from env_vars import interpret_triton
 
 NAN, INF = float("nan"), float("inf")
 
@@ -104,7 +105,7 @@ def test_strided_rows(triton_device: str) -> None:
 
 
 def test_argmax_last_keeps_leading_shape(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     x = torch.randn(3, 10, 777, generator=torch.Generator().manual_seed(3)).to(triton_device)
     out = argmax_last(x)
     assert out.shape == (3, 10) and torch.equal(out, x.argmax(dim=-1))
@@ -149,12 +150,12 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(torch.ops.lfmspark.argmax_rows, _op_args())
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     x = torch.randn(2, 5, 300, generator=torch.Generator().manual_seed(5))
 
     def pick(x):

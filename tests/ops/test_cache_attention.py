@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.cache_attention import cache_attention_reference, cache_attention_triton, plan_launch
+from lfmspark.ops.attention.cache_attention import cache_attention_reference, cache_attention_triton, plan_launch
+from env_vars import interpret_triton
 
 LAYERS, SLOTS = 2, 4
 LAYER = 1  # the last layer, so a wrong layer offset reads other random values
@@ -119,12 +120,12 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(torch.ops.lfmspark.cache_attention, _op_args())
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     q, k_cache, v_cache, layer, slots, start, causal, scale = _op_args()
 
     def attend(q, k_cache, v_cache, slots, start):

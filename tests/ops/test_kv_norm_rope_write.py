@@ -2,8 +2,8 @@
 plain-PyTorch reference, op registration checks, torch.compile and CUDA-graph replay.
 
 Every run starts from caches filled with a sentinel and checks that exactly the expected
-``(layer, slot, position)`` rows were written (from an index walk independent of the op's own
-``window_valid``) and that everything else is untouched.
+``(layer, slot, position)`` rows were written (from an index walk independent of the
+reference's own) and that everything else is untouched.
 
 Exactness: on CUDA the kernel must equal the reference bit for bit (bf16, fp16 and fp32, head_dim
 <= 64): it performs the reference's fp32 operations one by one without FMA contraction, rounds where
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.kv_norm_rope_write import kv_norm_rope_write_reference, kv_norm_rope_write_triton
-from lfmspark.ops.rope import rope_cos_sin_table
+from lfmspark.ops.attention.kv_norm_rope_write import kv_norm_rope_write_reference, kv_norm_rope_write_triton
+from lfmspark.ops.attention.rope import rope_cos_sin_table
+from env_vars import interpret_triton
 
 EPS = 1e-5
 THETA = 1e6
@@ -157,13 +158,13 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     case = _op_case(triton_device)
     torch.library.opcheck(torch.ops.lfmspark.kv_norm_rope_write, case.args(*case.caches()))
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     case = _op_case(triton_device, is_neox=True)
     first = case.first_layer
 

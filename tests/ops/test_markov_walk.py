@@ -25,11 +25,14 @@ import triton
 import triton.language as tl
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops import markov_walk, markov_walk_persistent
-from lfmspark.ops.markov_walk import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
-from lfmspark.ops.markov_walk_persistent import (PersistentWalkConfig, _grid_barrier, markov_greedy_walk_persistent,
-                                                 persistent_walk_usable, programs_for)
+from lfmspark.ops.markov_walk import op as walk_op
+from lfmspark.ops.markov_walk import persistent as walk_persistent
+from lfmspark.ops.markov_walk.op import WalkConfig, markov_greedy_walk_reference, markov_greedy_walk_triton, walk_config
+from lfmspark.ops.markov_walk.persistent import (PersistentWalkConfig, _grid_barrier, markov_greedy_walk_persistent,
+                                                 programs_for)
+from lfmspark.ops.routing import walk_kernel
 from lfmspark.ops.weight_rounding import round_to_weight_dtype
+from env_vars import interpret_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SMALL = WalkConfig(block_v=64, block_r=16, num_warps=4)   # many column blocks at test sizes
@@ -45,8 +48,8 @@ def _grid_inputs(device: str, dtype: torch.dtype, B: int, G: int, V: int, r: int
     return base, anchor, w1, w2
 
 
-def _same(base, anchor, w1, w2, config: WalkConfig | None = None) -> torch.Tensor:
-    out = markov_greedy_walk_triton(base, anchor, w1, w2, config)
+def _same(base, anchor, w1, w2, config: WalkConfig | None = None, walk: str = "jacobi") -> torch.Tensor:
+    out = markov_greedy_walk_triton(base, anchor, w1, w2, walk, config)
     ref = markov_greedy_walk_reference(base.cpu(), anchor.cpu(), w1.cpu(), w2.cpu())
     assert out.dtype == torch.int64 and out.shape == base.shape[:2] and out.device == base.device
     assert torch.equal(out.cpu(), ref), (out, ref)
@@ -90,7 +93,7 @@ def test_flat_logits_expose_any_bias_difference(triton_device: str, dtype: torch
         prev = chosen[:, k]
     assert torch.equal(markov_greedy_walk_reference(base, anchor, w1, w2), chosen)
     args = (base.to(triton_device), anchor.to(triton_device), w1.to(triton_device), w2.to(triton_device))
-    assert torch.equal(markov_greedy_walk_triton(*args, SMALL).cpu(), chosen)
+    assert torch.equal(markov_greedy_walk_triton(*args, config=SMALL).cpu(), chosen)
     assert torch.equal(markov_greedy_walk_triton(*args).cpu(), chosen)
 
 
@@ -254,42 +257,44 @@ def test_persistent_ties_nan_and_flat_logits(triton_device: str) -> None:
     _same_persistent(wide[:, 1:4], anchor, w1, w2, PERSISTENT[1])
 
 
-def test_walk_mode_picks_the_kernel(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_walk_choice_picks_the_kernel(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a config: ``jacobi`` (the default) takes the Jacobi walk where rows x slots fit 16
     lanes and otherwise what ``persistent`` takes: the persistent walk for 2-16 rows, the step
-    kernels for one row and beyond 16; ``steps`` and any step config take the step kernels."""
+    kernels for one row and beyond 16; ``steps`` and any step config take the step kernels. The
+    tokens are the reference's whichever runs."""
     calls = []
     for name in ("markov_greedy_walk_persistent", "markov_greedy_walk_jacobi"):
-        real = getattr(markov_walk, name)
-        monkeypatch.setattr(markov_walk, name, lambda *a, _real=real, _name=name, **k:
+        real = getattr(walk_op, name)
+        monkeypatch.setattr(walk_op, name, lambda *a, _real=real, _name=name, **k:
                             calls.append((_name.rsplit("_", 1)[1], a[0].shape[0])) or _real(*a, **k))
-    for B, G, walk, config, expected in [(1, 9, None, None, "jacobi"), (2, 8, "jacobi", None, "jacobi"),
-                                         (2, 9, "jacobi", None, "persistent"), (16, 3, None, None, "persistent"),
+    for B, G, walk, config, expected in [(1, 9, "jacobi", None, "jacobi"), (2, 8, "jacobi", None, "jacobi"),
+                                         (2, 9, "jacobi", None, "persistent"), (16, 3, "jacobi", None, "persistent"),
                                          (17, 3, "jacobi", None, None), (1, 9, "persistent", None, None),
                                          (2, 3, "persistent", None, "persistent"), (3, 3, "steps", None, None),
                                          (1, 3, "jacobi", SMALL, None), (3, 3, "persistent", SMALL, None)]:
-        if walk is None:
-            monkeypatch.delenv("LFMSPARK_WALK", raising=False)
-        else:
-            monkeypatch.setenv("LFMSPARK_WALK", walk)
         calls.clear()
-        _same(*_grid_inputs(triton_device, torch.bfloat16, B, G, 200, 16, seed=B + G), config)
+        _same(*_grid_inputs(triton_device, torch.bfloat16, B, G, 200, 16, seed=B + G), config, walk)
         assert calls == ([(expected, B)] if expected else []), (B, G, walk, config)
-    monkeypatch.setenv("LFMSPARK_WALK", "grid")
-    with pytest.raises(ValueError, match="LFMSPARK_WALK='grid'"):
-        markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 2, 3, 200, 16, seed=1))
+    with pytest.raises(ValueError, match="markov_walk='grid': use one of jacobi, persistent, steps"):
+        markov_greedy_walk_triton(*_grid_inputs(triton_device, torch.bfloat16, 2, 3, 200, 16, seed=1), "grid")
 
 
-def test_persistent_walk_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_walk_kernel_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops/routing.py ``walk_kernel`` on CUDA: the Jacobi walk for up to 16 lanes, the persistent one
+    for 2-16 rows, the step kernels for one row under ``persistent``, beyond 16 rows, for a rank
+    that does not fit one program's shared memory, and under an MPS thread limit (fewer SMs than
+    the device reports: a grid barrier could wait forever)."""
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    assert persistent_walk_usable(cuda, 2, 256) and persistent_walk_usable(cuda, 16, 48)
-    assert not persistent_walk_usable(cuda, 1, 256) and not persistent_walk_usable(cuda, 17, 256)
-    assert not persistent_walk_usable(cuda, 4, 320)                  # the rank must fit one program's shared memory
-    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")   # fewer SMs than the device reports
-    assert not persistent_walk_usable(cuda, 4, 256)
+    assert walk_kernel("jacobi", cuda, 1, 9, 256) == "jacobi" and walk_kernel("jacobi", cuda, 2, 9, 256) == "persistent"
+    assert walk_kernel("persistent", cuda, 2, 9, 256) == "persistent" == walk_kernel("persistent", cuda, 16, 9, 48)
+    assert walk_kernel("persistent", cuda, 1, 9, 256) == "steps" == walk_kernel("persistent", cuda, 17, 9, 256)
+    assert walk_kernel("jacobi", cuda, 1, 9, 320) == "steps" == walk_kernel("persistent", cuda, 4, 9, 320)
+    assert walk_kernel("steps", cuda, 1, 9, 256) == "steps"
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert walk_kernel("jacobi", cuda, 1, 9, 256) == "steps" == walk_kernel("persistent", cuda, 4, 9, 256)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
-    assert persistent_walk_usable(cuda, 4, 256)
+    assert walk_kernel("persistent", cuda, 4, 9, 256) == "persistent"
 
 
 def test_persistent_rejects_what_it_cannot_run(triton_device: str) -> None:
@@ -310,12 +315,12 @@ def test_barrier_counter_is_never_first_made_inside_a_capture(monkeypatch: pytes
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="run it once before capturing"):
-        markov_walk_persistent.counters_for(w2)
+        walk_persistent.counters_for(w2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    sync, stats = markov_walk_persistent.counters_for(w2)
+    sync, stats = walk_persistent.counters_for(w2)
     assert sync.tolist() == [0] and stats.tolist() == [0, 0]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert markov_walk_persistent.counters_for(w2)[0] is sync    # existing counters are fine inside a capture
+    assert walk_persistent.counters_for(w2)[0] is sync    # existing counters are fine inside a capture
 
 
 def test_programs_for_the_served_vocabulary() -> None:
@@ -352,23 +357,26 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, _op_args())
 
 
 @pytest.mark.parametrize("triton_on_cpu", [False, True], ids=["reference", "triton"])
-def test_opcheck_with_head_partials(monkeypatch: pytest.MonkeyPatch, triton_on_cpu: bool) -> None:
-    """The op with its optional LM-head partials (ops/head_argmax.py), which the Jacobi walk reads."""
-    from lfmspark.ops.head_argmax import argmax_partials_reference
+@pytest.mark.parametrize("walk", ["persistent", "steps"])
+def test_opcheck_with_a_walk_choice(monkeypatch: pytest.MonkeyPatch, triton_on_cpu: bool, walk: str) -> None:
+    """The op with its kernel choice and the pass tally (read by the Jacobi walk only)."""
     if triton_on_cpu:
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
-    base, anchor, w1, w2 = _op_args()
-    pv, pi = argmax_partials_reference(base.reshape(-1, base.shape[-1]), 32)
-    torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, (base, anchor, w1, w2, pv, pi))
+        interpret_triton(monkeypatch)
+    torch.library.opcheck(torch.ops.lfmspark.markov_greedy_walk, (*_op_args(), walk, True))
+
+
+def test_op_refuses_an_unknown_walk() -> None:
+    with pytest.raises(ValueError, match="markov_walk='fast'"):
+        torch.ops.lfmspark.markov_greedy_walk(*_op_args(), "fast")
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     base, anchor, w1, w2 = _op_args()
 
     def walk(base, anchor, w1, w2):
@@ -439,9 +447,8 @@ def test_gpu_grid_barrier_orders_every_program() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_steps_served_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_WALK", "steps")
-    _same(*_grid_inputs("cuda", torch.bfloat16, 4, 9, 65536, 256, seed=3))
+def test_gpu_steps_served_shape() -> None:
+    _same(*_grid_inputs("cuda", torch.bfloat16, 4, 9, 65536, 256, seed=3), walk="steps")
 
 
 @pytest.mark.gpu
@@ -463,7 +470,7 @@ def test_gpu_persistent_barrier_state_survives_many_replays() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_a, out_b, _ = both()
-    syncs = [markov_walk_persistent.counters_for(w)[0] for w in (w2, w2b)]
+    syncs = [walk_persistent.counters_for(w)[0] for w in (w2, w2b)]
     for rep in range(200):
         if rep % 50 == 0:
             new = _grid_inputs("cuda", torch.bfloat16, 2, 9, 65536, 256, seed=100 + rep)

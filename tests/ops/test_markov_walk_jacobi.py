@@ -1,4 +1,4 @@
-"""The Jacobi (fixed-point) greedy Markov walk, ops/markov_walk_jacobi.py, against the plain
+"""The Jacobi (fixed-point) greedy Markov walk, ops/markov_walk/jacobi.py, against the plain
 sequential loop (``markov_greedy_walk_reference``) for the tokens, and against a plain fixed-point
 loop written here (``_jacobi_reference``) for the number of passes it needs.
 
@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.head_argmax import argmax_partials_reference
-from lfmspark.ops.markov_walk import markov_greedy_walk_reference
-from lfmspark.ops.markov_walk_jacobi import (MAX_LANES, jacobi_pass_counts, jacobi_walk_usable,
-                                             markov_greedy_walk_jacobi)
-from lfmspark.ops.markov_walk_persistent import PersistentWalkConfig
+from lfmspark.ops.markov_walk.op import markov_greedy_walk_reference
+from lfmspark.ops.markov_walk.jacobi import jacobi_pass_counts, markov_greedy_walk_jacobi
+from lfmspark.ops.routing import WALK_LANES
+from lfmspark.ops.markov_walk.persistent import PersistentWalkConfig
 
 from test_markov_walk import _grid_inputs
 
@@ -45,25 +44,19 @@ def _jacobi_reference(base, anchor, w1, w2) -> tuple[torch.Tensor, int]:
         prev = new_prev
 
 
-def _run(base, anchor, w1, w2, config: PersistentWalkConfig | None, guesses=None) -> tuple[torch.Tensor, int]:
+def _run(base, anchor, w1, w2, config: PersistentWalkConfig | None) -> tuple[torch.Tensor, int]:
     before = jacobi_pass_counts()
-    out = markov_greedy_walk_jacobi(base, anchor, w1, w2, config, guesses=guesses)
+    out = markov_greedy_walk_jacobi(base, anchor, w1, w2, config, count_passes=True)
     passes, walks = (a - b for a, b in zip(jacobi_pass_counts(), before))
     assert walks == 1
     return out, passes
 
 
-def _head_partials(base: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``skinny_linear_argmax`` writes beside an LM head that produced ``base``: its rows'
-    argmax partials over ``block_n``-column tiles, ``[B * G, tiles]``."""
-    return argmax_partials_reference(base.reshape(-1, base.shape[-1]), block_n)
-
-
-def _check(base, anchor, w1, w2, config: PersistentWalkConfig | None = None, guesses=None) -> int:
+def _check(base, anchor, w1, w2, config: PersistentWalkConfig | None = None) -> int:
     """Tokens equal the sequential walk's, passes the fixed-point loop's (whose guesses are the base
-    argmax, as pass 0's or the head partials' are); returns the passes."""
+    argmax, as pass 0's are); returns the passes."""
     cpu = [t.cpu() for t in (base, anchor, w1, w2)]
-    out, passes = _run(base, anchor, w1, w2, config, guesses)
+    out, passes = _run(base, anchor, w1, w2, config)
     assert out.dtype == torch.int64 and out.shape == base.shape[:2]
     assert torch.equal(out.cpu(), markov_greedy_walk_reference(*cpu)), (config, out)
     ref_tokens, ref_passes = _jacobi_reference(*cpu)
@@ -132,53 +125,30 @@ def test_ties_and_nan(triton_device: str) -> None:
         _check(base, anchor, w1, w2, config)
 
 
-@pytest.mark.parametrize("block_n", [1, 16, 64, 512])
-@pytest.mark.parametrize("config", CONFIGS[1:3], ids=["res1", "res2"])
-def test_head_partials_replace_pass_zero(triton_device: str, config: PersistentWalkConfig, block_n: int) -> None:
-    """Guesses from an LM head's argmax partials (ops/head_argmax.py; 1 to 500 tiles per row, which
-    the kernel reads 256 at a time; a partial tile last): the same tokens and passes as the walk's
-    own guess pass, for many-pass walks of one and two rows and for a one-pass walk."""
-    for B, G, seed in [(1, 9, 11), (2, 8, 12)]:
-        args = _grid_inputs(triton_device, torch.bfloat16, B, G, 500, 48, seed=seed)
-        assert _check(*args, config, _head_partials(args[0], block_n)) > 2
-    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 1, 9, 500, 48, seed=13)
-    base = base + torch.arange(500, device=triton_device) * 2 ** -10
-    assert _check(base, anchor, w1, w2 * 2 ** -30, config, _head_partials(base, block_n)) == 1
+def test_passes_are_counted_only_when_asked(triton_device: str) -> None:
+    """Without ``count_passes`` the kernel leaves the tally alone (the production walk)."""
+    args = _grid_inputs(triton_device, torch.bfloat16, 1, 9, 300, 16, seed=16)
+    before = jacobi_pass_counts()
+    out = markov_greedy_walk_jacobi(*args, CONFIGS[1])
+    assert jacobi_pass_counts() == before
+    assert torch.equal(out.cpu(), markov_greedy_walk_reference(*(t.cpu() for t in args)))
 
 
-def test_wrong_guesses_still_give_the_walk(triton_device: str) -> None:
-    """The guesses decide how soon the iteration settles, never its tokens: partials naming arbitrary
-    columns still give the sequential walk's tokens, within G passes."""
-    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.float32, 1, 9, 300, 16, seed=14)
-    g = torch.Generator().manual_seed(15)
-    guesses = (torch.rand(9, 5, generator=g).to(triton_device),
-               torch.randint(0, 300, (9, 5), generator=g, dtype=torch.int32).to(triton_device))
-    cpu = [t.cpu() for t in (base, anchor, w1, w2)]
-    out, passes = _run(base, anchor, w1, w2, CONFIGS[1], guesses)
-    assert torch.equal(out.cpu(), markov_greedy_walk_reference(*cpu))
-    assert 1 <= passes <= 9
+def test_op_counts_passes_when_asked(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lfmspark::markov_greedy_walk(..., count_passes=True)`` at one row (the Jacobi walk) tallies one walk."""
+    if triton_device == "cpu":
+        from env_vars import interpret_triton
+
+        interpret_triton(monkeypatch)
+    args = _grid_inputs(triton_device, torch.bfloat16, 1, 9, 300, 16, seed=16)
+    before = jacobi_pass_counts()
+    out = torch.ops.lfmspark.markov_greedy_walk(*args, "jacobi", True)
+    assert jacobi_pass_counts()[1] - before[1] == 1
+    assert torch.equal(out.cpu(), markov_greedy_walk_reference(*(t.cpu() for t in args)))
 
 
-def test_op_takes_guesses_and_checks_them(triton_device: str) -> None:
-    """``lfmspark::markov_greedy_walk`` with the partials (dispatched to the Jacobi walk at one row),
-    and its errors for partials that do not fit ``base``."""
-    base, anchor, w1, w2 = _grid_inputs(triton_device, torch.bfloat16, 1, 9, 300, 16, seed=16)
-    pv, pi = _head_partials(base, 64)
-    want = markov_greedy_walk_reference(*(t.cpu() for t in (base, anchor, w1, w2)))
-    assert torch.equal(torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, pi).cpu(), want)
-    with pytest.raises(ValueError, match="both guess_v and guess_i"):
-        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, None)
-    with pytest.raises(ValueError, match=r"\[B \* G, tiles\] = \[9, tiles\]"):
-        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv[:8], pi[:8])
-    with pytest.raises(ValueError, match="int32"):
-        torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, pv, pi.long())
-
-
-def test_usable_and_rejects(triton_device: str) -> None:
-    cuda = torch.device("cuda", 0)
-    assert jacobi_walk_usable(cuda, 1, 9, 256) and jacobi_walk_usable(cuda, 2, 8, 256)
-    assert not jacobi_walk_usable(cuda, 2, 9, 256) and not jacobi_walk_usable(cuda, 1, 9, 320)
-    with pytest.raises(ValueError, match=f"1-{MAX_LANES} .* got 2 x 9 lanes"):
+def test_rejects_what_it_cannot_run(triton_device: str) -> None:
+    with pytest.raises(ValueError, match=f"1-{WALK_LANES} .* got 2 x 9 lanes"):
         markov_greedy_walk_jacobi(*_grid_inputs(triton_device, torch.bfloat16, 2, 9, 100, 16, seed=1))
     with pytest.raises(ValueError, match="rank 320"):
         markov_greedy_walk_jacobi(*_grid_inputs(triton_device, torch.bfloat16, 1, 2, 100, 320, seed=2))
@@ -213,13 +183,13 @@ def test_gpu_graph_replay_follows_input_and_counts_passes() -> None:
     """The default walk of one row inside a CUDA graph after a large product (PDL edges in and out),
     replayed with new inputs: tokens follow them, the pass tally grows by each replay's passes, and
     the barrier counter ends at rest."""
-    from lfmspark.ops.markov_walk_persistent import counters_for
+    from lfmspark.ops.markov_walk.persistent import counters_for
     base, anchor, w1, w2 = _grid_inputs("cuda", torch.bfloat16, 1, 9, 65536, 256, seed=1)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     m = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        return torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2), x @ m
+        return torch.ops.lfmspark.markov_greedy_walk(base, anchor, w1, w2, "jacobi", True), x @ m
 
     step()
     graph = torch.cuda.CUDAGraph()

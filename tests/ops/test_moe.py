@@ -20,6 +20,7 @@ import torch
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.moe import (MoeConfig, moe_experts_reference, moe_experts_triton, moe_plan,
                               n_blocks_bound)
+from env_vars import interpret_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 INTERPRETER_BF16_TOL = 1.5e-2
@@ -171,13 +172,13 @@ def test_opcheck_reference():
 
 
 def test_opcheck_triton(monkeypatch):
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     args = _inputs(5, 2, 8, 64, 32, torch.float32, "cpu", seed=2)
     torch.library.opcheck(torch.ops.lfmspark.moe_experts, args)
 
 
 def test_compiled_matches_eager(monkeypatch):
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     args = _inputs(10, 4, 8, 64, 32, torch.float32, "cpu", seed=4)
 
     def f(x, ids, w, w13, w2):

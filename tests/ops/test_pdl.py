@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (ops/_dispatch.py): the switch, and on the GPU that a chain of
+"""Programmatic dependent launch (ops/_dispatch.py): the kill switch, the trigger of each kind of kernel, and on the GPU that a chain of
 PDL kernels replayed from a CUDA graph computes exactly what the same kernels compute without PDL.
 
 A kernel that read its predecessor's output before ``gdc_wait`` would read stale or partial data in
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops._dispatch import pdl_kwargs, pdl_requested, pdl_trigger, use_pdl
+from lfmspark import environment
+from lfmspark.ops._dispatch import pdl_kwargs, use_pdl
+from env_vars import set_env
 
 lfm = torch.ops.lfmspark
 
@@ -22,27 +24,23 @@ def test_off_on_cpu() -> None:
     assert pdl_kwargs(torch.zeros(1)) == {"PDL": 0, "launch_pdl": False}
 
 
-def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LFMSPARK_PDL", raising=False)
-    assert pdl_requested()
-    monkeypatch.setenv("LFMSPARK_PDL", "0")
-    assert not pdl_requested()
-    monkeypatch.setenv("LFMSPARK_PDL", "yes")
+def test_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_env(monkeypatch, PDL=None)
+    assert environment.environment().pdl
+    set_env(monkeypatch, PDL="0")
+    assert not environment.environment().pdl
     with pytest.raises(ValueError, match="LFMSPARK_PDL='yes'"):
-        pdl_requested()
+        set_env(monkeypatch, PDL="yes")
 
 
-def test_trigger_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)   # auto: late in the one-row products only
-    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (1, 2)
-    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "entry")
-    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (1, 1)
-    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "late")
-    assert (pdl_trigger(), pdl_trigger(one_row_product=True)) == (2, 2)
-    assert pdl_kwargs(torch.zeros(1))["PDL"] == 0          # off the GPU, whatever the trigger
-    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", "early")
-    with pytest.raises(ValueError, match="LFMSPARK_PDL_TRIGGER='early'"):
-        pdl_trigger()
+def test_trigger_of_each_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Late (2) in the one-row products, at entry (1) elsewhere; 0 off the GPU."""
+    from lfmspark.ops import _dispatch
+
+    assert pdl_kwargs(torch.zeros(1), one_row_product=True)["PDL"] == 0
+    monkeypatch.setattr(_dispatch, "use_pdl", lambda t: True)
+    assert pdl_kwargs(torch.zeros(1)) == {"PDL": 1, "launch_pdl": True}
+    assert pdl_kwargs(torch.zeros(1), one_row_product=True) == {"PDL": 2, "launch_pdl": True}
 
 
 class _PdlRecorder:
@@ -57,52 +55,44 @@ class _PdlRecorder:
         return launch
 
 
-@pytest.mark.parametrize("trigger, one_row, tile", [(None, 2, 1), ("entry", 1, 1), ("late", 2, 2)])
-def test_launchers_pass_the_trigger_of_their_kind(monkeypatch: pytest.MonkeyPatch, trigger: str | None,
-                                                  one_row: int, tile: int) -> None:
-    """The one-row products (GEMV, SwiGLU GEMV, fused-norm GEMV) launch with the one-row trigger,
-    the several-row tile products with the tile trigger (``auto``, the default, differs)."""
-    from lfmspark.ops import _dispatch, add_rmsnorm_gemv, skinny_linear, swiglu_gemv
+def test_launchers_pass_the_trigger_of_their_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-row products (GEMV, fused-norm GEMV) launch with the late trigger, the several-row
+    tile products with the trigger at entry."""
+    from lfmspark.ops import _dispatch
+    from lfmspark.ops.linear import add_rmsnorm_gemv, skinny_linear
 
-    if trigger is None:
-        monkeypatch.delenv("LFMSPARK_PDL_TRIGGER", raising=False)
-    else:
-        monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", trigger)
     monkeypatch.setattr(_dispatch, "use_pdl", lambda t: True)
     seen: dict[str, int] = {}
     for module, name in [(skinny_linear, "_gemv_kernel"), (skinny_linear, "_skinny_linear_kernel"),
-                         (swiglu_gemv, "_swiglu_gemv_kernel"), (add_rmsnorm_gemv, "_add_rmsnorm_gemv_kernel")]:
+                         (add_rmsnorm_gemv, "_add_rmsnorm_gemv_kernel")]:
         monkeypatch.setattr(module, name, _PdlRecorder(name, seen))
     K = 64
     x, w, w13 = torch.ones(1, K), torch.ones(256, K), torch.ones(512, K)
     skinny_linear.skinny_linear_triton(x, w, skinny_linear.SkinnyConfig(block_n=16, block_k=K, gemv=True))
     skinny_linear.skinny_linear_triton(x.expand(10, K), w)
-    skinny_linear.skinny_swiglu_triton(x.expand(10, K), w13)
-    skinny_linear.skinny_linear_pair_triton(x.expand(10, K), w, w13)  # the tile kernel, last: its trigger is seen
-    swiglu_gemv.swiglu_gemv_triton(x, w13)
+    skinny_linear.skinny_swiglu_triton(x, w13)                          # one row: the tile kernel
+    skinny_linear.skinny_linear_pair_triton(x.expand(10, K), w, w13)
     add_rmsnorm_gemv.add_rmsnorm_gemv_triton(x, None, torch.ones(K), 1e-6, w, swiglu=False)
-    assert seen == {"_gemv_kernel": one_row, "_swiglu_gemv_kernel": one_row, "_add_rmsnorm_gemv_kernel": one_row,
-                    "_skinny_linear_kernel": tile}
+    assert seen == {"_gemv_kernel": 2, "_add_rmsnorm_gemv_kernel": 2, "_skinny_linear_kernel": 1}
 
 
 def _chain(x: torch.Tensor, squares: list[torch.Tensor], w13: torch.Tensor, fan_out: torch.Tensor,
            w10: torch.Tensor) -> torch.Tensor:
     """Back-to-back lfmspark kernels with no other kernel between them (views are free), each
-    consuming its predecessor's output: square GEMVs, the SwiGLU GEMV, a GEMV whose output is
+    consuming its predecessor's output: square GEMVs, the one-row SwiGLU, a GEMV whose output is
     viewed as 10 rows, a 10-row product (not split on 132 SMs; split-K chains in a graph:
     tests/ops/test_skinny_linear.py), the two-stage argmax."""
     h = x
     for w in squares:
         h = lfm.skinny_linear(h, w)
-    h = lfm.swiglu_gemv(h, w13)                                   # [1, K] (F = K)
+    h = lfm.skinny_swiglu(h, w13)                                 # [1, K] (F = K)
     ten = lfm.skinny_linear(h, fan_out).view(10, x.shape[1])      # [1, 10K] -> [10, K]
     out = lfm.skinny_linear(ten, w10)
     return out, lfm.argmax_rows(out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trigger", ["auto", "entry", "late"])
-def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch, trigger: str) -> None:
+def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     K = 2048
 
@@ -112,11 +102,10 @@ def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch, tri
     x = rand(1, K) * K ** 0.5
     args = (x, [rand(K, K) for _ in range(12)], rand(2 * K, K), rand(10 * K, K), rand(8192, K))
 
-    monkeypatch.setenv("LFMSPARK_PDL", "0")
+    set_env(monkeypatch, PDL="0")
     want = _chain(*args)
 
-    monkeypatch.setenv("LFMSPARK_PDL", "1")
-    monkeypatch.setenv("LFMSPARK_PDL_TRIGGER", trigger)
+    set_env(monkeypatch, PDL="1")
     assert use_pdl(x), "the H200 supports PDL"
     _chain(*args)  # compile the PDL variants outside the capture
     torch.cuda.synchronize()
@@ -158,9 +147,9 @@ def test_norm_carry_chain_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch)
     norm_weight = [1 + 0.2 * torch.randn(H, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
     args = (rand(10, H, scale=H ** 0.5), rand(10, H, scale=H ** 0.5), rand(H, H), norm_weight[0], rand(2 * F, H),
             rand(H, F), norm_weight[1], rand(3 * H, H), rand(H, H), rand(H // 2, H))
-    monkeypatch.setenv("LFMSPARK_PDL", "0")
+    set_env(monkeypatch, PDL="0")
     want = _norm_carry_chain(*args)
-    monkeypatch.setenv("LFMSPARK_PDL", "1")
+    set_env(monkeypatch, PDL="1")
     _norm_carry_chain(*args)  # compile the PDL variants outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -184,12 +173,13 @@ def test_every_kernel_takes_the_pdl_constexpr() -> None:
     import lfmspark.ops as ops_pkg
 
     kernels = []
-    for info in pkgutil.iter_modules(ops_pkg.__path__):
-        module = importlib.import_module(f"lfmspark.ops.{info.name}")
+    for info in pkgutil.walk_packages(ops_pkg.__path__, "lfmspark.ops."):
+        module = importlib.import_module(info.name)
         kernels += [(info.name, name, obj) for name, obj in vars(module).items()
                     if isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel")
                     and getattr(obj, "fn", obj).__module__ == module.__name__]
-    assert len(kernels) >= 19  # a discovery sanity bound: the ops' kernels as of the split-K fix-up
+    assert len(kernels) >= 15  # a discovery sanity bound: the ops' kernels in every family folder
+    assert {mod.split(".")[2] for mod, _, _ in kernels} >= {"linear", "attention", "markov_walk", "moe", "short_conv"}
     missing = [f"{mod}.{name}" for mod, name, fn in kernels if "PDL" not in fn.arg_names]
     assert not missing, f"kernels without the PDL constexpr: {missing}"
 
@@ -202,8 +192,7 @@ def test_every_inductor_kernel_waits(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from lfmspark.graphs.compile import configure_compile
 
-    monkeypatch.setenv("LFMSPARK_PDL", "1")
-    monkeypatch.setenv("LFMSPARK_INDUCTOR_PDL", "1")
+    set_env(monkeypatch, PDL="1")
     configure_compile(n_variants=1)
     assert torch._inductor.config.triton.enable_pdl
 

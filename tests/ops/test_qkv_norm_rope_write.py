@@ -1,7 +1,7 @@
 """``lfmspark::qkv_norm_rope_write``: the target attention's q/k norm + RoPE and K/V write in one
 kernel, against its reference (interpreter on CPU, bit-exact on CUDA like kv_norm_rope_write), and
 the reference against the unfused module path it replaces (models/layers.py ``RMSNorm``,
-ops/rope.py, ``kv_write``)."""
+ops/attention/rope.py, a plain K/V cache write)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,23 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.models.layers import RMSNorm
-from lfmspark.ops.kv_norm_rope_write import qkv_norm_rope_write_reference, qkv_norm_rope_write_triton
-from lfmspark.ops.kv_write import kv_write_reference
-from lfmspark.ops.rope import apply_rope, gather_cos_sin, rope_cos_sin_table
-from lfmspark.ops.kv_write import window_positions
+from lfmspark.ops.attention.kv_norm_rope_write import qkv_norm_rope_write_reference, qkv_norm_rope_write_triton
+from lfmspark.ops.attention.rope import apply_rope, gather_cos_sin, rope_cos_sin_table, window_positions
+from env_vars import interpret_triton
 
 EPS = 1e-5
 SENTINEL = -768.0
+
+
+def _write_kv(k, v, k_cache, v_cache, layer, slots, start, lens) -> None:
+    """The K/V write, token by token: the first ``lens[b]`` tokens of each real row (slot >= 0) at
+    positions ``start[b] + t`` inside the cache."""
+    for b in range(k.shape[0]):
+        for t in range(int(lens[b])):
+            pos = int(start[b]) + t
+            if int(slots[b]) >= 0 and pos < k_cache.shape[2]:
+                k_cache[layer, slots[b], pos] = k[b, t].to(k_cache.dtype)
+                v_cache[layer, slots[b], pos] = v[b, t].to(v_cache.dtype)
 
 
 def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, hd: int, S: int, slots, start,
@@ -79,7 +89,7 @@ def test_kernel_matches_reference(triton_device: str, name: str, is_neox: bool, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reference_is_the_unfused_attention_path(dtype: torch.dtype) -> None:
     """What Lfm2Attention computed before the op: RMSNorm modules, RoPE in fp32 with one rounding,
-    kv_write of the first lens[b] tokens."""
+    the K/V write of the first lens[b] tokens."""
     B, T, n_q, n_kv, hd, S, slots, start, lens = _SHAPES["t10"]
     qkv, q_w, k_w, cos_sin, caches, (slots, start, lens), layer = case = _case("cpu", dtype, B, T, n_q, n_kv, hd, S,
                                                                               slots, start, lens, seed=5)
@@ -92,7 +102,7 @@ def test_reference_is_the_unfused_attention_path(dtype: torch.dtype) -> None:
         q_want = apply_rope(q_norm(q.reshape(B, T, n_q, hd)).float(), cos, sin, True).to(dtype)
         k_want = apply_rope(k_norm(k.reshape(B, T, n_kv, hd)).float(), cos, sin, True).to(dtype)
     k_cache, v_cache = caches()
-    kv_write_reference(k_want, v.reshape(B, T, n_kv, hd), k_cache, v_cache, layer, slots, start, lens)
+    _write_kv(k_want, v.reshape(B, T, n_kv, hd), k_cache, v_cache, layer, slots, start, lens)
     q_got, k_got, v_got = _run(qkv_norm_rope_write_reference, case, True)
     assert torch.equal(q_got, q_want) and torch.equal(k_got, k_cache) and torch.equal(v_got, v_cache)
 
@@ -105,7 +115,7 @@ def test_bad_width_is_refused() -> None:
 
 
 def test_opcheck(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     qkv, q_w, k_w, cos_sin, caches, (slots, start, lens), layer = _case(triton_device, torch.float32, *_SHAPES["t3_odd"])
     torch.library.opcheck(torch.ops.lfmspark.qkv_norm_rope_write,
                           (qkv, q_w, k_w, cos_sin, *caches(), layer, slots, start, lens, EPS, True))

@@ -20,6 +20,7 @@ import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.short_conv import (short_conv_commit_reference, short_conv_commit_triton,
                                      short_conv_prefill_reference, short_conv_prefill_triton,
                                      short_conv_verify_reference, short_conv_verify_triton)
+from env_vars import interpret_triton
 
 N_CONV, N_SLOTS = 3, 6
 
@@ -199,7 +200,7 @@ def test_strided_bcx(triton_device, op):
 @pytest.mark.parametrize("triton_cpu", [False, True], ids=["reference", "triton"])
 def test_shape_validation(monkeypatch, triton_cpu):
     if triton_cpu:
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+        interpret_triton(monkeypatch)
     ops = torch.ops.lfmspark
     bcx, w, state = inputs("cpu", torch.float32, 2, 3, 8, seed=1)
     tape = torch.zeros(N_CONV, 2, 5, 8)
@@ -293,7 +294,7 @@ def _op_args(device: str):
 @pytest.mark.parametrize("triton_cpu", [False, True], ids=["reference", "triton"])
 def test_opcheck(monkeypatch, triton_cpu):
     if triton_cpu:
-        monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+        interpret_triton(monkeypatch)
     bcx, w, state, tape, slots, start, lens = _op_args("cpu")
     ops = torch.ops.lfmspark
     torch.library.opcheck(ops.short_conv_prefill, (bcx, w, state, 1, slots, start, lens))
@@ -302,7 +303,7 @@ def test_opcheck(monkeypatch, triton_cpu):
 
 
 def test_torch_compile_matches_eager(monkeypatch):
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     ops = torch.ops.lfmspark
 
     def step(bcx, w, state, tape, slots, start, lens, accepted):

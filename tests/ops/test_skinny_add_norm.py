@@ -17,11 +17,12 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.models.layers import RMSNorm
-from lfmspark.ops.skinny_linear import (SkinnyConfig, _split_counters, add_norm_config,
+from lfmspark.ops.linear.skinny_linear import (SkinnyConfig, _split_counters, add_norm_config,
                                         skinny_linear_add_norm_reference, skinny_linear_add_norm_triton,
                                         skinny_linear_pair_reference, skinny_linear_pair_triton,
                                         skinny_linear_reference, skinny_linear_triton, skinny_swiglu_reference,
                                         skinny_swiglu_triton, split_k_plan)
+from env_vars import interpret_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 EPS = 1e-5
@@ -41,13 +42,13 @@ def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return ((out.double() - want.double()).norm() / want.double().norm()).item()
 
 
-# (N, K, cfg): N and K tails without a split; split-K (the epilogue in the fix-up); the regular
-# layout (x as the A operand); a column tile wider than N
+# (N, K, cfg): N and K tails without a split; split-K (the epilogue in the fix-up); narrow tiles
+# with two splits; a column tile wider than N
 CASES = [
-    (200, 96, SkinnyConfig(block_n=64, block_k=32, swap_ab=True)),
-    (160, 300, SkinnyConfig(block_n=64, block_k=64, split_k=3, swap_ab=True)),
+    (200, 96, SkinnyConfig(block_n=64, block_k=32)),
+    (160, 300, SkinnyConfig(block_n=64, block_k=64, split_k=3)),
     (96, 128, SkinnyConfig(block_n=32, block_k=32, split_k=2)),
-    (40, 64, SkinnyConfig(block_n=64, block_k=32, swap_ab=True)),
+    (40, 64, SkinnyConfig(block_n=64, block_k=32)),
 ]
 
 
@@ -57,7 +58,7 @@ def test_cases_split_as_named() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M", [2, 10, 16])
-@pytest.mark.parametrize("N, K, cfg", CASES, ids=["tails", "split_k", "regular", "wide_tile"])
+@pytest.mark.parametrize("N, K, cfg", CASES, ids=["tails", "split_k", "narrow_split", "wide_tile"])
 def test_add_norm_matches_reference(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int,
                                     cfg: SkinnyConfig) -> None:
     x, w, residual, g = _inputs(triton_device, dtype, M, N, K, seed=M + N)
@@ -85,8 +86,9 @@ def test_add_norm_takes_a_column_major_residual(triton_device: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_row_scale_on_the_regular_layout(triton_device: str) -> None:
-    """ROW_NORM with x as the A operand (swap_ab=False) scales the same rows."""
+def test_row_scale_on_narrow_split_tiles(triton_device: str) -> None:
+    """ROW_NORM on 32-column tiles with two K splits scales the same rows (the scaling is linear, so
+    each split's partial is scaled before the fix-up sums them)."""
     x, w, residual, g = _inputs(triton_device, torch.float32, 9, 64, 48)
     _, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, CASES[2][2])
     w13 = torch.randn(2 * 40, 64, generator=torch.Generator().manual_seed(2)).to(triton_device) / 8
@@ -98,7 +100,7 @@ def test_add_norm_split_k_is_deterministic_and_resets_its_counters(triton_device
     N, K, cfg = CASES[1][:3]
     args = _inputs(triton_device, torch.float32, 10, N, K)
     first = skinny_linear_add_norm_triton(*args, cfg)
-    assert not _split_counters(args[0].device).any()
+    assert not _split_counters(args[0].device, side_stream=False).any()
     for a, b in zip(skinny_linear_add_norm_triton(*args, cfg), first, strict=True):
         assert torch.equal(a, b)
 
@@ -118,7 +120,7 @@ def test_pair_matches_the_modules(triton_device: str, dtype: torch.dtype, M: int
     x, w, residual, g = _inputs(triton_device, dtype, M, N, K, seed=M)
     w13 = (torch.randn(2 * F, N, generator=torch.Generator().manual_seed(1)) * 2 / N ** 0.5).to(triton_device, dtype)
     s, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, CASES[0][2])
-    act = skinny_swiglu_triton(scaled, w13, SkinnyConfig(block_n=32, block_k=32, split_k=2, swap_ab=True),
+    act = skinny_swiglu_triton(scaled, w13, SkinnyConfig(block_n=32, block_k=32, split_k=2),
                                row_ssq=ssq, eps=EPS)
     want_s, want_act = _module_pair(x, w, residual, g, w13)
     assert _rel_err(s, want_s) < TOL[dtype]
@@ -133,14 +135,14 @@ def test_row_scale_reaches_each_row(triton_device: str) -> None:
     x = torch.randn(M, H, device=triton_device)
     w13 = torch.randn(2 * F, H, device=triton_device) / H ** 0.5
     ssq = torch.tensor([[1.0, 4.0, 16.0, 64.0]], device=triton_device) * H   # mean squares 1, 4, 16, 64
-    out = skinny_swiglu_triton(x, w13, SkinnyConfig(block_n=16, block_k=32, swap_ab=True), row_ssq=ssq, eps=0.0)
+    out = skinny_swiglu_triton(x, w13, SkinnyConfig(block_n=16, block_k=32), row_ssq=ssq, eps=0.0)
     gate, up = (x @ w13.T).chunk(2, dim=-1)
     c = torch.tensor([1.0, 0.5, 0.25, 0.125], device=triton_device)[:, None]
     torch.testing.assert_close(out, torch.nn.functional.silu(c * gate) * (c * up), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N, K, cfg", CASES, ids=["tails", "split_k", "regular", "wide_tile"])
+@pytest.mark.parametrize("N, K, cfg", CASES, ids=["tails", "split_k", "narrow_split", "wide_tile"])
 def test_row_scaled_products_match_the_modules(triton_device: str, dtype: torch.dtype, N: int, K: int,
                                                cfg: SkinnyConfig) -> None:
     """The norms between layers (models/layers.py ``NormedCarry``): the producer's ``s * g`` and row
@@ -150,7 +152,7 @@ def test_row_scaled_products_match_the_modules(triton_device: str, dtype: torch.
     x, w, residual, g = _inputs(triton_device, dtype, M, H, 40, seed=N)
     # three column tiles of the producer: the consumers add three partial sums per row
     s, scaled, ssq = skinny_linear_add_norm_triton(x, w, residual, g, SkinnyConfig(block_n=16, block_k=32,
-                                                                                   swap_ab=True))
+                                                                                   ))
     assert ssq.shape == (3, M)
     gen = torch.Generator().manual_seed(K)
     w_next = (torch.randn(N, H, generator=gen) / H ** 0.5).to(triton_device, dtype)
@@ -175,7 +177,7 @@ def test_row_scaled_product_reaches_each_row(triton_device: str) -> None:
     w = torch.randn(N, H, device=triton_device) / H ** 0.5
     ssq = torch.tensor([[1.0, 4.0, 16.0, 64.0]], device=triton_device) * H * torch.tensor([[0.5], [0.25], [0.25]],
                                                                                         device=triton_device)
-    out = skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32, swap_ab=True), row_ssq=ssq, eps=0.0)
+    out = skinny_linear_triton(x, w, SkinnyConfig(block_n=16, block_k=32), row_ssq=ssq, eps=0.0)
     c = torch.tensor([1.0, 0.5, 0.25, 0.125], device=triton_device)[:, None]
     torch.testing.assert_close(out, c * (x @ w.T), rtol=1e-5, atol=1e-6)
 
@@ -185,7 +187,7 @@ def test_op_on_cpu_matches_kernel_tiling(monkeypatch: pytest.MonkeyPatch) -> Non
     compiled graph may take either; and the defaults follow add_norm_config."""
     args = _inputs("cpu", torch.float32, 10, 200, 96)
     ref = lfm.skinny_linear_add_norm(*args)
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     tri = lfm.skinny_linear_add_norm(*args)
     assert ref[2].shape == tri[2].shape == (-(-200 // add_norm_config(args[0], args[1]).block_n), 10)
     for a, b in zip(tri, ref, strict=True):
@@ -232,7 +234,7 @@ def test_opcheck() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(lfm.skinny_linear_add_norm, _inputs("cpu", torch.float32, 10, 96, 64))
 
 

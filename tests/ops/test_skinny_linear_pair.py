@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, pair_config,
+from lfmspark.ops.linear.skinny_linear import (MAX_M, SkinnyConfig, _split_counters, pair_config,
                                         skinny_linear_pair_reference, skinny_linear_pair_triton, skinny_linear_triton,
                                         split_k_plan, swap_ab_config)
+from env_vars import interpret_triton, set_env
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 lfm = torch.ops.lfmspark
@@ -43,10 +44,10 @@ def _check(out: torch.Tensor, x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Ten
 # (N_A, N_B, K, cfg): one split, K tail, w_b's rows not whole tiles; split-K with a K tail in the
 # last split; narrow tiles, more splits than the fix-up loads at once; the first weight of one tile
 CASES = [
-    (64, 48, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True)),
-    (128, 64, 300, SkinnyConfig(block_n=32, block_k=64, split_k=3, swap_ab=True)),
-    (32, 40, 192, SkinnyConfig(block_n=16, block_k=16, split_k=6, swap_ab=True)),
-    (64, 200, 128, SkinnyConfig(block_n=64, block_k=32, split_k=2, swap_ab=True)),
+    (64, 48, 200, SkinnyConfig(block_n=64, block_k=64)),
+    (128, 64, 300, SkinnyConfig(block_n=32, block_k=64, split_k=3)),
+    (32, 40, 192, SkinnyConfig(block_n=16, block_k=16, split_k=6)),
+    (64, 200, 128, SkinnyConfig(block_n=64, block_k=32, split_k=2)),
 ]
 CASE_IDS = ["one_split", "split_k", "six_splits", "one_a_tile"]
 
@@ -96,9 +97,9 @@ def test_split_k_is_deterministic_and_resets_its_counters(triton_device: str) ->
     N_A, N_B, K, cfg = CASES[2]
     x, w_a, w_b = _inputs(triton_device, torch.float32, 10, N_A, N_B, K)
     first = skinny_linear_pair_triton(x, w_a, w_b, cfg)
-    assert not _split_counters(x.device).any()
+    assert not _split_counters(x.device, side_stream=False).any()
     assert torch.equal(skinny_linear_pair_triton(x, w_a, w_b, cfg), first)
-    assert not _split_counters(x.device).any()
+    assert not _split_counters(x.device, side_stream=False).any()
 
 
 def test_empty_and_zero_k(triton_device: str) -> None:
@@ -131,7 +132,7 @@ def test_rejects_mismatched_weights(route: str) -> None:
 def test_rejects_a_config_splitting_a_tile_between_the_weights(triton_device: str) -> None:
     x, w_a, w_b = _inputs(triton_device, torch.float32, 4, 48, 16, 64)
     with pytest.raises(ValueError, match="48 rows must be whole column tiles"):
-        skinny_linear_pair_triton(x, w_a, w_b, SkinnyConfig(block_n=32, block_k=32, swap_ab=True))
+        skinny_linear_pair_triton(x, w_a, w_b, SkinnyConfig(block_n=32, block_k=32))
 
 
 def test_pair_config() -> None:
@@ -146,7 +147,7 @@ def test_pair_config() -> None:
 
 
 def test_pair_config_follows_the_tuning_of_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TUNE", "tile@3072x2048.block_n=128,tile@3072x2048.split_k=3")
+    set_env(monkeypatch, TUNE="tile@3072x2048.block_n=128,tile@3072x2048.split_k=3")
     cfg = pair_config(10, 2048, 1024, 2048, 2, 132)
     assert (cfg.block_n, cfg.split_k) == (128, 3)
 
@@ -156,12 +157,12 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(lfm.skinny_linear_pair, _inputs("cpu", torch.float32, 10, 32, 24, 96))
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     x, w_a, w_b = _inputs("cpu", torch.float32, 9, 32, 24, 96)
 
     def proj(x, w_a, w_b):

@@ -1,10 +1,10 @@
-"""``lfmspark::skinny_swiglu``: ``silu(x @ w1^T) * (x @ w3^T)`` for 2-16 rows from the fused ``w13``,
+"""``lfmspark::skinny_swiglu``: ``silu(x @ w1^T) * (x @ w3^T)`` for 1-16 rows from the fused ``w13``,
 on the swap-AB kernel with the ``SWIGLU`` epilogue (interpreter on CPU, native on CUDA), against the
 op's reference (``F.linear`` then ``F.silu`` times up, the unfused module) and an fp64 oracle; with
 and without split-K (the activation then runs in the last program's fix-up); the launch heuristic;
 shape errors; registration.
 
-Tolerances as tests/ops/test_swiglu_gemv.py: fp32, the sums differ from the reference's only in
+Tolerances: fp32, the sums differ from the reference's only in
 order (1e-5 relative); bf16, the kernel rounds gate, up, silu and the product at the reference's
 points (the interpreter truncates instead of rounding), so results agree to a few bf16 ulps.
 """
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.skinny_linear import (SWIGLU_MAX_M, SkinnyConfig, _split_counters, skinny_swiglu_reference,
+from lfmspark.ops.linear.skinny_linear import (SWIGLU_MAX_M, SkinnyConfig, _split_counters, skinny_swiglu_reference,
                                         skinny_swiglu_triton, split_k_plan, swap_ab_config, swiglu_config)
+from env_vars import interpret_triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 lfm = torch.ops.lfmspark
@@ -50,9 +51,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor) -> None:
 # (F, K, cfg): one split with F and K tails; split-K with a K tail in the last split; more splits
 # than the fix-up loads at once, a column tile wider than F
 CASES = [
-    (100, 200, SkinnyConfig(block_n=64, block_k=64, swap_ab=True)),
-    (80, 300, SkinnyConfig(block_n=64, block_k=64, split_k=3, swap_ab=True)),
-    (24, 192, SkinnyConfig(block_n=32, block_k=16, split_k=6, swap_ab=True)),
+    (100, 200, SkinnyConfig(block_n=64, block_k=64)),
+    (80, 300, SkinnyConfig(block_n=64, block_k=64, split_k=3)),
+    (24, 192, SkinnyConfig(block_n=32, block_k=16, split_k=6)),
 ]
 
 
@@ -61,7 +62,7 @@ def test_cases_split_as_named() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("M", [2, 9, 10, 16])
+@pytest.mark.parametrize("M", [1, 2, 9, 10, 16])
 @pytest.mark.parametrize("F, K, cfg", CASES, ids=["one_split", "split_k", "six_splits"])
 def test_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int, F: int, K: int,
                                   cfg: SkinnyConfig) -> None:
@@ -70,12 +71,12 @@ def test_kernel_matches_reference(triton_device: str, dtype: torch.dtype, M: int
 
 
 @pytest.mark.parametrize("M", [3, 10])
-def test_heuristic_config_and_regular_kernel(triton_device: str, M: int) -> None:
+def test_heuristic_config_and_narrow_tiles(triton_device: str, M: int) -> None:
     """The default config (split-K at this size on the interpreter's 8 "SMs"), and the SWIGLU
-    epilogue on the regular (x as A operand) kernel."""
+    epilogue on 32-column tiles with two splits."""
     F, K = 160, 2048
     cfg = swiglu_config(M, F, K, 4, 8)
-    assert cfg.swap_ab and split_k_plan(K, cfg.block_k, cfg.split_k)[1] > 1
+    assert not cfg.gemv and split_k_plan(K, cfg.block_k, cfg.split_k)[1] > 1
     x, w13 = _inputs(triton_device, torch.float32, M, F, K, seed=M)
     _check(skinny_swiglu_triton(x, w13), x, w13)
     _check(skinny_swiglu_triton(x, w13, SkinnyConfig(block_n=32, block_k=64, split_k=2)), x, w13)
@@ -85,12 +86,12 @@ def test_split_k_is_deterministic_and_resets_its_counters(triton_device: str) ->
     F, K, cfg = CASES[1]
     x, w13 = _inputs(triton_device, torch.float32, 10, F, K)
     first = skinny_swiglu_triton(x, w13, cfg)
-    counters = _split_counters(x.device)
+    counters = _split_counters(x.device, side_stream=False)
     assert not counters.any()
     assert torch.equal(skinny_swiglu_triton(x, w13, cfg), first)
     assert not counters.any()
     # the split and unsplit sums agree to fp32 rounding: the activation runs on the full sums
-    unsplit = skinny_swiglu_triton(x, w13, SkinnyConfig(block_n=64, block_k=64, swap_ab=True))
+    unsplit = skinny_swiglu_triton(x, w13, SkinnyConfig(block_n=64, block_k=64))
     torch.testing.assert_close(first, unsplit, rtol=1e-5, atol=1e-6)
 
 
@@ -142,8 +143,8 @@ def test_heuristic_at_served_shapes(M: int, F: int, K: int) -> None:
     """On 132 SMs: the swap-AB heuristic for F columns (LFM2.5-1.2B, LFM2-8B-A1B dense and a small
     shape), with stages that fit both weight tiles in the swap-AB shared-memory budget."""
     cfg, plain = swiglu_config(M, F, K, 2, 132), swap_ab_config(M, F, K, 2, 132)
-    assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.swap_ab) == \
-        (plain.block_n, plain.block_k, plain.split_k, plain.num_warps, True)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps) == \
+        (plain.block_n, plain.block_k, plain.split_k, plain.num_warps)
     assert 2 <= cfg.num_stages <= plain.num_stages
     assert cfg.num_stages * (2 * cfg.block_n + 16) * cfg.block_k * 2 <= 200 * 1024
     if F in (8192, 7168):  # one program per 64 gate columns, no split; fewer programs than SMs: 5 stages
@@ -162,12 +163,12 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(lfm.skinny_swiglu, _inputs("cpu", torch.float32, 10, 24, 96))
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     x, w13 = _inputs("cpu", torch.float32, 9, 24, 96)
 
     def mlp(x, w13):
@@ -183,7 +184,7 @@ def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
 # CUDA: the served shapes (LFM2.5-1.2B and its draft: w13 [16384, 2048]; LFM2-8B-A1B dense layers)
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [2, 9, 10, 16])
+@pytest.mark.parametrize("M", [1, 2, 9, 10, 16])
 @pytest.mark.parametrize("F, K", [(8192, 2048), (7168, 2048)])
 def test_gpu_served_shapes(M: int, F: int, K: int) -> None:
     x, w13 = _inputs("cuda", torch.bfloat16, M, F, K, seed=M)
@@ -207,4 +208,4 @@ def test_gpu_split_k_graph_replay() -> None:
     for _ in range(5):
         graph.replay()
         assert torch.equal(out, first)
-    assert not _split_counters(x.device).any()
+    assert not _split_counters(x.device, side_stream=False).any()

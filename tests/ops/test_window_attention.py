@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.cache_attention import cache_attention_triton
-from lfmspark.ops.kv_norm_rope_write import qkv_norm_rope_write_triton
-from lfmspark.ops.rope import rope_cos_sin_table
-from lfmspark.ops.window_attention import (fits_window, qkv_window_attention_reference,
-                                           qkv_window_attention_triton, window_attention_requested)
+from lfmspark.ops.attention.cache_attention import cache_attention_triton
+from lfmspark.ops.attention.kv_norm_rope_write import qkv_norm_rope_write_triton
+from lfmspark.ops.attention.rope import rope_cos_sin_table
+from lfmspark.ops.attention.window_attention import qkv_window_attention_reference, qkv_window_attention_triton
+from lfmspark.ops.routing import window_attention
+from env_vars import interpret_triton
 
 EPS = 1e-5
 LAYERS, SLOTS = 2, 4
@@ -135,9 +136,9 @@ def test_matches_the_two_launches(triton_device: str, causal: bool, is_neox: boo
         torch.testing.assert_close(out[b, :n], two[b, :n], **_tol(torch.bfloat16))
 
 
-def test_fits_window() -> None:
-    assert fits_window(16, 32, 8) and fits_window(1, 32, 8) and fits_window(64, 4, 4)
-    assert not fits_window(17, 32, 8) and not fits_window(33, 2, 1)
+def test_window_attention_route() -> None:
+    assert window_attention(16, 32, 8) and window_attention(1, 32, 8) and window_attention(64, 4, 4)
+    assert not window_attention(17, 32, 8) and not window_attention(33, 2, 1)
 
 
 def test_errors() -> None:
@@ -150,16 +151,6 @@ def test_errors() -> None:
     qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx = _case("cpu", torch.float32, 1, 2, 8, 2, 16, 64, [0], [0], [2])
     with pytest.raises(ValueError, match="share a dtype"):
         _run(qkv_window_attention_triton, (qkv, q_w, k_w, cos_sin, k_cache.half(), v_cache.half(), idx), True, True)
-
-
-def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LFMSPARK_WINDOW_ATTENTION", raising=False)
-    assert window_attention_requested()
-    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", "0")
-    assert not window_attention_requested()
-    monkeypatch.setenv("LFMSPARK_WINDOW_ATTENTION", "yes")
-    with pytest.raises(ValueError, match="LFMSPARK_WINDOW_ATTENTION='yes'"):
-        window_attention_requested()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,12 +167,12 @@ def test_opcheck_reference() -> None:
 
 
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     torch.library.opcheck(torch.ops.lfmspark.qkv_window_attention, _op_args())
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LFMSPARK_TRITON_ON_CPU", "1")
+    interpret_triton(monkeypatch)
     qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, neox, causal, scale = _op_args()
 
     def attend(qkv, k_cache, v_cache):

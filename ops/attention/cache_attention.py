@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
-from .tuning import tuned
+from .._dispatch import pdl_kwargs, use_triton
+from ..tuning import tuned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,8 +213,8 @@ def _pick_splits(n_programs: int, n_rows: int, S: int, block_n: int, sms: int) -
     ``_MAX_WIDE_SPLITS`` for windows of 33-64 rows (one row tile). Measured on the H200 at 1.2B shapes:
     splitting a half-full wave further only adds partial traffic and the combine launch; the
     batch-1 round's 40-row windows ran 12 us per round faster at 4 splits than at 15 (one split:
-    10 us slower), while the decode step's 4-row windows ran 10 us slower at 4 (docs/benchmarks.md,
-    session 17)."""
+    10 us slower), while the decode step's 4-row windows ran 10 us slower at 4
+    (docs/decisions.md)."""
     if 2 * n_programs > sms:
         return 1
     cap = _MAX_WIDE_SPLITS if 32 < n_rows <= 64 else _MAX_SPLITS   # prefill tiles (> 64 rows): not measured
@@ -330,27 +330,29 @@ def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.T
 def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                               slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
                               window_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """The op's oracle; with ``window_lens``, the window's keys at or past ``window_lens[b]`` are
-    hidden too (ops/window_attention.py's semantics)."""
+    """The op's oracle, in fp32; with ``window_lens``, the window's keys at or past ``window_lens[b]``
+    are hidden too (ops/attention/window_attention.py's semantics). Each kv head's ``group`` query heads are
+    one ``[T * group, hd]`` matrix of its products (grouped-query attention without repeating K/V)."""
     B, T, n_heads, hd = q.shape
     S, n_kv = k_cache.shape[2], k_cache.shape[3]
     group = n_heads // n_kv
     out = torch.zeros_like(q)
-    for b in range(B):
-        slot = int(slots[b])
+    lens = [T] * B if window_lens is None else [min(n, T) for n in window_lens.tolist()]
+    for b, (slot, s0, n) in enumerate(zip(slots.tolist(), start.tolist(), lens)):
         if slot < 0:
             continue
-        s0 = int(start[b])
-        end = min(s0 + T if window_lens is None else s0 + min(int(window_lens[b]), T), S)
-        k = k_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)   # [end, H, hd]
-        v = v_cache[layer, slot, :end].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,shd->hts", q[b].float(), k) * scale
-        if causal:
+        end = min(s0 + n, S)
+        k = k_cache[layer, slot, :end].float()                                 # [end, n_kv, hd]
+        v = v_cache[layer, slot, :end].float()
+        qg = q[b].float().view(T, n_kv, group, hd).transpose(0, 1).reshape(n_kv, T * group, hd)
+        scores = (torch.bmm(qg, k.permute(1, 2, 0)) * scale).view(n_kv, T, group, end)
+        if causal and T > 1:     # a single query (decode) sees every key: they all precede it
             key_pos = torch.arange(end, device=q.device)[None, :]
             query_pos = s0 + torch.arange(T, device=q.device)[:, None]
-            scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[b] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
+            scores = scores.masked_fill((key_pos > query_pos)[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(n_kv, T * group, end)
+        o = torch.bmm(probs, v.transpose(0, 1))                                # [n_kv, T * group, hd]
+        out[b] = o.view(n_kv, T, group, hd).transpose(0, 1).reshape(T, n_heads, hd).to(q.dtype)
     return out
 
 

@@ -40,12 +40,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
-from .argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
-from .markov_walk_jacobi import jacobi_walk_usable, markov_greedy_walk_jacobi
-from .markov_walk_persistent import markov_greedy_walk_persistent, persistent_walk_usable, walk_mode
-from .tuning import tuned
-from .weight_rounding import ROUND_MODE, round_to_weight_dtype
+from .._dispatch import pdl_kwargs, use_triton
+from ..argmax_rows import _argmax_final_kernel, block_argmax, block_p, reduce_partials_rows
+from ..routing import walk_kernel
+from ..tuning import tuned
+from .jacobi import markov_greedy_walk_jacobi
+from .persistent import markov_greedy_walk_persistent
+from ..weight_rounding import ROUND_MODE, round_to_weight_dtype
 
 # ---------------------------------------------------------------------------------------------
 # kernels
@@ -129,7 +130,7 @@ class WalkConfig:
 
 
 def walk_config(B: int, V: int, rank: int) -> WalkConfig:
-    """Default launch parameters (the fastest of 18 in the H200 sweep at batch 1, docs/benchmarks.md;
+    """Default launch parameters (the fastest of 18 in the H200 sweep at batch 1;
     ``LFMSPARK_TUNE`` kind ``walk`` replaces them, ops/tuning.py)."""
     return WalkConfig(block_v=tuned("walk", "block_v", min(256, max(16, triton.next_power_of_2(V)))),
                       block_r=tuned("walk", "block_r", min(64, max(16, triton.next_power_of_2(rank)))),
@@ -154,30 +155,16 @@ def _check(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch
         raise ValueError(f"V = {V} does not fit the kernel's int32 column indices")
 
 
-def _check_guesses(base: torch.Tensor, guess_v: torch.Tensor | None, guess_i: torch.Tensor | None) -> None:
-    if (guess_v is None) != (guess_i is None):
-        raise ValueError("give both guess_v and guess_i (skinny_linear_argmax's partials of base) or neither")
-    if guess_v is None:
-        return
-    B, G, _ = base.shape
-    if guess_v.dim() != 2 or guess_v.shape != guess_i.shape or guess_v.shape[0] != B * G or guess_v.shape[1] == 0:
-        raise ValueError(f"guess_v and guess_i must be the argmax partials [B * G, tiles] = [{B * G}, tiles] of base's "
-                         f"rows, got {tuple(guess_v.shape)} and {tuple(guess_i.shape)}")
-    if guess_v.dtype != torch.float32 or guess_i.dtype != torch.int32:
-        raise ValueError(f"guess_v must be fp32 and guess_i int32, got {guess_v.dtype} and {guess_i.dtype}")
-
-
 def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                              config: WalkConfig | None = None, guess_v: torch.Tensor | None = None,
-                              guess_i: torch.Tensor | None = None) -> torch.Tensor:
-    """The op on the Triton kernels, as ``LFMSPARK_WALK`` picks (ops/markov_walk_persistent.py
-    ``walk_mode``): the Jacobi walk (ops/markov_walk_jacobi.py) where its rows x slots fit 16 lanes, the persistent walk for
-    2-16 rows, where they apply; else the step kernels (always with ``config``, a launch override of
-    the step kernel, for tests and tuning). ``guess_v``, ``guess_i``: the op's, read by the Jacobi walk only."""
+                              walk: str = "jacobi", config: WalkConfig | None = None,
+                              count_passes: bool = False) -> torch.Tensor:
+    """The op on the Triton kernels: the one ops/routing.py ``walk_kernel`` picks under the engine's
+    ``walk`` choice, or the step kernels with ``config`` (a launch override, for tests and tuning).
+    ``count_passes``: the Jacobi kernel tallies its passes (jacobi.py ``jacobi_pass_counts``)."""
     _check(base, anchor, w1, w2)
-    _check_guesses(base, guess_v, guess_i)
     B, G, V = base.shape
     rank = w2.shape[1]
+    kernel = walk_kernel(walk, base.device, B, G, rank)
     tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
     if B == 0 or G == 0:
         return tokens
@@ -185,11 +172,9 @@ def markov_greedy_walk_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torc
     w1 = w1 if w1.stride(1) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(1) == 1 else w2.contiguous()
     anchor = anchor.contiguous()
-    mode = walk_mode()
-    if config is None and mode == "jacobi" and jacobi_walk_usable(base.device, B, G, rank):
-        guesses = None if guess_v is None else (guess_v.contiguous(), guess_i.contiguous())
-        return markov_greedy_walk_jacobi(base, anchor, w1, w2, guesses=guesses)
-    if config is None and mode != "steps" and persistent_walk_usable(base.device, B, rank):
+    if config is None and kernel == "jacobi":
+        return markov_greedy_walk_jacobi(base, anchor, w1, w2, count_passes=count_passes)
+    if config is None and kernel == "persistent":
         return markov_greedy_walk_persistent(base, anchor, w1, w2)
     cfg = config or walk_config(B, V, rank)
     nb = triton.cdiv(V, cfg.block_v)
@@ -235,27 +220,25 @@ def markov_greedy_walk_reference(base: torch.Tensor, anchor: torch.Tensor, w1: t
 
 @torch.library.custom_op("lfmspark::markov_greedy_walk", mutates_args=())
 def markov_greedy_walk(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                       guess_v: torch.Tensor | None = None, guess_i: torch.Tensor | None = None) -> torch.Tensor:
+                       walk: str = "jacobi", count_passes: bool = False) -> torch.Tensor:
     """Greedy walk of a vanilla Markov head: ``base [B, G, V]`` draft logits (fp32; bf16 / fp16 are
     read exactly as their fp32 values), ``anchor [B]`` int64, ``w1 [V, r]`` (``markov_w1``),
-    ``w2 [V, r]`` (``markov_w2``) -> tokens ``[B, G]`` int64. ``guess_v``, ``guess_i``: optionally the
-    argmax partials ``[B * G, tiles]`` of ``base``'s rows from the LM head that produced it
-    (``lfmspark::skinny_linear_argmax``); the Jacobi walk starts from them instead of a guess pass.
-    They change how fast it converges, never the tokens."""
+    ``w2 [V, r]`` (``markov_w2``) -> tokens ``[B, G]`` int64. ``walk``: the kernel family
+    (ops/routing.py ``WALKS``; the tokens are the same whichever runs). ``count_passes``: the Jacobi
+    kernel tallies its passes for the benchmark (a side counter, not an output)."""
     if use_triton(base):
-        return markov_greedy_walk_triton(base, anchor, w1, w2, guess_v=guess_v, guess_i=guess_i)
+        return markov_greedy_walk_triton(base, anchor, w1, w2, walk, count_passes=count_passes)
     _check(base, anchor, w1, w2)  # the same limits on every device
-    _check_guesses(base, guess_v, guess_i)
+    walk_kernel(walk, base.device, *base.shape[:2], w2.shape[1])   # and the same refusal of a bad choice
     return markov_greedy_walk_reference(base, anchor, w1, w2)
 
 
 @markov_greedy_walk.register_kernel("cuda")
-def _markov_greedy_walk_cuda(base, anchor, w1, w2, guess_v=None, guess_i=None):
-    return markov_greedy_walk_triton(base, anchor, w1, w2, guess_v=guess_v, guess_i=guess_i)
+def _markov_greedy_walk_cuda(base, anchor, w1, w2, walk="jacobi", count_passes=False):
+    return markov_greedy_walk_triton(base, anchor, w1, w2, walk, count_passes=count_passes)
 
 
 @markov_greedy_walk.register_fake
-def _markov_greedy_walk_fake(base, anchor, w1, w2, guess_v=None, guess_i=None):
+def _markov_greedy_walk_fake(base, anchor, w1, w2, walk="jacobi", count_passes=False):
     _check(base, anchor, w1, w2)
-    _check_guesses(base, guess_v, guess_i)
     return base.new_empty((base.shape[0], base.shape[1]), dtype=torch.int64)

@@ -7,7 +7,7 @@ block). The attention programs normalise and rotate their queries themselves, an
 owns the window's keys (the last key-range split of each kv head) normalises and rotates the
 window's K, writes K and V of the first ``lens[b]`` tokens to the cache, and attends to them from
 registers. Why: in the batch-1 round the write kernel between the qkv projection and the attention
-was 11 launches of ~2.5 us of hand-off each (docs/benchmarks.md, "Session 17").
+was 11 launches of ~2.5 us of hand-off each.
 
 Semantics (:func:`qkv_window_attention_reference`): the cache writes and the queries are
 ``qkv_norm_rope_write``'s, bit for bit on CUDA; query ``t`` of row ``b`` attends to the cached
@@ -21,36 +21,18 @@ row's programs read it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
 
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
+from .._dispatch import pdl_kwargs, use_triton
+from ..routing import WINDOW_TILE_ROWS, window_attention
 from .cache_attention import (_LOG2E, _dot, _sm_count, _split_range, _store_rows, cache_attention_reference,
                               combine_splits, plan_launch, split_partials)
 from .kv_norm_rope_write import (_join_pairs, _load_halves, _norm_rope_halves, _pair_weights, _round, _split_qkv,
                                  qkv_norm_rope_write_reference)
-
-MAX_TILE_ROWS = 64  # ops/cache_attention.py ``_block_m``: windows up to this many rows take one row tile
-
-
-def window_attention_requested() -> bool:
-    """``LFMSPARK_WINDOW_ATTENTION`` (default ``1``): whether attention layers run short windows through
-    ``lfmspark::qkv_window_attention`` (``0``: the two launches it fuses)."""
-    value = os.environ.get("LFMSPARK_WINDOW_ATTENTION", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"LFMSPARK_WINDOW_ATTENTION={value!r}: use 1 (the fused window attention) or 0 "
-                         "(qkv_norm_rope_write + cache_attention)")
-    return value == "1"
-
-
-def fits_window(T: int, n_heads: int, n_kv: int) -> bool:
-    """Whether a window of ``T`` tokens is short enough for :func:`qkv_window_attention`."""
-    return T * (n_heads // n_kv) <= MAX_TILE_ROWS
-
 
 def window_block(T: int) -> int:
     """The kernel's block of window tokens (a ``tl.dot`` operand: at least 16)."""
@@ -62,7 +44,7 @@ def launch_variant(B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int, ele
     kernel, its window block, the launch plan's ``variant``): equal values share compiled kernels,
     so the prefill warm-up (runtime/engine.py ``prefill_variants``) runs one shape per value."""
     plan = plan_launch(B, T, n_heads, n_kv, hd, S, elem_size, sms)
-    if window_attention_requested() and fits_window(T, n_heads, n_kv):
+    if window_attention(T, n_heads, n_kv):
         return "window", window_block(T), plan.variant
     return "cache", plan.variant
 
@@ -73,7 +55,7 @@ def launch_variant(B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int, ele
 @triton.jit
 def _online_softmax(q, k, v, seen, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """One key block of the online softmax in the log2 domain (``qk_scale`` includes log2(e)), keys
-    masked where not ``seen [BLOCK_M, BLOCK_N]``; as ops/cache_attention.py's loop body."""
+    masked where not ``seen [BLOCK_M, BLOCK_N]``; as ops/attention/cache_attention.py's loop body."""
     qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
     qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -199,8 +181,8 @@ def qkv_window_attention_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, 
         raise ValueError(f"n_heads {n_q} is not a multiple of n_kv {n_kv}")
     if hd < 16 or hd & (hd - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {hd}")
-    if not fits_window(T, n_q, n_kv):
-        raise ValueError(f"a window of {T} tokens x {n_q // n_kv} heads per kv head is more than {MAX_TILE_ROWS} rows: "
+    if not window_attention(T, n_q, n_kv):
+        raise ValueError(f"a window of {T} tokens x {n_q // n_kv} heads per kv head is more than {WINDOW_TILE_ROWS} rows: "
                          "use qkv_norm_rope_write + cache_attention")
     if not (qkv.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("qkv, k_cache and v_cache must share a dtype")
@@ -228,7 +210,7 @@ def qkv_window_attention_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, 
         DOT_UPCAST=qkv.device.type != "cuda" and qkv.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(qkv),
         # the q/k rotation rounds as qkv_norm_rope_write's (its module doc); this also keeps the
-        # softmax's multiply-adds unfused, which costs nothing measurable (docs/benchmarks.md, session 17)
+        # softmax's multiply-adds unfused, which costs nothing measurable
         enable_fp_fusion=False,
     )
     combine_splits(part_m, part_l, part_acc, out)
@@ -255,7 +237,7 @@ def qkv_window_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                          slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, eps: float,
                          is_neox: bool, causal: bool, scale: float) -> torch.Tensor:
-    """``qkv [B, T, (n_q + 2 n_kv) * hd]`` of a window that :func:`fits_window` -> the attention
+    """``qkv [B, T, (n_q + 2 n_kv) * hd]`` of a window that fits (ops/routing.py ``window_attention``) -> the attention
     output ``[B, T, n_q, hd]`` over the cached prefix and the window (the module doc's semantics),
     with the window's normed, rotated K and raw V of the first ``lens[b]`` tokens written to layer
     ``layer`` of ``k_cache``/``v_cache [L, slots, S, n_kv, hd]``."""

@@ -17,7 +17,7 @@ their own norm weight) and returned, so the step between the qkv projection and 
 one launch instead of three (Inductor's q and k norm + RoPE kernels and the K/V write).
 
 ``is_neox`` picks the pairing (``(i, i + D/2)`` vs ``(2i, 2i + 1)``); one cos/sin table
-(:func:`lfmspark.ops.rope.rope_cos_sin_table`) serves both.
+(:func:`lfmspark.ops.attention.rope.rope_cos_sin_table`) serves both.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
-from .kv_write import window_positions, window_valid
-from .rope import apply_rope, gather_cos_sin
+from .._dispatch import pdl_kwargs, use_triton
+from .rope import apply_rope, gather_cos_sin, window_positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +319,29 @@ def qkv_norm_rope_write_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k
 # ---------------------------------------------------------------------------------------------
 # reference
 
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+               is_neox: bool) -> torch.Tensor:
+    """Per-head RMSNorm of ``x [..., hd]`` (fp32 statistics, rounded to ``x``'s dtype, times ``weight`` in
+    that dtype), then RoPE in fp32: the fp32 result, rounded once by the caller."""
+    x32 = x.float()
+    x_hat = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return apply_rope((x_hat * weight.to(x.dtype)).float(), cos, sin, is_neox)
+
+
+def _write_window(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
+                  slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor) -> None:
+    """Store ``k, v [B, T, n, n_kv, hd]`` at ``cache[first_layer + i, slots[b], start[b] + t]`` for
+    ``t < lens[b]`` and positions inside the cache, skipping rows with slot ``-1``: one slice per row,
+    every layer at once."""
+    T, n = k.shape[1], k.shape[2]
+    layers = slice(first_layer, first_layer + n)
+    for b, (slot, s0, n_b) in enumerate(zip(slots.tolist(), start.tolist(), lens.tolist())):
+        n_b = min(n_b, T, k_cache.shape[2] - s0)
+        if slot >= 0 and n_b > 0:
+            k_cache[layers, slot, s0:s0 + n_b] = k[b, :n_b].transpose(0, 1).to(k_cache.dtype)   # [n, n_b, n_kv, hd]
+            v_cache[layers, slot, s0:s0 + n_b] = v[b, :n_b].transpose(0, 1).to(v_cache.dtype)
+
+
 def kv_norm_rope_write_reference(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos_sin: torch.Tensor,
                                  k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
                                  slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
@@ -329,20 +351,10 @@ def kv_norm_rope_write_reference(kv: torch.Tensor, k_norm_weight: torch.Tensor, 
     n = width // (2 * n_kv * hd)
     x = kv.view(B, T, n, 2, n_kv, hd)
     k, v = x[:, :, :, 0], x[:, :, :, 1]                       # [B, T, n, n_kv, hd]
-    k32 = k.float()
-    k_hat = (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + eps)).to(kv.dtype)
-    w = k_norm_weight[first_layer:first_layer + n].to(kv.dtype)
-    k_n = k_hat * w[None, None, :, None, :]                   # rounded to the activation dtype
     cos, sin = gather_cos_sin(cos_sin, window_positions(start, T))    # [B, T, hd/2]
-    k_r = apply_rope(k_n.float(), cos[:, :, None, None], sin[:, :, None, None], is_neox)
-
-    valid = window_valid(slots, start, lens, T, k_cache.shape[2])
-    b, t = valid.nonzero(as_tuple=True)
-    pos = window_positions(start, T)[b, t]
-    for i in range(n):
-        layer = first_layer + i
-        k_cache[layer, slots[b], pos] = k_r[b, t, i].to(k_cache.dtype)
-        v_cache[layer, slots[b], pos] = v[b, t, i].to(v_cache.dtype)
+    w = k_norm_weight[first_layer:first_layer + n, None, :]   # [n, 1, hd]: each layer's weight, every head
+    k_r = _norm_rope(k, w, cos[:, :, None, None], sin[:, :, None, None], eps, is_neox)
+    _write_window(k_r, v, k_cache, v_cache, first_layer, slots, start, lens)
 
 
 def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
@@ -350,17 +362,16 @@ def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor
                                   slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
                                   eps: float, is_neox: bool) -> torch.Tensor:
     """The target attention's unfused path: ``RMSNorm`` of q and k per head (models/layers.py),
-    RoPE in fp32 with one rounding, K and V written as :func:`kv_norm_rope_write_reference` does."""
+    RoPE in fp32 with one rounding, K and V written as :func:`kv_norm_rope_write_reference` does
+    (q and k go through the same norm and rotation together, each head with its own weight)."""
     B, T, _ = qkv.shape
     n_q, n_kv, hd = _split_qkv(qkv, k_cache)
-    q32 = qkv[..., :n_q * hd].reshape(B, T, n_q, hd).float()
-    q_hat = (q32 * torch.rsqrt(q32.pow(2).mean(-1, keepdim=True) + eps)).to(qkv.dtype)
-    q_n = q_hat * q_norm_weight.to(qkv.dtype)
+    x = qkv.reshape(B, T, n_q + 2 * n_kv, hd)
     cos, sin = gather_cos_sin(cos_sin, window_positions(start, T))    # [B, T, hd/2]
-    q_out = apply_rope(q_n.float(), cos[:, :, None], sin[:, :, None], is_neox).to(qkv.dtype)
-    kv_norm_rope_write_reference(qkv[..., n_q * hd:], k_norm_weight.expand(layer + 1, hd), cos_sin, k_cache,
-                                 v_cache, layer, slots, start, lens, eps, is_neox)
-    return q_out
+    w = torch.cat([q_norm_weight.expand(n_q, hd), k_norm_weight.expand(n_kv, hd)])
+    qk = _norm_rope(x[:, :, :n_q + n_kv], w, cos[:, :, None], sin[:, :, None], eps, is_neox)
+    _write_window(qk[:, :, None, n_q:], x[:, :, None, n_q + n_kv:], k_cache, v_cache, layer, slots, start, lens)
+    return qk[:, :, :n_q].to(qkv.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,37 +1,27 @@
-"""The greedy Markov walk (ops/markov_walk.py) in one persistent launch: ``G`` steps, one grid barrier each.
+"""The greedy Markov walk (op.py) in one persistent launch: ``G`` steps, one grid barrier each.
 
-Why: the step kernels re-read the whole ``w2`` (``[65536, 256]`` bf16, 33.5 MB) from L2 / HBM at every
-one of the block's nine slots and pay a launch hand-off per slot: 78 us of the 1.21 ms batch-1 round
-(docs/benchmarks.md, session 15). Every slot multiplies the same matrix, so here each program owns a
-fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column blocks on chip
-(Triton stages the loop-invariant ``tl.dot`` operand in shared memory once; loaded before the PDL
-wait, beside the LM head's tail) and streams the rest of its slice, and the slots are separated by
-a grid barrier instead of launches. Measured on the H200 (session 16, L2 flushed before each walk):
-86 us against the step kernels' 82 at one row, 102-108 against 126 at four, so the launcher takes it
-for 2-16 rows (``MIN_ROWS``, ``MAX_ROWS``). A slot still costs ~9.5 us: the barrier, the partials'
-and ``w1[prev]``'s L2 round trips and the argmax form a serial chain the step kernels overlap across
-launches. Keeping more of the slice on chip does not shorten it: with three quarters resident (224 KB
-of shared memory) and the rest requested before the barrier, one row still took 91 us against the
-step kernels' 82 (session 20, commit 622fa1a, reverted).
+Why: the step kernels re-read the whole ``w2`` (``[65536, 256]`` bf16, 33.5 MB) at every one of the
+block's slots and pay a launch hand-off per slot. Every slot multiplies the same matrix, so here each
+program owns a fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column
+blocks on chip (loaded before the PDL wait, beside the LM head's tail), streams the rest, and the
+slots are separated by a grid barrier instead of launches. On the H200 it beat the step kernels for
+2-16 rows and lost at one (ops/routing.py ``WALK_GRID_ROWS``); a slot still costs ~9.5 us of serial
+chain (barrier, partials' and ``w1[prev]``'s L2 round trips, argmax), which jacobi.py removes.
 
-Design: grid ``(P,)``, one program per SM at most, so every program is resident at once (the barrier
-needs that; ``programs_for`` sizes it from the SM count). Program ``j`` owns columns
-``[j * N_BLOCKS * BLOCK_V, (j + 1) * N_BLOCKS * BLOCK_V)``. Step ``k``: ``e = w1[prev]``, the bias
-and argmax over its columns (the step kernel's numerics: ``tl.dot``, fp32 sum rounded once to the
-weight dtype, first index among equal maxima, NaN wins), one partial ``(max, index)`` per row to
-``[G, BLOCK_B, P]`` scratch, then the barrier, then every program reduces the ``P`` partials of its
-rows to ``prev`` (program 0 also stores the token). Rows: at most ``BLOCK_B = 16`` (the launcher
-takes the step kernels beyond that).
+Design: grid ``(P,)``, at most one program per SM, so every program is resident at once (the barrier
+needs that; :func:`programs_for` sizes it). Program ``j`` owns columns ``[j * N_BLOCKS * BLOCK_V, (j +
+1) * N_BLOCKS * BLOCK_V)``. Step ``k``: ``e = w1[prev]``, bias and argmax over its columns (the step
+kernel's numerics), one partial ``(max, index)`` per row to ``[G, BLOCK_B, P]`` scratch, the barrier,
+then every program reduces the ``P`` partials of its rows to ``prev`` (program 0 stores the token).
 
-The barrier is one uint32 in ``sync``, 0 or ``2**31`` at rest: each program adds 1 (program 0
-adds ``2**31 - (P - 1)``) after its partial stores (a CTA barrier, then a release add) and spins with
+The barrier is one uint32 in ``sync``, 0 or ``2**31`` at rest: each program adds 1 (program 0 adds
+``2**31 - (P - 1)``) after its partial stores (a CTA barrier, then a release add) and spins with
 acquire reads until bit 31 differs from what its add returned; the last arrival flips it and leaves
 the low bits as they were, so the counter needs no reset (the scheme of Inductor's cooperative
-reductions). Consequences: one ``sync`` must not serve two walks running at the same time (the
-launcher keeps one per weight and device), and a grid larger than what can be resident at once
-would spin forever, which is why ``P`` never exceeds the SM count and why an MPS thread limit
-selects the step kernels (:func:`persistent_walk_usable`). PDL: the trigger at entry is safe, as a
-successor's programs can only launch once all ``P`` programs have executed it, i.e. are resident.
+reductions). So one ``sync`` must not serve two walks running at once (one per weight and device,
+:func:`counters_for`), and a grid that cannot be resident at once would spin forever: ``P`` never
+exceeds the SM count, and an MPS thread limit routes to the step kernels (ops/routing.py). PDL: the
+trigger at entry is safe, as a successor's programs launch only once all ``P`` programs are resident.
 
 The Triton interpreter runs programs one after another, so there the grid is a single program
 (``P = 1``: its barrier is its own add), which still runs every line of the kernel.
@@ -40,21 +30,19 @@ The Triton interpreter runs programs one after another, so there the grid is a s
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import l2_hints, pdl_kwargs
-from .argmax_rows import block_argmax, combine_argmax
-from .tuning import tuned
-from .weight_rounding import ROUND_MODE, round_to_weight_dtype
+from .._dispatch import pdl_kwargs
+from ..argmax_rows import block_argmax, combine_argmax
+from ..routing import WALK_GRID_ROWS, WALK_MAX_RANK
+from ..tuning import tuned
+from ..weight_rounding import ROUND_MODE, round_to_weight_dtype
 
-MIN_ROWS = 2    # one row: the step kernels' walk was faster on the H200 (81.5 against 86.4 us; docs/benchmarks.md)
-MAX_ROWS = 16   # one 16-row MMA tile
-MAX_RANK = 256  # the whole rank in one tl.dot: a larger one would not fit a program's shared memory
+MAX_ROWS = WALK_GRID_ROWS[1]   # one 16-row MMA tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,13 +62,12 @@ def _block_values(e, w, base_ptr, row_off, row_ok, cols, V,
 
 
 @triton.jit
-def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2, EVICT: tl.constexpr):
-    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept).
-    ``EVICT``: its L2 eviction priority (ops/_dispatch.py ``l2_hints``)."""
+def _load_w2_block(w2_ptr, cols, rk, V, RANK: tl.constexpr, stride_w2):
+    """``w2[cols, :]`` as a ``[BLOCK_V, BLOCK_R]`` tile; columns past ``V`` read row ``c % V`` (never kept)."""
     ptrs = w2_ptr + (cols % V).to(tl.int64)[:, None] * stride_w2 + rk[None, :]
     if RANK == rk.shape[0]:
-        return tl.load(ptrs, eviction_policy=EVICT)
-    return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0, eviction_policy=EVICT)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(rk < RANK)[None, :], other=0.0)
 
 
 @triton.jit
@@ -104,23 +91,22 @@ def _grid_barrier(sync_ptr, P, POLL_ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK: tl.constexpr, stride_w2, RESIDENT: tl.constexpr,
-                   W2_EVICT: tl.constexpr):
+def _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK: tl.constexpr, stride_w2, RESIDENT: tl.constexpr):
     """The program's first ``RESIDENT`` (0-2) column blocks of ``w2``, kept on chip for every slot /
     pass (:func:`_slice_argmax`); placeholders past ``RESIDENT``."""
     w_res0 = 0
     w_res1 = 0
     if RESIDENT >= 1:
-        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+        w_res0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
     if RESIDENT >= 2:
-        w_res1 = _load_w2_block(w2_ptr, first_col + offs_v.shape[0] + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+        w_res1 = _load_w2_block(w2_ptr, first_col + offs_v.shape[0] + offs_v, rk, V, RANK, stride_w2)
     return w_res0, w_res1
 
 
 @triton.jit
 def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V, stride_w2,
                   RANK: tl.constexpr, N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr,
-                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr):
+                  ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Per tile row, ``(max, first index)`` of ``base + round(e @ w2[cols].T)`` over the program's slice
     of ``N_BLOCKS`` column blocks: the ``RESIDENT`` blocks held on chip (``w_res0``, ``w_res1``; the
     callers pass placeholders past ``RESIDENT``), then the others streamed. Per lane the best of its
@@ -128,7 +114,7 @@ def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_co
     if RESIDENT >= 1:
         w0 = w_res0
     else:
-        w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2, W2_EVICT)
+        w0 = _load_w2_block(w2_ptr, first_col + offs_v, rk, V, RANK, stride_w2)
     lane_v, lane_i = _block_values(e, w0, base_ptr, row_off, row_ok, first_col + offs_v, V, ROUND, DOT_PRECISION,
                                    UPCAST)
     if RESIDENT >= 2:
@@ -137,7 +123,7 @@ def _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_co
         lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
     for blk in range(STREAM_FROM, N_BLOCKS):   # streamed: from L2 after the first slot / pass
         cols = first_col + blk * offs_v.shape[0] + offs_v
-        w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2, W2_EVICT)
+        w = _load_w2_block(w2_ptr, cols, rk, V, RANK, stride_w2)
         v, i = _block_values(e, w, base_ptr, row_off, row_ok, cols, V, ROUND, DOT_PRECISION, UPCAST)
         lane_v, lane_i = combine_argmax(lane_v, lane_i, v, i)
     return block_argmax(lane_v, lane_i, row_ok[:, None] & (lane_i < 2147483647), 1)
@@ -162,7 +148,7 @@ def _markov_walk_persistent_kernel(
     stride_bb, stride_bk, stride_w1, stride_w2, stride_tb,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
     N_BLOCKS: tl.constexpr, RESIDENT: tl.constexpr, STREAM_FROM: tl.constexpr, BLOCK_P: tl.constexpr,
-    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, W2_EVICT: tl.constexpr,
+    ROUND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     POLL_ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py; safe at entry (module doc)
@@ -175,7 +161,7 @@ def _markov_walk_persistent_kernel(
     rk = tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     # the resident blocks depend on no earlier kernel: requested before the wait
-    w_res0, w_res1 = _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK, stride_w2, RESIDENT, W2_EVICT)
+    w_res0, w_res1 = _load_resident(w2_ptr, first_col, offs_v, rk, V, RANK, stride_w2, RESIDENT)
     if PDL:
         tl.extra.cuda.gdc_wait()
     prev = tl.load(anchor_ptr + rows, mask=row_ok, other=0).to(tl.int32)   # the int32 of the argmax indices
@@ -184,8 +170,7 @@ def _markov_walk_persistent_kernel(
         e = tl.load(w1_ptr + prev.to(tl.int64)[:, None] * stride_w1 + rk[None, :],
                     mask=row_ok[:, None] & (rk < RANK)[None, :], other=0.0)
         best_v, best_i = _slice_argmax(e, w_res0, w_res1, w2_ptr, base_ptr, row_off, row_ok, first_col, offs_v, rk, V,
-                                       stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION, UPCAST,
-                                       W2_EVICT)
+                                       stride_w2, RANK, N_BLOCKS, RESIDENT, STREAM_FROM, ROUND, DOT_PRECISION, UPCAST)
         part = (k * BLOCK_B + rows) * P + j
         tl.store(pv_ptr + part, best_v, mask=row_ok)
         tl.store(pi_ptr + part, best_i, mask=row_ok)
@@ -224,36 +209,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-WALK_MODES = ("jacobi", "persistent", "steps")
-
-
-def walk_mode() -> str:
-    """``LFMSPARK_WALK``: ``jacobi`` (the default) runs the fixed-point walk in one launch where its
-    lanes fit (ops/markov_walk_jacobi.py: one row of up to 16 slots) and otherwise what
-    ``persistent`` runs; ``persistent`` runs the sequential walk in one launch for 2-16 rows and the
-    step kernels otherwise; ``steps`` always runs one launch per slot (ops/markov_walk.py)."""
-    value = os.environ.get("LFMSPARK_WALK", "jacobi")
-    if value not in WALK_MODES:
-        raise ValueError(f"LFMSPARK_WALK={value!r}: use jacobi (fixed-point passes in one launch), persistent (the "
-                         "sequential walk in one launch) or steps (one launch per block slot)")
-    return value
-
-
-def persistent_walk_usable(device: torch.device, B: int, rank: int) -> bool:
-    """Whether the walk of ``B`` rows takes the persistent kernel: ``MIN_ROWS`` to ``MAX_ROWS`` rows
-    (where it was the faster one) and :func:`one_launch_walk_possible`."""
-    return MIN_ROWS <= B <= MAX_ROWS and one_launch_walk_possible(device, rank)
-
-
-def one_launch_walk_possible(device: torch.device, rank: int) -> bool:
-    """What a walk in one launch with grid barriers needs: a rank up to ``MAX_RANK``, NVIDIA (the
-    barrier polls with PTX), and every SM available to this process (under an MPS thread limit fewer
-    may be, and a grid that cannot be resident at once would never pass its barrier)."""
-    mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return (rank <= MAX_RANK and torch.version.hip is None
-            and (device.type != "cuda" or mps in (None, "", "100")))
-
-
 def programs_for(V: int, block_v: int, device: torch.device, programs: int | None) -> tuple[int, int]:
     """``(P, N_BLOCKS)``: the fewest column blocks per program that keep ``P`` within the SM count
     (or ``programs``), then the programs that covers the vocabulary with."""
@@ -269,7 +224,7 @@ _COUNTERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {
 def counters_for(w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sync, stats)`` of walks over ``w2``: the barrier counter (module doc: one per weight and
     device, shared by this walk and the Jacobi walk, which never run at the same time over one
-    weight) and the Jacobi walk's ``(passes, walks)`` int64 tallies (ops/markov_walk_jacobi.py).
+    weight) and the Jacobi walk's ``(passes, walks)`` int64 tallies (ops/markov_walk/jacobi.py).
     Created outside CUDA-graph capture only: a ``torch.zeros`` inside a capture is merely recorded,
     and a walk run before that graph's first replay would find a counter that is not at rest (the
     barrier would then let programs through early, silently)."""
@@ -277,8 +232,8 @@ def counters_for(w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if key not in _COUNTERS:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the persistent Markov walk over these weights is first called inside a CUDA-graph "
-                               "capture: run it once before capturing (Engine.warmup does), or set "
-                               "LFMSPARK_WALK=steps")
+                               "capture: run it once before capturing (Engine.warmup does), or build the "
+                               "engine with markov_walk='steps'")
         _COUNTERS[key] = (torch.zeros(1, dtype=torch.int32, device=w2.device),
                           torch.zeros(2, dtype=torch.int64, device=w2.device))
     return _COUNTERS[key]
@@ -291,8 +246,8 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
     B, G, V = base.shape
     rank = w2.shape[1]
     cfg = config or persistent_walk_config()
-    if not 1 <= B <= MAX_ROWS or rank > MAX_RANK:
-        raise ValueError(f"the persistent walk takes 1-{MAX_ROWS} rows and a rank up to {MAX_RANK}, got {B} rows and "
+    if not 1 <= B <= MAX_ROWS or rank > WALK_MAX_RANK:
+        raise ValueError(f"the persistent walk takes 1-{MAX_ROWS} rows and a rank up to {WALK_MAX_RANK}, got {B} rows and "
                          f"rank {rank}: use markov_greedy_walk_triton, which takes the step kernels there")
     if not 0 <= cfg.resident <= 2:
         raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks on chip")
@@ -309,7 +264,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_B=MAX_ROWS, BLOCK_V=cfg.block_v,
         N_BLOCKS=n_blocks, RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=max(16, triton.next_power_of_2(P)),
         ROUND=ROUND_MODE[w2.dtype], DOT_PRECISION="ieee" if w2.dtype == torch.float32 else "tf32",
-        UPCAST=interpreted and w2.dtype != torch.float32, W2_EVICT=l2_hints()[1], POLL_ASM=not interpreted,
+        UPCAST=interpreted and w2.dtype != torch.float32, POLL_ASM=not interpreted,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(base),
     )
     return tokens

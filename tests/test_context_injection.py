@@ -1,10 +1,11 @@
-"""``LFMSPARK_COMMIT_OVERLAP=1`` (runtime/steps.py, ``Steps.round_commit``): the round's draft context
-injection as a region of its own, for the whole verify window, run beside the acceptance and commit
-(on a side stream on CUDA; in program order here); ``early`` (``Steps.round_verify``): forked from the
-verify once its last tapped layer has run, beside the remaining layers too. Nothing the draft reads may change: rounds give
-the same tokens, state and caches as with the switch off, the draft cache compared at the positions
-before each row's committed length (the only ones the draft attends to as context: past it, the
-switch-off round leaves the block's scratch K/V and the switch-on round the injected window's)."""
+"""The round's draft context injection (runtime/steps.py ``Steps.round_verify``, ``round_commit``): a
+region of its own for the whole verify window, forked from the verify once its last tapped layer has
+run and run beside the remaining layers and the commit (on a side stream on CUDA; in program order
+here), or, where the taps only exist after the last layer, forked at the commit. Nothing the draft
+reads may depend on where it forks: rounds give the same tokens, state and caches either way (the
+draft cache compared at the positions before each row's committed length, the only ones the draft
+attends to as context). That the window's columns past the commit are never read as context is what
+the lossless tests show (tests/test_lossless_greedy.py: speculative output equals target-only)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from lfmspark.graphs.runner import StepKind
 from lfmspark.runtime import Engine, SamplingParams
-from spec_fixtures import random_tiny_draft, random_tiny_target
+from spec_fixtures import TapsNeverReadyEarly, random_tiny_draft, random_tiny_target
 
 GAMMA = 4
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
@@ -27,16 +28,14 @@ def models():
     return random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6, taps=(0, 1, 2))
 
 
-def _engine(models, monkeypatch: pytest.MonkeyPatch, overlap: bool | str, compile: bool = False) -> Engine:
+def _engine(models, early: bool = True, compile: bool = False) -> Engine:
     # imposed acceptance: accept lengths spread over 0..gamma (random drafts alone are almost never
     # accepted), so the window's columns past the commit are written in most rounds
-    mode = overlap if isinstance(overlap, str) else ("1" if overlap else "0")
-    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", mode)
     target, draft = models
     engine = Engine(target, draft, max_batch=len(PROMPTS), max_seq_len=96, compile=compile,
                     imposed_acceptance=[0.7] * GAMMA)
-    monkeypatch.delenv("LFMSPARK_COMMIT_OVERLAP")
-    assert engine.steps.commit_overlap is (mode != "0") and engine.steps.inject_early is (mode == "early")
+    if not early:
+        engine.steps.target = TapsNeverReadyEarly(target)
     return engine
 
 
@@ -59,7 +58,7 @@ def _record_injections(engine: Engine) -> list[int]:
     engine.steps.later_target_layers = [counted(layer) for layer in engine.steps.later_target_layers]
     verify_head, inject = engine.steps.verify_head, engine.steps.round_inject
     engine.steps.verify_head = head
-    engine.steps.round_inject = lambda aux, rows: calls.append(layers_run[0]) or inject(aux, rows)
+    engine.steps.round_inject = lambda aux, rows, side_stream: calls.append(layers_run[0]) or inject(aux, rows, side_stream)
     return calls
 
 
@@ -90,82 +89,62 @@ def _check_same_state(on: Engine, off: Engine, slots: list[int]) -> None:
             assert torch.equal(a[:, i, :committed], b[:, i, :committed])
 
 
-@pytest.mark.parametrize("mode", ["1", "early"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_overlapped_commit_matches_the_plain_round(models, monkeypatch, sampling, mode):
-    on, off = _engine(models, monkeypatch, mode), _engine(models, monkeypatch, False)
-    injected = _record_injections(on)
-    slots = _admit(on, sampling)
-    assert slots == _admit(off, sampling)
-    got, want = _rounds(on, slots, sampling, 8), _rounds(off, slots, sampling, 8)
+def test_early_injection_matches_the_injection_at_the_commit(models, sampling):
+    early, late = _engine(models), _engine(models, early=False)
+    injected_early, injected_late = _record_injections(early), _record_injections(late)
+    slots = _admit(early, sampling)
+    assert slots == _admit(late, sampling)
+    got, want = _rounds(early, slots, sampling, 8), _rounds(late, slots, sampling, 8)
     assert got == want
     # early: after the verify's layer 3 (the one that records tap 2), before layer 4 (3 of the 4 layers
-    # after the head's); else after all of them
-    assert injected == [3 if mode == "early" else 4] * 8
+    # after the head's); at the commit, after all of them
+    assert injected_early == [3] * 8 and injected_late == [4] * 8
     lengths = {len(row) for rnd in want for row in rnd}
     assert len(lengths) >= 3 and min(lengths) <= GAMMA     # partial accepts: columns past the commit were written
-    _check_same_state(on, off, slots)
+    _check_same_state(early, late, slots)
 
 
-def test_early_injection_waits_for_the_last_tap(monkeypatch):
+def test_early_injection_waits_for_the_last_tap():
     """A draft tapping the target's last layer but one leaves no layer to fork before: the injection
-    then runs at the commit, as with 1 (the last layer's output exists only after it ran)."""
+    then runs at the commit (the last layer's output exists only after it ran)."""
     target, draft = random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6, taps=(0, 2, 3))
-    engine = _engine((target, draft), monkeypatch, "early")
+    engine = _engine((target, draft))
     injected = _record_injections(engine)
     _rounds(engine, _admit(engine, False), False, 2)
     assert injected == [4, 4]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["1", "early"])
-def test_overlapped_commit_matches_the_plain_round_compiled(models, monkeypatch, mode):
+def test_early_injection_matches_compiled(models):
     """The same with the regions compiled: the injection is a region of its own (graphs/compile.py)."""
-    on, off = _engine(models, monkeypatch, mode, compile=True), _engine(models, monkeypatch, False, compile=True)
-    assert "round_inject" in vars(on.steps) and "round_inject" not in vars(off.steps)  # compiled wrapper
-    slots = _admit(on, False)
-    assert slots == _admit(off, False)
-    want = _rounds(off, slots, False, 6)
-    assert _rounds(on, slots, False, 1) == want[:1]           # compiles
+    early, late = _engine(models, compile=True), _engine(models, early=False, compile=True)
+    assert "round_inject" in vars(early.steps)  # compiled wrapper
+    slots = _admit(early, False)
+    assert slots == _admit(late, False)
+    want = _rounds(late, slots, False, 6)
+    assert _rounds(early, slots, False, 1) == want[:1]           # compiles
     torch._dynamo.config.error_on_recompile = True
     try:
-        assert _rounds(on, slots, False, 5) == want[1:]
+        assert _rounds(early, slots, False, 5) == want[1:]
     finally:
         torch._dynamo.config.error_on_recompile = False
-    _check_same_state(on, off, slots)
+    _check_same_state(early, late, slots)
 
 
-@pytest.mark.parametrize("mode", ["1", "early"])
-def test_generate_with_overlap_matches(models, monkeypatch, mode):
-    params = [SamplingParams(max_new_tokens=24, seed=i) for i in range(len(PROMPTS))]  # seeds: imposed draws
-    want = [o.token_ids for o in _engine(models, monkeypatch, False).generate(PROMPTS, params)]
-    assert [o.token_ids for o in _engine(models, monkeypatch, mode).generate(PROMPTS, params)] == want
-
-
-@pytest.mark.parametrize("value", ["yes", "2", "on", "", "Early"])
-def test_bad_switch_value_is_refused(models, monkeypatch, value):
-    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", value)
-    with pytest.raises(ValueError, match=r"LFMSPARK_COMMIT_OVERLAP=.*use 0 .*, 1 .* or early"):
-        Engine(*models, max_batch=1, max_seq_len=64)
-
-
-def test_switch_needs_no_draft(models, monkeypatch):
-    """Target-only engines have no injection: the switch is accepted and does nothing."""
-    monkeypatch.setenv("LFMSPARK_COMMIT_OVERLAP", "1")
+def test_target_only_engines_have_no_side_stream(models):
     engine = Engine(models[0], None, max_batch=1, max_seq_len=64)
-    assert not engine.steps.commit_overlap and engine.steps.side_stream is None
+    assert engine.steps.side_stream is None and "round_inject" not in engine.steps.region_names()
 
 
-@pytest.mark.parametrize("mode", ["1", "early"])
-def test_bench_phase_split_runs_with_overlap(models, monkeypatch, mode):
-    """runtime/bench.py times the commit phase through ``Steps.round_commit`` (the fork and join too);
-    with early, the verify phase forks and joins the injection, and the commit phase injects nothing."""
+def test_bench_phase_split_runs_with_the_injection(models):
+    """runtime/bench.py times the verify phase with the injection it forks (joined there), and the
+    commit phase through ``Steps.round_commit``, which then injects nothing."""
     from lfmspark.runtime.bench import time_round_phases
 
-    engine = _engine(models, monkeypatch, mode)
+    engine = _engine(models)
     calls = _record_injections(engine)
     _admit(engine, False)
     phases = time_round_phases(engine, len(PROMPTS), iters=2)
     assert set(phases) == {"draft_ms", "verify_ms", "commit_ms"} and calls
-    # one injection per verify (early) or per commit (1); each phase runs once before its timed calls
-    assert calls == [3 if mode == "early" else 4] * len(calls)
+    assert calls == [3] * len(calls)     # one injection per verify; each phase runs once before its timed calls

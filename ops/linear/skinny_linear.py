@@ -4,11 +4,10 @@ and skinny SwiGLU: ``silu(x @ w1^T) * (x @ w3^T)`` from the fused ``w13 = [w1; w
 Why: a decode step at batch 1 multiplies one row by every weight matrix, and a speculative verify
 ``M = 10`` rows (the draft ``M = 9``); such products are bound by reading the weight once. For
 ``M = 1`` a ``tl.dot``-free GEMV kernel streams the served LFM2.5-1.2B shapes 3-31% faster than
-cuBLAS on the H200 (up to 0.998 of copy bandwidth on the LM head; docs/benchmarks.md), so one-row
-products use it by default. For several rows (the batch-1 verify and draft) the swap-AB ``tl.dot``
-kernel below beat cuBLAS at every served shape at ``M = 10`` (2048 x 2048: 4.76 vs 6.06 us; the
-down projection 10.71 vs 13.83 us; docs/benchmarks.md), so products of up to 16 rows use it by
-default (models/layers.py, ``LFMSPARK_SKINNY_LINEAR``).
+cuBLAS on the H200 (up to 0.998 of copy bandwidth on the LM head), so one-row products use it.
+For several rows (the batch-1 verify and draft) the swap-AB ``tl.dot`` kernel below beat cuBLAS at
+every served shape at ``M = 10`` (2048 x 2048: 4.76 vs 6.06 us; the down projection 10.71 vs 13.83
+us), so products of up to 16 rows use it (ops/routing.py).
 
 Design (``M > 1``): each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
@@ -22,7 +21,7 @@ finds ``splits - 1`` there arrived last: every other split's partial is already 
 sums all of them, its own included, applies the epilogue (the rounding to ``x``'s dtype, or the
 SwiGLU activation), writes the output and puts the counter back to 0. A split-K product is thus one
 launch (the separate reduce kernel ran 59 times per batch-1 speculative round on the H200; with PDL a
-small kernel costs ~0.5 us there, measured as the round's gain per removed kernel: docs/benchmarks.md).
+small kernel costs ~0.5 us there, measured as the round's gain per removed kernel).
 
 Determinism: which program arrives last varies from run to run, but not what it computes: the
 partials are the same (each split's sum over its K range, in a fixed order), and the last program
@@ -50,27 +49,24 @@ by events). With PDL a launch may start before its predecessor ends, but its cou
 accesses come after ``gdc_wait``, which returns once the predecessor grid has completed (and with
 it, by the PDL chain condition of ops/_dispatch.py, every earlier grid), so consecutive kernels
 never use the counters at the same time. Launches on a second stream that may run beside the
-first (the speculative round's context injection with ``LFMSPARK_COMMIT_OVERLAP=1``,
-runtime/steps.py) take another buffer, chosen by the caller with :func:`split_counter_set`
-around them, and are ordered among themselves the same way. Each buffer is created on first use,
+first (the speculative round's context injection, runtime/steps.py) pass ``side_stream=True`` and
+take another buffer, and are ordered among themselves the same way. Each buffer is created on first use,
 which therefore must not be inside a CUDA-graph capture (it raises there; the warm-up runs before
 capture anyway).
 
-Swap-AB (``SkinnyConfig(swap_ab=True)``, the default for ``M > 1``, with ``swap_ab_config`` fitted
-to the H200 sweep): each program computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight
-tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M]``, so the wide weight tile is ``tl.dot``'s A
-operand and the few rows its N dimension. With x as A (``swap_ab=False``, kept as the sweep's
-comparison) the A operand has ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <= 32``, which keeps
-Hopper on the older mma.sync path; with 64- or 128-row weight tiles as A, Triton can issue wgmma
-with ``BLOCK_M`` (16 for ``M <= 16``) as the instruction's N.
+Swap-AB (every ``tl.dot`` launch, with ``swap_ab_config`` fitted to the H200 sweep): each program
+computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight tile [BLOCK_N, BLOCK_K] @ x tile^T
+[BLOCK_K, BLOCK_M]``, so the wide weight tile is ``tl.dot``'s A operand and the few rows its N
+dimension. With x as A the A operand would have ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <=
+32``, which keeps Hopper on the older mma.sync path (slower at every served shape); with 64- or
+128-row weight tiles as A, Triton issues wgmma with ``BLOCK_M`` (16 for ``M <= 16``) as its N.
 
 SwiGLU (``lfmspark::skinny_swiglu``, the batch-1 verify and draft feed-forwards): the same kernel
 with ``SWIGLU``: each program owns ``BLOCK_N`` gate columns ``j`` and the same up columns (rows
 ``j`` and ``F + j`` of ``w13``), streams both weight tiles per K step into two accumulators and
 applies ``silu(gate) * up`` in the epilogue (with split-K, in the last program's fix-up, on the
 summed fp32 partials), so the ``[M, 2F]`` gate/up product is never written and the activation is
-no separate kernel. Numerics: those of the unfused module in ``x``'s dtype, as
-``lfmspark::swiglu_gemv``: gate and up are each an fp32 sum rounded once to the dtype (as
+no separate kernel. Numerics: those of the unfused module in ``x``'s dtype: gate and up are each an fp32 sum rounded once to the dtype (as
 ``F.linear`` rounds its output), ``silu(gate)`` is rounded, and so is the product.
 
 Pair (``lfmspark::skinny_linear_pair``, the DSpark draft's block q and K/V projections): ``x @ [w_a;
@@ -85,11 +81,10 @@ the two (``N_A % BLOCK_N == 0``, ``N_A`` a multiple of 16 by contract, :func:`pa
 tiles when needed), so each program picks its weight's base pointer and rows once, before the K
 loop, which is the one-weight loop unchanged (same loads, same sums: each half of the output is
 bit-identical to the one-weight kernel on that weight with the same launch parameters). Both
-weights must share K, dtype and row stride (one ``stride_wn``). With the constexpr off the
-kernel's code is what it was (only the two unused arguments are new); split-K, its counters and the
-PDL contract are the plain product's. No GEMV variant: one row also runs on the tile kernel.
+weights must share K, dtype and row stride (one ``stride_wn``); split-K, its counters and the PDL
+contract are the plain product's. No GEMV variant: one row also runs on the tile kernel.
 
-Norm epilogues (models/layers.py, ``LFMSPARK_NORM_EPILOGUE`` / ``LFMSPARK_NORM_CARRY``): with
+Norm epilogues (models/layers.py ``project_norm_feed_forward``, ``NormedCarry``): with
 ``ADD_NORM`` (``lfmspark::skinny_linear_add_norm``) the epilogue adds a residual and writes the sum
 ``s``, ``s * g`` for the next RMSNorm's weight ``g`` and each column tile's row sums of ``s^2``; with
 ``ROW_NORM`` (the ``row_ssq`` of ``skinny_linear``, ``skinny_swiglu`` and ``skinny_linear_pair``) a
@@ -103,9 +98,7 @@ no host sync: the launchers are CUDA-graph safe.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -113,9 +106,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import l2_hints, pdl_kwargs, use_triton
-from .argmax_rows import block_argmax
-from .tuning import tuned
+from .._dispatch import pdl_kwargs, use_triton
+from ..tuning import tuned
 
 MAX_M = 64  # rows the kernel handles (BLOCK_M up to 64); larger M is compute-bound: use cuBLAS
 SWIGLU_MAX_M = 16  # rows of skinny_swiglu: BLOCK_M = 16, the batch-1 verify (10) and draft (9)
@@ -128,17 +120,17 @@ PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
-    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, pv_ptr, pi_ptr, n_ssq_in, inv_k, eps,
+    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, n_ssq_in, inv_k, eps,
     M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, SWAP_AB: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
-    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr, ARGMAX: tl.constexpr,
-    WEIGHT_EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
+    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
-    # [k0, k0 + k_split). SWAP_AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
-    # = w @ x^T, stored transposed; else x is, out [BLOCK_M, BLOCK_N] = x @ w^T. SWIGLU: N = F,
+    # [k0, k0 + k_split). Swap-AB: the weight tile is the MMA's A operand, out^T [BLOCK_N, BLOCK_M]
+    # = w @ x^T, stored transposed (see the module doc). SWIGLU: N = F,
     # output column j = silu(x . w[j]) * (x . w[F + j]), two accumulators. SPLIT (more than one
     # split): partials to the fp32 workspace ws [splits, M, N] ([splits, M, 2F] for SWIGLU, the up
     # partials from column F on), the tile's last program sums them (see the module doc).
@@ -149,12 +141,9 @@ def _skinny_linear_kernel(
     # of s^2 to ssq_out [column tiles, M] (lfmspark::skinny_linear_add_norm). ROW_NORM: every row of
     # the product is scaled by rsqrt(mean square + eps), the mean square from the n_ssq_in partial
     # sums at ssq_in (inv_k = 1 / the norm's width): with x = s * g, the product of RMSNorm(s).
-    # ARGMAX (plain product): the epilogue also writes each row's (max, first column) over the tile's
-    # columns of the rounded output to pv / pi [M, column tiles] (lfmspark::skinny_linear_argmax)
     tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
     tl.static_assert(not (ADD_NORM and (SWIGLU or TWO_WEIGHTS)), "ADD_NORM is the plain product's epilogue")
-    tl.static_assert(not (ARGMAX and (ADD_NORM or SWIGLU or TWO_WEIGHTS)), "ARGMAX is the plain product's epilogue")
-    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -177,11 +166,11 @@ def _skinny_linear_kernel(
         w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # the first K block is peeled: its weights depend on no earlier kernel, so they are requested
     # before waiting for the predecessor (PDL); x is its output and is read after the wait
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if SWIGLU:  # the up rows F + j
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
-        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
-    out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om, SWAP_AB)
+        wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om)
     if ADD_NORM:  # the norm weight is a parameter: requested before the wait, as the weights are
         g = tl.load(g_ptr + cols, mask=cols < N, other=0.0)
     if PDL:
@@ -192,29 +181,29 @@ def _skinny_linear_kernel(
     a = _load_x_block(x_ptrs, row_ok, k0, k_end, BLOCK_K, EVEN_K)
     if ADD_NORM:  # requested now, not in the epilogue, so that the split-K fix-up waits for its partials alone
         res = tl.load(res_ptr + out_offs, mask=out_mask, other=0.0)
-    acc = _dot_block(a, w, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
+    acc = _dot_block(a, w, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_PRECISION, UPCAST)
     if SWIGLU:
-        acc_u = _dot_block(a, wu, _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_PRECISION, UPCAST)
+        acc_u = _dot_block(a, wu, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), DOT_PRECISION, UPCAST)
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         if SWIGLU:
             u_ptrs += BLOCK_K
-            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K, WEIGHT_EVICT)
+            wu = _load_w_block(u_ptrs, k, k_end, BLOCK_K, EVEN_K)
         a = _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K, EVEN_K)
-        acc = _dot_block(a, w, acc, SWAP_AB, DOT_PRECISION, UPCAST)
+        acc = _dot_block(a, w, acc, DOT_PRECISION, UPCAST)
         if SWIGLU:
-            acc_u = _dot_block(a, wu, acc_u, SWAP_AB, DOT_PRECISION, UPCAST)
-    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+            acc_u = _dot_block(a, wu, acc_u, DOT_PRECISION, UPCAST)
+    if PDL == 2:  # the late trigger (ops/_dispatch.py): this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     if ROW_NORM:  # the fp32 sums (or a split's partials: the scaling is linear)
         rstd = _row_rstd(ssq_part, row_ok, inv_k, eps)
-        acc = _scale_rows(acc, rstd, SWAP_AB)
+        acc = acc * rstd[None, :]
         if SWIGLU:
-            acc_u = _scale_rows(acc_u, rstd, SWAP_AB)
+            acc_u = acc_u * rstd[None, :]
     if SPLIT:
-        ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm, SWAP_AB)
+        ws_offs, ws_mask = _tile_offsets(rows, cols, row_ok, N, stride_wsm)
         tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
         if SWIGLU:
             tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
@@ -226,28 +215,21 @@ def _skinny_linear_kernel(
                 total_u = total  # not read by the plain epilogue
             if ADD_NORM:
                 _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, total, rows, row_ok, M,
-                                pid_n, SWAP_AB)
+                                pid_n)
             else:
                 _store_out(out_ptr + out_offs, out_mask, total, total_u, SWIGLU)
-            if ARGMAX:
-                _store_argmax_parts(pv_ptr, pi_ptr, total, rows, cols, row_ok, N, pid_n, out_ptr.dtype.element_ty,
-                                    SWAP_AB)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
     elif ADD_NORM:
-        _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, M, pid_n,
-                        SWAP_AB)
+        _store_add_norm(out_ptr, res, g, sg_ptr, ssq_out_ptr, out_offs, out_mask, acc, rows, row_ok, M, pid_n)
     else:
         _store_out(out_ptr + out_offs, out_mask, acc, acc_u if SWIGLU else acc, SWIGLU)
-        if ARGMAX:
-            _store_argmax_parts(pv_ptr, pi_ptr, acc, rows, cols, row_ok, N, pid_n, out_ptr.dtype.element_ty, SWAP_AB)
 
 
 @triton.jit
-def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
-    # EVICT: the L2 eviction priority of the streamed weights (ops/_dispatch.py l2_hints)
+def _load_w_block(w_ptrs, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     if EVEN_K:
-        return tl.load(w_ptrs, eviction_policy=EVICT)
-    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0, eviction_policy=EVICT)
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=((k + tl.arange(0, BLOCK_K)) < k_end)[None, :], other=0.0)
 
 
 @triton.jit
@@ -260,37 +242,19 @@ def _load_x_block(x_ptrs, row_ok, k, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _dot_block(a, w, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dot_block(a, w, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # out^T += w @ x^T: the weight tile is the MMA's A operand (swap-AB, module doc)
     if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
         a, w = a.to(tl.float32), w.to(tl.float32)
-    # one return: after a return inside a constexpr branch the compiler still visits what follows
-    if SWAP_AB:
-        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return acc
+    return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    # the fp32 accumulator: out^T [BLOCK_N, BLOCK_M] (swap-AB) or out [BLOCK_M, BLOCK_N]
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _tile_offsets(rows, cols, row_ok, N, stride_m, SWAP_AB: tl.constexpr):
-    # element offsets and mask of the accumulator tile in a row-major [M, *] matrix of row stride
-    # stride_m (the output or the workspace), in the accumulator's layout
-    if SWAP_AB:
-        offs = rows[None, :] * stride_m + cols[:, None]
-        mask = (cols < N)[:, None] & row_ok[None, :]
-    else:
-        offs = rows[:, None] * stride_m + cols[None, :]
-        mask = row_ok[:, None] & (cols < N)[None, :]
+def _tile_offsets(rows, cols, row_ok, N, stride_m):
+    # element offsets and mask of the accumulator tile out^T [BLOCK_N, BLOCK_M] in a row-major [M, *]
+    # matrix of row stride stride_m (the output or the workspace)
+    offs = rows[None, :] * stride_m + cols[:, None]
+    mask = (cols < N)[:, None] & row_ok[None, :]
     return offs, mask
 
 
@@ -337,24 +301,7 @@ def _store_out(ptrs, mask, gate, up, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _store_argmax_parts(pv_ptr, pi_ptr, total, rows, cols, row_ok, N, pid_n, dtype: tl.constexpr,
-                        SWAP_AB: tl.constexpr):
-    # the ARGMAX epilogue: each row's (max, first column) over the tile's columns of the output as
-    # stored (the fp32 sums rounded once to dtype), torch.argmax's rules (ops/argmax_rows.py); one
-    # partial per column tile at [row, tile], so a row's partials lie in column order
-    val = total.to(dtype).to(tl.float32)
-    if SWAP_AB:  # tile [BLOCK_N columns, BLOCK_M rows]
-        best_v, best_i = block_argmax(val, cols[:, None], (cols < N)[:, None], 0)
-    else:
-        best_v, best_i = block_argmax(val, cols[None, :], (cols < N)[None, :], 1)
-    n_tiles = tl.num_programs(0)
-    tl.store(pv_ptr + rows * n_tiles + pid_n, best_v, mask=row_ok)
-    tl.store(pi_ptr + rows * n_tiles + pid_n, best_i, mask=row_ok)
-
-
-@triton.jit
-def _store_add_norm(out_ptr, res, g, sg_ptr, ssq_ptr, offs, mask, total, rows, row_ok, M, pid_n,
-                    SWAP_AB: tl.constexpr):
+def _store_add_norm(out_ptr, res, g, sg_ptr, ssq_ptr, offs, mask, total, rows, row_ok, M, pid_n):
     # the ADD_NORM epilogue on the tile's fp32 sums, with the tile's residual res and the norm weight's
     # columns g already loaded: the module's roundings for the product (rounded once, as F.linear)
     # and the residual add (bf16 + bf16, rounded), then s * g rounded once, and the per-row sums of
@@ -366,12 +313,8 @@ def _store_add_norm(out_ptr, res, g, sg_ptr, ssq_ptr, offs, mask, total, rows, r
     tl.store(out_ptr + offs, s, mask=mask)
     s32 = tl.where(mask, s.to(tl.float32), 0.0)
     g = g.to(tl.float32)
-    if SWAP_AB:  # tile [BLOCK_N columns, BLOCK_M rows]
-        sg = s32 * g[:, None]
-        ssq = tl.sum(s32 * s32, axis=0)
-    else:
-        sg = s32 * g[None, :]
-        ssq = tl.sum(s32 * s32, axis=1)
+    sg = s32 * g[:, None]           # tile [BLOCK_N columns, BLOCK_M rows]
+    ssq = tl.sum(s32 * s32, axis=0)
     tl.store(sg_ptr + offs, sg.to(dtype), mask=mask)
     tl.store(ssq_ptr + pid_n * M + rows, ssq, mask=row_ok)
 
@@ -392,15 +335,6 @@ def _row_rstd(part, row_ok, inv_k, eps):
 
 
 @triton.jit
-def _scale_rows(acc, rstd, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        acc = acc * rstd[None, :]
-    else:
-        acc = acc * rstd[:, None]
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
     N, K, k_split,
@@ -411,7 +345,7 @@ def _gemv_kernel(
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
     # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
-    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -421,15 +355,15 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
-    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K, "")
+    w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
     for k in range(k0 + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
-        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K, "")
+        w = _load_w_block(w_ptrs, k, k_end, BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * _load_x_vector(x_ptr, k, k_end, BLOCK_K, EVEN_K)[None, :]
-    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+    if PDL == 2:  # the late trigger (ops/_dispatch.py): this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     col_ok = cols < N
@@ -462,9 +396,7 @@ class SkinnyConfig:
     split_k: int = 1  # upper bound: the launcher drops splits that would be empty
     num_warps: int = 4
     num_stages: int = 4
-    gemv: bool = False  # M = 1 only: the tl.dot-free kernel (_gemv_kernel); ignored for M > 1
-    swap_ab: bool = False  # the tl.dot kernel with the weight tile as its A operand (SWAP_AB);
-    #                        used whenever the GEMV kernel is not (for M = 1, gemv takes precedence)
+    gemv: bool = False  # M = 1 plain products only: the tl.dot-free kernel (_gemv_kernel); else swap-AB
 
 
 _PROGRAMS_PER_SM = 2          # split-K target: about this many programs per SM
@@ -485,14 +417,14 @@ def _block_m(M: int) -> int:
     return max(16, triton.next_power_of_2(M))
 
 
-def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
+def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int, side_stream: bool = False) -> SkinnyConfig:
     """Default launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs: the GEMV kernel for one
     row, the swap-AB kernel (:func:`swap_ab_config`) for several."""
     if M == 1:
         # the tl.dot-free kernel, 4 columns x 2048-wide K steps per program. Timed alone on the H200
         # (benchmarks/kernels/skinny_linear.py --sweep) 1024-wide steps were the best or within 3% of
         # the best at every served shape; inside the decode step's PDL chain 2048 took the LFM2.5-1.2B
-        # TPOT from 0.772 to 0.734 ms (docs/benchmarks.md, session 7; 4096: 0.751 ms). Likely why: a
+        # TPOT from 0.772 to 0.734 ms (4096: 0.751 ms; docs/decisions.md). Likely why: a
         # K = 2048 program (out_proj) requests its whole weight tile before it waits for its
         # predecessor (the first K step is peeled), and w2 (K = 8192) takes 4 steps instead of 8; the
         # run did not separate the two. No split: N / 4 programs already oversubscribe the SMs at N >= 2048
@@ -501,52 +433,16 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyCon
                             block_k=min(tuned("gemv", "block_k", 2048, shape), max(16, triton.next_power_of_2(K))),
                             split_k=1, num_warps=tuned("gemv", "num_warps", 4, shape),
                             num_stages=tuned("gemv", "num_stages", 2, shape), gemv=True)
-    return swap_ab_config(M, N, K, elem_size, sms)
-
-
-def regular_config(M: int, N: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
-    """Launch parameters of the regular ``tl.dot`` kernel (x as the A operand), the comparison point
-    of the sweep (``python benchmarks/kernels/skinny_linear.py --sweep``); slower than swap-AB at
-    every served shape on the H200.
-
-    The kernel is bound by the weight stream, so the aims are (1) enough programs to keep every SM
-    loading, at least ``_MIN_PROGRAMS_PER_SM`` per SM, and (2) enough weight bytes in flight per
-    program. Column tiles are taken as wide as (1) allows, from 128 down: wide tiles re-read ``x``
-    (from L2) less often, ``M / BLOCK_N`` times the weight bytes, which is why tiles stay >= 32
-    for ``M > 16``. If even the narrowest tile leaves SMs idle, K is split too, to about
-    ``_PROGRAMS_PER_SM`` programs per SM, keeping ``_MIN_SPLIT_ITERS`` K steps per split (the fp32
-    partials cost ``2 * SPLIT_K * M * N * 4`` bytes, mostly in L2, and the last program's sum). The K
-    step (64-256) is the longest whose weight and ``x`` tiles fit ``_STAGE_BYTES`` (256 for narrow
-    bf16 tiles, 64 for 128-wide ones; shortened to divide K when K % 64 == 0), with as many
-    pipeline stages (2-4) as fit ``_SMEM_BYTES``.
-    """
-    block_m = _block_m(M)
-    widths = [bn for bn in (128, 64, 32, 16) if bn >= (16 if block_m == 16 else 32)]
-    block_n = next((bn for bn in widths if triton.cdiv(N, bn) >= _MIN_PROGRAMS_PER_SM * sms), widths[-1])
-    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
-    block_k = 256
-    while block_k > 64 and (block_n + block_m) * block_k * elem_size > _STAGE_BYTES:
-        block_k //= 2
-    if K % 64 == 0:
-        while K % block_k:  # the widest step that divides K (>= 64): the unmasked path
-            block_k //= 2
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    n_blocks = triton.cdiv(N, block_n)
-    split_k = 1
-    if n_blocks < _MIN_PROGRAMS_PER_SM * sms:
-        max_split = max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS)
-        split_k = min(triton.cdiv(_PROGRAMS_PER_SM * sms, n_blocks), max_split)
-    stage_bytes = (block_n + block_m) * block_k * elem_size
-    num_stages = max(2, min(4, _SMEM_BYTES // stage_bytes))
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
+    return swap_ab_config(M, N, K, elem_size, sms, side_stream=side_stream)
 
 
 _SWAP_SMEM_BYTES = 200 * 1024  # swap-AB pipeline buffers: one program per SM (227 KB on the H200)
 
 
-def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str = "tile") -> SkinnyConfig:
+def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str = "tile",
+                   side_stream: bool = False) -> SkinnyConfig:
     """Launch parameters of the swap-AB kernel (``M > 1``), fitted to the H200 sweep at ``M = 10``
-    (``benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes``, docs/benchmarks.md),
+    (``benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes``),
     whose winners it reproduces at every served LFM2.5-1.2B shape:
 
     - 64-row weight tiles (wgmma's A height) with 128-wide K steps; 128-row tiles with 64-wide steps
@@ -558,10 +454,12 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
     - 5 pipeline stages when split (short loops) or when the column tiles are fewer than the SMs
       (up to the budget; 4-5 for the fused SwiGLU), 3-4 otherwise; 4 warps (one warpgroup). The sweep
       timed alone favoured 3 stages for the unsplit under-filled launches, but inside the
-      speculative round (docs/benchmarks.md, session 9) the 96-program in_proj ``[6144, 2048]`` went
+      speculative round the 96-program in_proj ``[6144, 2048]`` went
       from 10.77 to 8.96 us per launch at 5 stages and the draft's 96-program SwiGLU ``[2 x 6144,
       2048]`` from 16.62 to 16.09 us (round 1.375 -> 1.345 ms for the in_proj alone), with no
       other launch slower.
+
+    - on the side stream (``side_stream``), at most ``SIDE_STREAM_STAGES``.
 
     ``LFMSPARK_TUNE`` (ops/tuning.py, ``kind`` ``tile``, also per ``(N, K)``) may replace each choice; the later
     ones follow.
@@ -580,15 +478,15 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
         split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
     split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))[1]
     # 5 stages (as many as the budget holds) also when the programs leave SMs idle: fewer SMs must
-    # each keep more bytes in flight (found inside the round, session 9; the sweep timed alone favoured 3)
+    # each keep more bytes in flight (found inside the round; the sweep timed alone favoured 3)
     num_stages = 5 if split_k > 1 or n_blocks < sms else (4 if block_n >= 128 else 3)
-    if _stage_cap is not None:  # launches beside another stream's (stage_cap)
-        num_stages = max(2, min(num_stages, _stage_cap))
+    if side_stream:  # launches beside the main stream's (SIDE_STREAM_STAGES)
+        num_stages = min(num_stages, SIDE_STREAM_STAGES)
     while num_stages > 2 and num_stages * (block_n + block_m) * block_k * elem_size > _SWAP_SMEM_BYTES:
         num_stages -= 1  # wide rows (M > 16) or fp32
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
                         num_warps=tuned(kind, "num_warps", 4, shape),
-                        num_stages=tuned(kind, "num_stages", num_stages, shape), swap_ab=True)
+                        num_stages=tuned(kind, "num_stages", num_stages, shape))
 
 
 def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyConfig:
@@ -625,47 +523,19 @@ def split_k_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
 MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival counter each (256 KB)
 
 
-_counter_set = 0  # which counter buffer split-K launches use now (split_counter_set)
+# the side stream's launches (side_stream=True): their own split-K counter set, and at most this many
+# pipeline stages, so that their programs fit in an SM's shared memory beside the main stream's: a
+# program of the 64-column tiles holds (stages + 1) x 20 KB at M <= 16 (bf16, 128-wide K steps); at
+# the default 5 stages (120 KB) it cannot share an SM with a 120 KB program of the main stream, at 3
+# (80 KB) it can (228 KB per SM on the H200). The speculative round's context injection runs there
+# (runtime/steps.py ``Steps.fork_injection``).
+SIDE_STREAM_STAGES = 3
 
 
-@contextlib.contextmanager
-def split_counter_set(index: int) -> Iterator[None]:
-    """Split-K launches made inside use counter buffer ``index`` (0 outside; see the module doc): for
-    launches on a stream that may run beside another stream's split-K launches. The buffer is
-    picked when the launcher runs, so a CUDA graph keeps the one its capture saw."""
-    global _counter_set
-    saved, _counter_set = _counter_set, index
-    try:
-        yield
-    finally:
-        _counter_set = saved
-
-
-_stage_cap: int | None = None  # the most pipeline stages default tile configs take now (stage_cap)
-
-
-@contextlib.contextmanager
-def stage_cap(stages: int) -> Iterator[None]:
-    """Default configurations of the tile launches made inside take at most ``stages`` (>= 2)
-    pipeline stages (an ``LFMSPARK_TUNE`` ``num_stages`` still wins): for launches on a stream that
-    runs beside another stream's, so that their programs fit in an SM's shared memory next to the
-    other stream's. Why: a program of the 64-column tiles holds (stages + 1) x 20 KB at M <= 16
-    (bf16, 128-wide K steps); at the default 5 stages (120 KB) it cannot share an SM with a 120 KB
-    program of the main stream, at 3 (80 KB) it can (228 KB per SM on the H200). The speculative
-    round's context injection runs under it (runtime/steps.py ``Steps.fork_injection``; measured in
-    docs/benchmarks.md, session 23). Picked when the launcher runs, like :func:`split_counter_set`."""
-    global _stage_cap
-    saved, _stage_cap = _stage_cap, stages
-    try:
-        yield
-    finally:
-        _stage_cap = saved
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of ``device`` that launches use now: those of the current
-    :func:`split_counter_set` (0 by default)."""
-    return _counter_buffer(device, _counter_set)
+def _split_counters(device: torch.device, side_stream: bool) -> torch.Tensor:
+    """The split-K arrival counters of ``device`` for the main stream's launches (set 0) or the side
+    stream's (set 1; see the module doc)."""
+    return _counter_buffer(device, 1 if side_stream else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -698,15 +568,14 @@ class AddNorm:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
             weight_b: torch.Tensor | None = None, add_norm: AddNorm | None = None,
-            row_ssq: torch.Tensor | None = None, eps: float = 0.0,
-            argmax_parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            row_ssq: torch.Tensor | None = None, eps: float = 0.0, side_stream: bool = False) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
     ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
     the fp32 workspace and the device's arrival counters. ``add_norm``: the ``ADD_NORM`` epilogue;
     ``row_ssq`` ``[tiles, M]``: every row scaled by ``rsqrt(row_ssq.sum(0) / K + eps)`` (``ROW_NORM``);
-    ``argmax_parts``: the ``ARGMAX`` epilogue's ``(values, indices)`` ``[M, column tiles]``; all three
-    on the ``tl.dot`` kernel."""
+    both on the ``tl.dot`` kernel. ``side_stream``: the launch may run beside the main stream's, so
+    it takes the side stream's split-K counters (module doc)."""
     (M, K), N = x.shape, out.shape[1]
     n_a = N
     if weight_b is not None:
@@ -721,12 +590,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             raise ValueError(f"split-K over {n_tiles} column tiles: at most {MAX_SPLIT_TILES} (one arrival counter "
                              f"each); use wider tiles (block_n) or no split")
         ws = torch.empty((splits, M, 2 * N if swiglu else N), dtype=torch.float32, device=x.device)
-        counters, stride_ws, stride_wsm = _split_counters(x.device), ws.stride(0), ws.stride(1)
+        counters, stride_ws, stride_wsm = _split_counters(x.device, side_stream), ws.stride(0), ws.stride(1)
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
-    if (M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None
-            and argmax_parts is None):
+    if M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
         _gemv_kernel[grid](
             x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
@@ -735,19 +603,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:
         norm = add_norm or AddNorm(out, out, out, out)  # not read without ADD_NORM
         ssq_in = out if row_ssq is None else row_ssq     # not read without ROW_NORM
-        pv, pi = argmax_parts or (out, out)              # not written without ARGMAX
         _skinny_linear_kernel[grid](
             x, weight, weight if weight_b is None else weight_b, out, ws, counters,
-            norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in, pv, pi,
+            norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in,
             0 if row_ssq is None else row_ssq.shape[0],
             1.0 / K, eps,
             M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
+            SPLIT=splits > 1, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             ADD_NORM=add_norm is not None, ROW_NORM=row_ssq is not None,
             SSQ_TILES=2 if row_ssq is None else max(2, triton.next_power_of_2(row_ssq.shape[0])),
-            ARGMAX=argmax_parts is not None, WEIGHT_EVICT=l2_hints()[0],
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
@@ -766,18 +632,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _default_config(x: torch.Tensor, weight: torch.Tensor, n_out: int, swiglu: bool,
-                    weight_b: torch.Tensor | None = None) -> SkinnyConfig:
-    """The launch parameters the ops use (:func:`skinny_config` / :func:`swiglu_config` /
-    :func:`pair_config`)."""
+                    weight_b: torch.Tensor | None, row_ssq: torch.Tensor | None, side_stream: bool) -> SkinnyConfig:
+    """The launch parameters the ops use: :func:`skinny_config` for a plain product (the GEMV kernel
+    at one row), else the swap-AB kernel's (:func:`swiglu_config`, :func:`pair_config`, or
+    :func:`swap_ab_config` for a row-scaled product, whose epilogue only that kernel has)."""
     (M, K), elem, sms = x.shape, x.element_size(), _sm_count(x.device)
     if weight_b is not None:
         return pair_config(M, weight.shape[0], weight_b.shape[0], K, elem, sms)
-    return (swiglu_config if swiglu else skinny_config)(M, n_out, K, elem, sms)
+    if swiglu:
+        return swiglu_config(M, n_out, K, elem, sms)
+    if row_ssq is not None:
+        return swap_ab_config(M, n_out, K, elem, sms, side_stream=side_stream)
+    return skinny_config(M, n_out, K, elem, sms, side_stream)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool,
              weight_b: torch.Tensor | None = None, row_ssq: torch.Tensor | None = None,
-             eps: float = 0.0) -> torch.Tensor:
+             eps: float = 0.0, side_stream: bool = False) -> torch.Tensor:
     """``out [M, n_out]`` of the ops on checked inputs: empty shapes and ``K = 0`` (a zero product;
     for SwiGLU ``silu(0) * 0``) handled on the host, else one :func:`_launch` with ``config`` or the
     default configuration (:func:`_default_config`)."""
@@ -788,18 +659,21 @@ def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyCo
     if K == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
-    config = config or _default_config(x, weight, n_out, swiglu, weight_b)
-    _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b, row_ssq=row_ssq, eps=eps)
+    config = config or _default_config(x, weight, n_out, swiglu, weight_b, row_ssq, side_stream)
+    _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b, row_ssq=row_ssq, eps=eps,
+            side_stream=side_stream)
     return out
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                         row_ssq: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                         row_ssq: torch.Tensor | None = None, eps: float = 0.0, side_stream: bool = False
+                         ) -> torch.Tensor:
     """The op on the Triton kernels (``config``: launch override, for tests and tuning; with ``row_ssq``
     one row also runs on the ``tl.dot`` kernel, whose epilogue has the row scale)."""
     _check(x, weight)
     _check_row_ssq(x, row_ssq)
-    return _product(x, weight, weight.shape[0], config, swiglu=False, row_ssq=row_ssq, eps=eps)
+    return _product(x, weight, weight.shape[0], config, swiglu=False, row_ssq=row_ssq, eps=eps,
+                    side_stream=side_stream)
 
 
 def _check_swiglu(x: torch.Tensor, w13: torch.Tensor) -> None:
@@ -982,24 +856,26 @@ def skinny_linear_add_norm_reference(x: torch.Tensor, weight: torch.Tensor, resi
 
 @torch.library.custom_op("lfmspark::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, row_ssq: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, side_stream: bool = False) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, for ``M <= 64``. With ``row_ssq`` (the
     ``ssq`` of :func:`skinny_linear_add_norm`, ``x`` its ``s * g``), each row is scaled by
-    ``rsqrt(row_ssq.sum(0) / K + eps)`` before the one rounding: the product of ``RMSNorm(s)``."""
+    ``rsqrt(row_ssq.sum(0) / K + eps)`` before the one rounding: the product of ``RMSNorm(s)``.
+    ``side_stream``: the call runs on a stream beside the main one (the round's context injection):
+    its own split-K counters and fewer pipeline stages (``SIDE_STREAM_STAGES``); the same values."""
     if use_triton(x):
-        return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps)
+        return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps, side_stream=side_stream)
     _check(x, weight)  # the same limits on every device
     _check_row_ssq(x, row_ssq)
     return skinny_linear_reference(x, weight, row_ssq, eps)
 
 
 @skinny_linear.register_kernel("cuda")
-def _skinny_linear_cuda(x, weight, row_ssq=None, eps=0.0):
-    return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps)
+def _skinny_linear_cuda(x, weight, row_ssq=None, eps=0.0, side_stream=False):
+    return skinny_linear_triton(x, weight, row_ssq=row_ssq, eps=eps, side_stream=side_stream)
 
 
 @skinny_linear.register_fake
-def _skinny_linear_fake(x, weight, row_ssq=None, eps=0.0):
+def _skinny_linear_fake(x, weight, row_ssq=None, eps=0.0, side_stream=False):
     _check(x, weight)
     _check_row_ssq(x, row_ssq)
     return x.new_empty((x.shape[0], weight.shape[0]))
@@ -1009,7 +885,7 @@ def _skinny_linear_fake(x, weight, row_ssq=None, eps=0.0):
 def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, row_ssq: torch.Tensor | None = None,
                   eps: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up`` with ``[gate | up] = x [M, H] @ w13[2F, H]^T`` -> ``[M, F]``, for ``M <= 16``
-    (the batch-1 verify and draft; one row is ``lfmspark::swiglu_gemv``'s). With ``row_ssq`` (the
+    (the batch-1 verify and draft, and one-row products outside the decode step's fused GEMV). With ``row_ssq`` (the
     ``ssq`` of :func:`skinny_linear_add_norm`, ``x`` its ``s * g``), gate and up are scaled per row
     by ``rsqrt(row_ssq.sum(0) / H + eps)``: the feed-forward of ``RMSNorm(s)``."""
     if use_triton(x):
@@ -1038,7 +914,7 @@ def skinny_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     modules' roundings) and ``ssq`` ``[tiles, M]`` fp32 partial sums of ``s^2`` per row: what the next
     RMSNorm's consumer takes (``skinny_swiglu``'s ``row_ssq``), so that no norm kernel runs between
     the two products. Why: on the H200 the several-row add + RMSNorm kernels between the round's
-    products cost ~97 us per batch-1 round when all removed (docs/benchmarks.md, session 14)."""
+    products cost ~97 us per batch-1 round when all removed."""
     if use_triton(x):
         return skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
     _check_add_norm(x, weight, residual, norm_weight)

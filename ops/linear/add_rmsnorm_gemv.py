@@ -7,7 +7,7 @@ GEMV's input. Here the GEMV does that work itself, as a prologue: every program 
 normalised row (``K`` is the hidden size, 1024-2048 for the LFM2 models; ``h`` and ``delta`` come
 from L2) and multiplies its own ``BLOCK_N`` weight rows with it. ``swiglu=True`` computes the dense
 feed-forward's ``silu(gate) * up`` over a stacked ``[2F, K]`` gate/up weight instead, with the
-activation in the epilogue as in ops/swiglu_gemv.py.
+activation in the epilogue (the roundings of ``skinny_swiglu``'s).
 
 Design: each program owns ``BLOCK_N`` output columns (for ``swiglu``: ``BLOCK_N`` gate rows and the
 matching up rows) and loads its whole ``[BLOCK_N, K]`` weight tile as one K block of
@@ -20,9 +20,8 @@ Numerics: those of the unfused modules (models/layers.py ``RMSNorm`` then ``F.li
 ``s = h + delta`` rounded to the dtype; fp32 statistics of the rounded ``s`` (``s * rsqrt(mean(s^2)
 + eps)``), cast to the dtype, times the norm weight in the dtype; fp32 dot products rounded once to
 the dtype; for ``swiglu`` gate and up each rounded, ``silu(gate)`` rounded, the product rounded.
-With ``scale_last`` (the feed-forward after ``ffn_norm`` while ``LFMSPARK_NORM_EPILOGUE`` is on, and
-with ``LFMSPARK_NORM_CARRY`` also the products after a layer's norm: models/layers.py) those of the
-several-row verify, which runs those norms in its products' epilogues:
+With ``scale_last`` (the feed-forward after ``ffn_norm``, and the products after a layer's norm:
+models/layers.py) those of the several-row verify, which runs those norms in its products' epilogues:
 ``s * norm weight`` rounded once and the fp32 dot products scaled by ``rsqrt(mean(s^2) + eps)``. A
 batch-1 decode step and a verify window then round each such product's input at the same point, so
 speculation stays as close to target-only decoding in bf16 as the summation orders allow; the
@@ -38,12 +37,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import pdl_kwargs, use_triton
+from .._dispatch import pdl_kwargs, use_triton
 from .skinny_linear import _load_w_block, row_rstd_reference, skinny_swiglu_reference
-from .tuning import tuned
+from ..routing import NORM_GEMV_MAX_K
+from ..tuning import tuned
 
-MAX_K = 8192           # the whole row is one K block; LFM2 hidden sizes are 1024-2048
-# H200 sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep, docs/benchmarks.md), 1.2B shapes with 8
+MAX_K = NORM_GEMV_MAX_K  # the whole row is one K block; LFM2 hidden sizes are 1024-2048
+# H200 sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep), 1.2B shapes with 8
 # warps: plain 8 columns (qkv 4.13 us vs 4.89 with 4; LM head 64.4 vs 64.7; in_proj 8.42 vs 8.25),
 # SwiGLU 4 gate + 4 up columns (18.78 us vs 19.55 with 2 + 2); 16 warps lost everywhere
 BLOCK_N_PLAIN = 8      # output columns per program
@@ -63,7 +63,7 @@ def _add_rmsnorm_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # N: output columns (for SWIGLU the gate/up width F: rows j and F + j of the weight)
-    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py, PDL_TRIGGER)
+    if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,9 +72,9 @@ def _add_rmsnorm_gemv_kernel(
     k_ok = ks < K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + ks[None, :]
     # weights (the GEMV's and the norm's) depend on no earlier kernel: requested before the PDL wait
-    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K, "")
+    w = _load_w_block(w_ptrs, 0, K, BLOCK_K, EVEN_K)
     if SWIGLU:
-        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K, "")
+        wu = _load_w_block(w_ptrs + N * stride_wn, 0, K, BLOCK_K, EVEN_K)
     if EVEN_K:
         nw = tl.load(nw_ptr + ks)
     else:
@@ -97,7 +97,7 @@ def _add_rmsnorm_gemv_kernel(
     # RMSNorm: fp32 statistics of the rounded sum (masked columns are 0); then cast, times the
     # weight (the module's roundings), or with SCALE_LAST s * weight rounded once and the row scale
     # applied to the fp32 sums, the roundings of the several-row verify's epilogue pair
-    # (ops/skinny_linear.py ROW_NORM), so that a batch-1 decode step and a verify window compute
+    # (ops/linear/skinny_linear.py ROW_NORM), so that a batch-1 decode step and a verify window compute
     # the feed-forward alike
     x32 = s.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / K + eps)
@@ -107,7 +107,7 @@ def _add_rmsnorm_gemv_kernel(
         xn = (x32 * inv).to(dtype).to(tl.float32)
         xv = (nw.to(tl.float32) * xn).to(dtype).to(tl.float32)[None, :]
     y = tl.sum(w.to(tl.float32) * xv, axis=1)
-    if PDL == 2:  # LFMSPARK_PDL_TRIGGER=late: this program's weights are read
+    if PDL == 2:  # the late trigger (ops/_dispatch.py): this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE_LAST:
         y = y * inv

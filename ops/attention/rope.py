@@ -38,3 +38,9 @@ def gather_cos_sin(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
     rows = table[positions.clamp(0, table.shape[0] - 1)]
     half = table.shape[-1] // 2
     return rows[..., :half], rows[..., half:]
+
+
+def window_positions(start: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, T]`` absolute positions ``start[b] + t`` of a window of ``T`` tokens."""
+    return start[:, None] + torch.arange(T, device=start.device)[None, :]
+

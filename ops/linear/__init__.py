@@ -1,0 +1,5 @@
+"""``x @ W^T`` on 1-16 rows, streaming the weights once: ``skinny_linear`` (and its SwiGLU, pair and
+add + norm epilogue variants, one kernel) and ``add_rmsnorm_gemv`` (one row with the residual add and
+RMSNorm as its prologue). ops/routing.py says which rows take them."""
+
+from . import add_rmsnorm_gemv, skinny_linear  # noqa: F401  (registers the ops)
