@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -223,6 +224,9 @@ class Engine:
         self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._flip = 0
         self._rng = random.Random()
+        # one scheduling step at a time: streams iterated from several threads take turns, each
+        # step advancing every active request (their events go to their own streams)
+        self._lock = threading.RLock()
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -369,14 +373,18 @@ class Engine:
         """Yield :class:`StreamEvent` s as prefill and rounds commit tokens (index = prompt position).
 
         Leaving the iteration early cancels the remaining requests and frees their slots. Several
-        streams may be open at once (their requests share the batch): each yields only its own
-        requests' events, whichever stream's iteration ran the step that produced them.
+        streams may be open at once, from one thread or several (their requests share the batch;
+        the engine runs one scheduling step at a time): each yields only its own requests' events,
+        whichever stream's iteration ran the step that produced them. The parameters are copied at
+        submission: changing a ``SamplingParams`` afterwards does not affect the request.
         """
-        requests = self._make_requests(prompts, params)
+        with self._lock:
+            requests = self._make_requests(prompts, params)
         mine: deque[StreamEvent] = deque()      # this stream's events (a step also advances other streams')
         for r in requests:
             r.events = mine
-        self._queue.extend(requests)
+        with self._lock:
+            self._queue.extend(requests)
         try:
             while mine or any(not r.finished for r in requests):
                 if not mine:
@@ -387,11 +395,16 @@ class Engine:
             if failed:       # a step run by another stream failed and took these requests with it
                 raise RuntimeError(f"requests {failed} were aborted by an error in a scheduling step")
         finally:
-            self._cancel([r for r in requests if not r.finished])
+            with self._lock:
+                self._cancel([r for r in requests if not r.finished])
 
     def step(self) -> list[StreamEvent]:
         """One scheduling step: admit queued requests (prefill), launch the next round for the
         active ones, and collect the previous round's tokens."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         try:
             self._admit(events)
@@ -427,6 +440,7 @@ class Engine:
         requests = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             try:
+                p = p.snapshot()     # the request's own copy: later changes to the caller's object change nothing
                 p.validate(self.config.vocab_size)
                 ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.chat)
             except (PromptError, SamplingError) as e:
@@ -437,8 +451,11 @@ class Engine:
                                    f"the verify window ({self.verify_width}) = {need} exceeds max_seq_len "
                                    f"{self.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
                                    "engine with a larger max_seq_len")
-            stops = frozenset(()) if p.ignore_eos else frozenset(
-                p.stop_token_ids if p.stop_token_ids is not None else self.stop_token_ids)
+            # explicit stop ids always stop; ignore_eos drops only the default (EOS) ones
+            if p.stop_token_ids is not None:
+                stops = frozenset(p.stop_token_ids)
+            else:
+                stops = frozenset(() if p.ignore_eos else self.stop_token_ids)
             seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
             requests.append(_Request(i, ids, p, stops, seed, now))
         return requests

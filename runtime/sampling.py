@@ -15,6 +15,7 @@ Sampling picks ``argmax(p / E)`` with ``E = -log(u)`` exponential noise, which d
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,29 +55,55 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def snapshot(self) -> SamplingParams:
+        """A copy for one submitted request, with ``stop_token_ids`` materialised as a tuple (an
+        iterator is read once): the engine keeps this copy, so changing the caller's object after
+        submission changes nothing."""
+        stops = self.stop_token_ids
+        if stops is not None:
+            if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+                raise SamplingError(f"stop_token_ids must be a list of token ids or None, got {stops!r}")
+            stops = tuple(stops)
+        return dataclasses.replace(self, stop_token_ids=stops)
+
     def validate(self, vocab_size: int) -> None:
+        """Raise :class:`SamplingError` naming the first field with a value the engine cannot run:
+        types are exact (a bool is not a number, a string not a bool), numbers finite and within
+        what the device-side sampling takes (fp32 temperature and top_p)."""
         t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_number(t) or not math.isfinite(t) or t < 0 or t > _FP32_MAX:
+            raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy) that fits fp32, got {t!r}")
         if 0 < t < 1e-5:
             raise SamplingError(f"temperature {t} is too small to sample with; use 0 for greedy decoding")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
-        if not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise SamplingError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        if not _is_number(p) or not 0 < p <= 1:
+            raise SamplingError(f"top_p must be a number in (0, 1] (1 disables it), got {p!r}")
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not _is_int(n) or n < 1:
             raise SamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__len__"):
                 raise SamplingError(f"stop_token_ids must be a list of token ids or None, got {self.stop_token_ids!r}")
-            bad = [i for i in self.stop_token_ids
-                   if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+            bad = [i for i in self.stop_token_ids if not _is_int(i) or not 0 <= i < vocab_size]
             if bad:
                 raise SamplingError(f"stop_token_ids {bad} are not token ids in the vocabulary [0, {vocab_size})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not _is_int(self.seed):
             raise SamplingError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+
+_FP32_MAX = 3.4028234663852886e38
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +219,7 @@ class SlotSampling:
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = float(params.temperature)
-        self.top_k[slot] = int(params.top_k)
+        # top-k over more columns than the vocabulary has keeps them all, as top_k=0 does (and fits int64)
+        self.top_k[slot] = min(int(params.top_k), 2 ** 31 - 1)
         self.top_p[slot] = float(params.top_p)
         self.seed[slot] = seed & _MASK32
