@@ -424,7 +424,16 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def _make_requests(self, prompts, params) -> list[_Request]:
+        if isinstance(prompts, dict):
+            raise RequestError("a chat message must be inside a list: pass [message] for one conversation, "
+                               "[[message, ...], ...] for several")
+        if not isinstance(prompts, (str, list, tuple)):
+            raise RequestError(f"prompts must be a string, a list of token ids, a list of chat messages or a list "
+                               f"of such prompts, got {type(prompts).__name__}")
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        nones = [i for i, p in enumerate(prompt_list) if p is None]
+        if nones:
+            raise RequestError(f"prompts {nones} are None: every prompt needs text, token ids or chat messages")
         if not prompt_list:
             raise RequestError("no prompts given")
         if params is None or isinstance(params, SamplingParams):

@@ -44,8 +44,37 @@ def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tu
     return config_eos
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """Refuse chat messages the OpenAI API would refuse: each a dict with a ``role`` among
+    :data:`CHAT_ROLES` and a string ``content`` (or a list of ``{"type": "text", "text": str}``
+    parts), so that nothing is rendered as an empty turn."""
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise PromptError(f"message {i}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if isinstance(content, list):
+            bad = [part for part in content
+                   if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))]
+            if bad:
+                raise PromptError(f"message {i}: content parts must be {{'type': 'text', 'text': str}}, got {bad[0]!r}")
+        elif not isinstance(content, str):
+            raise PromptError(f"message {i} ({role}): content must be a string or a list of text parts, got "
+                              f"{type(content).__name__}")
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{where} is not valid Unicode text (a lone surrogate at character {e.start})") from None
+
+
 def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True) -> list[int]:
     if isinstance(prompt, str):
+        _check_text(prompt, "the prompt")
         if tokenizer is None:
             raise PromptError("a text prompt needs a tokenizer, and this engine has none (no tokenizer files in the "
                               "target directory): pass token ids instead")
@@ -54,9 +83,15 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True)
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        check_messages(list(prompt))
+        for i, m in enumerate(prompt):
+            for part in ([m["content"]] if isinstance(m["content"], str) else [p["text"] for p in m["content"]]):
+                _check_text(part, f"message {i}")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise PromptError("chat messages need a tokenizer with a chat template, and this engine has none")
         ids = _chat_ids(tokenizer, list(prompt))
+    elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
+        raise PromptError("a list of chat messages must hold only message dicts ({'role': ..., 'content': ...})")
     elif isinstance(prompt, (list, tuple)):
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
         if bad:

@@ -91,7 +91,7 @@ BAD_PROMPTS = {
     "float id": ([1, 2.0, 3], "must hold integers, got [2.0]"),
     "bool id": ([[True, 2]], "must hold integers, got [True]"),
     "str id": ([[1, "2"]], "must hold integers, got ['2']"),
-    "None prompt": ([[1, 2], None], "a prompt must be a string, a list of token ids or a list of chat messages"),
+    "None prompt": ([[1, 2], None], "prompts [1] are None"),
     "text without tokenizer": ("hello there", "needs a tokenizer"),
     "texts without tokenizer": (["hello", "there"], "needs a tokenizer"),
     "chat without template": ([{"role": "user", "content": "hi"}], "chat template"),

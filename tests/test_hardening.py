@@ -110,3 +110,37 @@ def test_two_threads_share_one_engine(engine, reference):
     assert not errors, errors
     assert out[0] == reference and out[1] == reference
     assert engine.pool.n_free == engine.max_batch and engine.idle
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (None, "prompts must be a string"),
+    (5, "prompts must be a string"),
+    ({"role": "user", "content": "hi"}, "a chat message must be inside a list"),
+    ([[1, 2], None], r"prompts \[1\] are None"),
+    ([[1, 2], [{"role": "user", "content": "x"}, 3]], "must hold only message dicts"),
+])
+def test_malformed_prompts_are_refused(engine, reference, prompts, message):
+    with pytest.raises(RequestError, match=message):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    _still_serves(engine, reference)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"content": "hi"}], "message 0: role must be one of"),
+    ([{"role": "user"}], "message 0 .user.: content must be a string"),
+    ([{"role": "user", "content": None}], "content must be a string"),
+    ([{"role": 3, "content": "hi"}], "role must be one of"),
+    ([{"role": "user", "content": "ok"}, {"role": "wizard", "content": "hi"}], "message 1: role"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts must be"),
+    ([{"role": "user", "content": "a\ud800b"}], "message 0 is not valid Unicode text"),
+])
+def test_chat_messages_are_validated(messages, message):
+    from lfmspark.runtime.prompts import PromptError, encode_prompt
+
+    with pytest.raises(PromptError, match=message):
+        encode_prompt(messages, tokenizer=None, vocab_size=100)
+
+
+def test_a_lone_surrogate_in_a_text_prompt_is_refused(engine):
+    with pytest.raises(RequestError, match=r"not valid Unicode text \(a lone surrogate at character 2\)"):
+        engine.generate("ab\udc80", SamplingParams(max_new_tokens=2))
