@@ -27,14 +27,46 @@ class ConfigError(ValueError):
     """A model config that cannot be served; the message names the field."""
 
 
+def read_json_object(path: Path, error: type[ValueError] = None) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that cannot be read, is not JSON or holds something else
+    than an object raises ``error`` (default :class:`ConfigError`) naming the file and the problem.
+    Every JSON file of a checkpoint is read here (config, index, generation config, draft config)."""
+    error = error or ConfigError
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e}); the file is damaged or incomplete: download it again") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
 def _read_json(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json at {path}: point to a Hugging Face model directory")
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path)
+
+
+def _from_file(parse, path: str | Path):
+    """``parse(config dict)``, with a field of the wrong type (an int where a list belongs, a string
+    where a number does) raised as :class:`ConfigError` naming the file rather than as a bare
+    TypeError / ValueError from deep inside."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    raw = _read_json(path)
+    try:
+        return parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise ConfigError(f"{path}: a config field has the wrong type or value ({type(e).__name__}: {e})") from None
 
 
 def _positive_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -71,9 +103,10 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 def _token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ids):
+        raise ConfigError(f"token ids must be a non-negative integer or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -126,7 +159,7 @@ class TargetConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "TargetConfig":
         """Parse ``config.json`` of a model directory (or the file itself)."""
-        return cls.from_dict(_read_json(path))
+        return _from_file(cls.from_dict, path)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "TargetConfig":
@@ -299,7 +332,7 @@ class DraftConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":
-        return cls.from_dict(_read_json(path))
+        return _from_file(cls.from_dict, path)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":

@@ -11,16 +11,16 @@ fused on load (q/k/v → ``qkv_proj``, w1/w3 → ``w13``, per-expert MoE tensors
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from .config import ConfigError, DraftConfig, TargetConfig
+from .config import ConfigError, DraftConfig, TargetConfig, read_json_object
 
 log = logging.getLogger("lfmspark")
 
@@ -34,15 +34,27 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # reading files
 
+@contextlib.contextmanager
+def _open_safetensors(file: Path, device: str = "cpu") -> Iterator:
+    """``safe_open`` with a damaged file (truncated, not safetensors) raised as :class:`CheckpointError`
+    naming it."""
+    try:
+        handle = safe_open(file, framework="pt", device=device)
+    except Exception as e:   # safetensors raises its own SafetensorError, or OSError
+        raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}); the download is "
+                              "damaged or incomplete: fetch it again") from None
+    with handle as f:
+        yield f
+
+
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """Map tensor name -> safetensors file for a model directory (single file or sharded)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no 'weight_map'")
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no 'weight_map' of tensor names to shard files")
         files = {name: path / file for name, file in weight_map.items()}
         missing = sorted({str(p) for p in files.values() if not p.is_file()})
         if missing:
@@ -50,7 +62,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         return files
     single = path / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
@@ -58,10 +70,15 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 def read_shapes(files: dict[str, Path]) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name in files:
+        with _open_safetensors(file) as f:
+            held = set(f.keys())
+            for name in held:
+                if files.get(name) == file:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
+        misplaced = sorted(n for n, where in files.items() if where == file and n not in held)
+        if misplaced:
+            raise CheckpointError(f"the index maps {misplaced[:3]} to {file.name}, which does not hold them: the index "
+                                  "and the shards are from different downloads")
     return shapes
 
 
@@ -74,7 +91,7 @@ def read_tensors(files: dict[str, Path], names: Iterable[str], device: torch.dev
     shards = sorted(by_file)
     for i, file in enumerate(shards):
         log.info("loading %s (%d/%d)", file.name, i + 1, len(shards))
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with _open_safetensors(file, str(device)) as f:
             for name in by_file[file]:
                 out[name] = f.get_tensor(name)
     return out
@@ -203,6 +220,13 @@ def _fuse_target(cfg: TargetConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def _convert(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: Callable[[str], bool]) -> None:
+    """Cast floating-point weights to the serving dtype. Integer or bool tensors are refused, not
+    converted: LFM2 checkpoints hold float weights only, so one is a quantized export lfmspark does
+    not read (its values are not weights) or a damaged file, and casting it would serve garbage."""
+    bad = [(name, t.dtype) for name, t in tensors.items() if not t.dtype.is_floating_point]
+    if bad:
+        raise CheckpointError(f"tensor '{bad[0][0]}' is {bad[0][1]} ({len(bad)} non-float tensors): lfmspark serves "
+                              "float (bf16 / fp16 / fp32) checkpoints; a quantized export cannot be loaded")
     for name, t in tensors.items():
         target = torch.float32 if keep_fp32(name) else dtype
         if t.dtype != target:

@@ -37,7 +37,7 @@ from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
 from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
-from ..models.config import DraftConfig, TargetConfig
+from ..models.config import DraftConfig, TargetConfig, read_json_object
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops.attention.window_attention import launch_variant as attention_launch_variant
 from ..ops.moe import launch_variant as moe_launch_variant
@@ -177,6 +177,10 @@ class Engine:
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
         cfg = target.config
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
+                            ("prefill_graph_tokens", prefill_graph_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -242,10 +246,7 @@ class Engine:
         if draft_dir is not None:
             draft_cfg = None
             if draft_rope_is_neox_style is not None:
-                import json
-
-                with open(Path(draft_dir) / "config.json") as f:
-                    raw = json.load(f)
+                raw = read_json_object(Path(draft_dir) / "config.json")
                 raw["rope_is_neox_style"] = draft_rope_is_neox_style
                 draft_cfg = DraftConfig.from_dict(raw)
             draft = load_draft(draft_dir, target.config, dtype=dtype, device=device, cfg=draft_cfg)

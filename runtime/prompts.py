@@ -7,7 +7,6 @@ turn when the tokenizer has one and ``chat`` is on) or a list of chat messages
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Union
@@ -37,10 +36,14 @@ def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tu
     if path is not None:
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            with open(gen) as f:
-                eos = json.load(f).get("eos_token_id")
+            from ..models.config import ConfigError, _token_ids, read_json_object
+
+            eos = read_json_object(gen).get("eos_token_id")
             if eos is not None:
-                return (eos,) if isinstance(eos, int) else tuple(eos)
+                try:
+                    return _token_ids(eos)
+                except ConfigError as e:
+                    raise ConfigError(f"{gen}: eos_token_id: {e}") from None
     return config_eos
 
 
