@@ -27,7 +27,7 @@ class ConfigError(ValueError):
     """A model config that cannot be served; the message names the field."""
 
 
-def read_json_object(path: Path, error: type[ValueError] = None) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[ValueError] | None = None) -> dict[str, Any]:
     """The JSON object in ``path``; a file that cannot be read, is not JSON or holds something else
     than an object raises ``error`` (default :class:`ConfigError`) naming the file and the problem.
     Every JSON file of a checkpoint is read here (config, index, generation config, draft config)."""
@@ -100,7 +100,9 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return theta
 
 
-def _token_ids(value: Any) -> tuple[int, ...]:
+def parse_token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field (``eos_token_id``: one id, a list of ids or null) as a tuple; any
+    other value raises :class:`ConfigError`."""
     if value is None:
         return ()
     ids = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -200,7 +202,7 @@ class TargetConfig:
             layer_types=layer_types, intermediate_size=cls._dense_ffn_width(cfg, model_type),
             norm_eps=float(cfg.get("norm_eps", 1e-5)), conv_L_cache=conv_l, rope_theta=_rope_theta(cfg),
             max_position_embeddings=_positive_int(cfg, "max_position_embeddings", 128_000),
-            tie_word_embeddings=bool(tie), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_token_ids(eos),
+            tie_word_embeddings=bool(tie), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=parse_token_ids(eos),
             pad_token_id=cfg.get("pad_token_id"),
         )
         if model_type == "lfm2_moe":

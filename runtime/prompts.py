@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any, Union
 
+from ..models.config import ConfigError, parse_token_ids, read_json_object
+
 log = logging.getLogger("lfmspark")
 
 Prompt = Union[str, list[int], list[dict[str, Any]]]
@@ -36,12 +38,10 @@ def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tu
     if path is not None:
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            from ..models.config import ConfigError, _token_ids, read_json_object
-
             eos = read_json_object(gen).get("eos_token_id")
             if eos is not None:
                 try:
-                    return _token_ids(eos)
+                    return parse_token_ids(eos)
                 except ConfigError as e:
                     raise ConfigError(f"{gen}: eos_token_id: {e}") from None
     return config_eos
