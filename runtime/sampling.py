@@ -165,7 +165,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     kth = sorted_x.gather(1, (k - 1)[:, None])
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     sorted_p = torch.softmax(sorted_x, dim=-1)
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    mass_before = row_prefix_sums(sorted_p) - sorted_p
     keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)        # the first token is always kept
     # top_p == 1 keeps everything: the fp32 cumsum reaches 1.0 before the end of a large vocabulary
     keep = torch.where(top_p >= 1.0, V, keep)
@@ -173,6 +173,26 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), V).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+_SCAN_BLOCK = 256
+
+
+def row_prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sums along the last dim of ``x [N, V]``, as ``x.cumsum(-1)``, computed in two
+    levels: within blocks of 256 columns, then over the block totals.
+
+    Why not ``cumsum``: over a whole 65536-entry vocabulary with few rows, Inductor (torch 2.11) emits
+    a split scan (one scan spread over several programs) and fails to generate it once the sampling
+    tail's pointwise ops are fused in (``TypeError`` in ``TritonSymbols.get_block_shape``: the split
+    scan's row range has no tensor dimension); every scan here is 256 long, which Inductor keeps in
+    one program. The two-level sum also rounds less than one sequential fp32 sum."""
+    n, v = x.shape
+    pad = -v % _SCAN_BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(n, -1, _SCAN_BLOCK).cumsum(dim=-1)
+    totals = blocks[..., -1]
+    before_block = totals.cumsum(dim=-1) - totals
+    return (blocks + before_block[..., None]).view(n, -1)[:, :v]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lfmspark.runtime.sampling import draw_key, filtered_probs, sample, uniforms
+from lfmspark.runtime.sampling import draw_key, filtered_probs, row_prefix_sums, sample, uniforms
 from test_lossless_sampling import filtered as reference_filtered
 
 
@@ -30,6 +30,16 @@ def test_sampler_follows_the_distribution():
     draws = sample(probs.expand(n, -1), keys)
     freq = torch.bincount(draws, minlength=4).double() / n
     assert torch.allclose(freq, probs.double(), atol=0.01)
+
+
+def test_row_prefix_sums_match_a_float64_cumsum():
+    g = torch.Generator().manual_seed(1)
+    for rows, cols in ((1, 1), (2, 255), (3, 256), (2, 257), (4, 1000), (2, 65536)):
+        x = torch.rand(rows, cols, generator=g)
+        got = row_prefix_sums(x)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        want = x.double().cumsum(dim=-1)
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6), (rows, cols)
 
 
 def test_filters_match_an_independent_implementation():
