@@ -7,7 +7,8 @@ loading, presets) and ``lfmspark.ops`` (Triton kernels as ``torch.library`` ops)
 
 __version__ = "0.1.0"
 
-from .runtime import Engine, GenerationOutput, RequestError, RequestStats, SamplingParams, StreamEvent  # noqa: E402
+from .runtime import (Engine, EngineDeadError, GenerationOutput, RequestError, RequestFailedError,  # noqa: E402
+                      RequestStats, SamplingParams, StreamEvent)
 
-__all__ = ["Engine", "GenerationOutput", "RequestError", "RequestStats", "SamplingParams", "StreamEvent",
-           "__version__"]
+__all__ = ["Engine", "EngineDeadError", "GenerationOutput", "RequestError", "RequestFailedError", "RequestStats",
+           "SamplingParams", "StreamEvent", "__version__"]

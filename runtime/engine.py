@@ -18,6 +18,7 @@ hand tokens to the caller. A request finishing in round ``r`` therefore rides al
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import random
@@ -44,6 +45,8 @@ from ..ops.moe import launch_variant as moe_launch_variant
 from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
+from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
+                       pair_prompts)
 from .sampling import SamplingError, SamplingParams
 from .state import SlotPool, SlotState
 from .steps import Steps
@@ -51,51 +54,12 @@ from .steps import Steps
 log = logging.getLogger("lfmspark")
 
 
-class RequestError(ValueError):
-    """A request the engine refuses (bad prompt, bad sampling parameters, too long); nothing ran."""
-
-
-@dataclass(eq=False)          # identity comparison: requests are tracked in queues and lists
-class _Request:
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    seed: int
-    submitted: float
-    slot: int | None = None
-    output: list[int] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    first_token_at: float = 0.0
-    finished_at: float = 0.0
-    text_so_far: str = ""
-    events: deque | None = None          # the buffer of the stream that submitted the request
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 @dataclass
 class _InFlight:
-    requests: list[_Request]
+    requests: list[Request]
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
-
-
-def _is_single_prompt(prompts) -> bool:
-    """A string, a list of token ids or a list of chat messages is one prompt. A flat list of
-    scalars is one (token-id) prompt even when some are not ints, so that ``encode_prompt``
-    names the bad ids instead of reporting each one as a malformed prompt."""
-    if isinstance(prompts, str):
-        return True
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        return False
-    if all(isinstance(p, dict) for p in prompts):
-        return True
-    return not any(isinstance(p, (str, list, tuple, dict)) or p is None for p in prompts)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -222,8 +186,11 @@ class Engine:
         self.step_kind = StepKind.ROUND if draft is not None else StepKind.DECODE
 
         self.pool = SlotPool(max_batch)
-        self._queue: deque[_Request] = deque()
-        self._active: list[_Request] = []
+        self._queue: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._live: dict[str, Request] = {}        # queued and active requests by id
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None    # the device-level failure that ended the engine
         self._inflight: _InFlight | None = None
         self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._flip = 0
@@ -354,13 +321,15 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # -- the synchronous API ------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
         """Generate for one prompt or a list of prompts; returns one output per prompt, in order.
 
         A single prompt is a string, a list of token ids or a list of chat messages; anything else
         must be a list of such prompts. Every request is validated before anything runs, so a bad
-        one raises :class:`RequestError` and leaves the engine untouched.
+        one raises :class:`RequestError` and leaves the engine untouched. A request that fails
+        while running raises :class:`RequestFailedError` once the others have finished.
         """
         outputs: list[GenerationOutput | None] = []
         for event in self.stream(prompts, params):
@@ -377,101 +346,166 @@ class Engine:
         streams may be open at once, from one thread or several (their requests share the batch;
         the engine runs one scheduling step at a time): each yields only its own requests' events,
         whichever stream's iteration ran the step that produced them. The parameters are copied at
-        submission: changing a ``SamplingParams`` afterwards does not affect the request.
+        submission: changing a ``SamplingParams`` afterwards does not affect the request. A request
+        that fails (``finish_reason="error"``) yields its last event like any other; once all have
+        finished the stream raises :class:`RequestFailedError` naming the failed ones.
         """
-        with self._lock:
-            requests = self._make_requests(prompts, params)
+        pairs = pair_prompts(prompts, params)
         mine: deque[StreamEvent] = deque()      # this stream's events (a step also advances other streams')
-        for r in requests:
-            r.events = mine
         with self._lock:
-            self._queue.extend(requests)
+            self._check_alive()
+            requests = [self._new_request(prompt, p, index=i, sink=mine.append, label=f"request {i}: ")
+                        for i, (prompt, p) in enumerate(pairs)]
+            self._enqueue(requests)
         try:
             while mine or any(not r.finished for r in requests):
                 if not mine:
                     self.step()
                 while mine:
                     yield mine.popleft()
-            failed = [r.index for r in requests if r.finish_reason == "error"]
-            if failed:       # a step run by another stream failed and took these requests with it
-                raise RuntimeError(f"requests {failed} were aborted by an error in a scheduling step")
+            failed = [r for r in requests if r.finish_reason == "error"]
+            if failed:
+                raise RequestFailedError(f"requests {[r.index for r in failed]} failed: {describe(failed[0].error)}",
+                                         [r.request_id for r in failed]) from failed[0].error
         finally:
             with self._lock:
                 self._cancel([r for r in requests if not r.finished])
 
+    # -- the request-level API (what AsyncEngine drives) -----------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    on_event: Callable[[StreamEvent], None] | None = None) -> str:
+        """Validate and queue one request; returns its id (``request_id``, or a fresh one). The
+        request runs as :meth:`step` is called; each of its events is returned by the step that made
+        it and passed to ``on_event`` (called in the thread running the step; if it raises, that
+        request ends with ``finish_reason="error"``). Raises :class:`RequestError` for a bad
+        request, :class:`EngineDeadError` once the engine has failed."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        with self._lock:
+            self._check_alive()
+            req = self._new_request(prompt, params or SamplingParams(), request_id=request_id, sink=on_event)
+            self._enqueue([req])
+        return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a queued or running request (``finish_reason="cancelled"``, its last event delivered)
+        and free its slot; False if no such request is live (finished already, or never was)."""
+        with self._lock:
+            req = self._live.get(request_id)
+            if req is None:
+                return False
+            self._cancel([req])
+            return True
+
     def step(self) -> list[StreamEvent]:
-        """One scheduling step: admit queued requests (prefill), launch the next round for the
-        active ones, and collect the previous round's tokens."""
+        """One scheduling step: end requests past their deadline, admit queued requests (prefill),
+        launch the next round for the active ones, and collect the previous round's tokens.
+
+        A failure is kept to the requests it concerns: a prefill's to the requests being admitted, a
+        round's to the rows in it, a text decode's or an event consumer's to its request; each ends
+        with ``finish_reason="error"`` and the engine goes on. A device-level failure (a CUDA error)
+        fails every request and raises :class:`EngineDeadError`, as does every later step."""
         with self._lock:
             return self._step()
-
-    def _step(self) -> list[StreamEvent]:
-        events: list[StreamEvent] = []
-        try:
-            self._admit(events)
-            launched = self._launch()
-            if self._inflight is not None:
-                events += self._collect(self._inflight)
-            self._inflight = launched
-        except BaseException:
-            self._inflight = None
-            self._cancel(list(self._active) + list(self._queue), reason="error")
-            raise
-        return events
 
     @property
     def idle(self) -> bool:
         return not self._queue and not self._active and self._inflight is None
 
-    # -- requests ---------------------------------------------------------------------------
-    def _make_requests(self, prompts, params) -> list[_Request]:
-        if isinstance(prompts, dict):
-            raise RequestError("a chat message must be inside a list: pass [message] for one conversation, "
-                               "[[message, ...], ...] for several")
-        if not isinstance(prompts, (str, list, tuple)):
-            raise RequestError(f"prompts must be a string, a list of token ids, a list of chat messages or a list "
-                               f"of such prompts, got {type(prompts).__name__}")
-        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        nones = [i for i, p in enumerate(prompt_list) if p is None]
-        if nones:
-            raise RequestError(f"prompts {nones} are None: every prompt needs text, token ids or chat messages")
-        if not prompt_list:
-            raise RequestError("no prompts given")
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompt_list)
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def dead(self) -> BaseException | None:
+        """The device-level failure that ended the engine, or None while it is healthy."""
+        return self._dead
+
+    # -- scheduling --------------------------------------------------------------------------
+    def _step(self) -> list[StreamEvent]:
+        self._check_alive()
+        events: list[StreamEvent] = []
+        self._expire(events)
+        self._admit(events)
+        try:
+            launched = self._launch()
+            if self._inflight is not None:
+                events += self._collect(self._inflight)
+            self._inflight = launched
+        except BaseException as e:
+            self._inflight = None
+            self._contain(e, list(self._active), events)
+        return events
+
+    def _contain(self, error: BaseException, concerned: list[Request], events: list[StreamEvent]) -> None:
+        """Fail the requests a failure concerns. A device error fails every request and kills the
+        engine; an interrupt (not an Exception) is re-raised after its requests are failed."""
+        if is_device_error(error):
+            self._dead = error
+            concerned = list(self._active) + list(self._queue)
+        for req in concerned:
+            if not req.finished:
+                events.append(self._end(req, "error", error))
+        if self._dead is not None:
+            log.error("device failure, engine stopped: %s", describe(error))
+            raise EngineDeadError(f"the engine failed: {describe(error)}; restart the process") from error
+        if not isinstance(error, Exception):
+            raise error
+        log.error("a step failed; %d requests ended with finish_reason 'error'", len(concerned), exc_info=error)
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams, *, index: int = 0, request_id: str | None = None,
+                     sink: Callable[[StreamEvent], None] | None = None, label: str = "") -> Request:
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"{label}request_id must be a non-empty string, got {request_id!r}")
+        elif request_id in self._live:
+            raise RequestError(f"{label}request_id {request_id!r} is already running: ids must be unique")
+        try:
+            p = params.snapshot()     # the request's own copy: later changes to the caller's object change nothing
+            p.validate(self.config.vocab_size)
+            ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.chat)
+        except (PromptError, SamplingError) as e:
+            raise RequestError(f"{label}{e}") from e
+        need = len(ids) + p.max_new_tokens + self.verify_width
+        if need > self.max_seq_len:
+            raise RequestError(f"{label}prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) + "
+                               f"the verify window ({self.verify_width}) = {need} exceeds max_seq_len "
+                               f"{self.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
+                               "engine with a larger max_seq_len")
+        # explicit stop ids always stop; ignore_eos drops only the default (EOS) ones
+        if p.stop_token_ids is not None:
+            stops = frozenset(p.stop_token_ids)
         else:
-            params_list = list(params)
-            if len(params_list) != len(prompt_list):
-                raise RequestError(f"{len(params_list)} SamplingParams for {len(prompt_list)} prompts")
-            bad = [i for i, p in enumerate(params_list) if not isinstance(p, SamplingParams)]
-            if bad:
-                raise RequestError(f"params {bad} are not SamplingParams (got {type(params_list[bad[0]]).__name__})")
+            stops = frozenset(() if p.ignore_eos else self.stop_token_ids)
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
+        return Request(request_id, index, ids, p, stops, seed, time.perf_counter(), sink=sink)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed earlier ({describe(self._dead)}); restart the process")
+
+    def _enqueue(self, requests: list[Request]) -> None:
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise RequestError(f"request ids {ids} repeat: ids must be unique")
+        for req in requests:
+            self._live[req.request_id] = req
+            self._queue.append(req)
+
+    def _expire(self, events: list[StreamEvent]) -> None:
         now = time.perf_counter()
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
-            try:
-                p = p.snapshot()     # the request's own copy: later changes to the caller's object change nothing
-                p.validate(self.config.vocab_size)
-                ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.chat)
-            except (PromptError, SamplingError) as e:
-                raise RequestError(f"request {i}: {e}") from e
-            need = len(ids) + p.max_new_tokens + self.verify_width
-            if need > self.max_seq_len:
-                raise RequestError(f"request {i}: prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) + "
-                                   f"the verify window ({self.verify_width}) = {need} exceeds max_seq_len "
-                                   f"{self.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
-                                   "engine with a larger max_seq_len")
-            # explicit stop ids always stop; ignore_eos drops only the default (EOS) ones
-            if p.stop_token_ids is not None:
-                stops = frozenset(p.stop_token_ids)
-            else:
-                stops = frozenset(() if p.ignore_eos else self.stop_token_ids)
-            seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
-            requests.append(_Request(i, ids, p, stops, seed, now))
-        return requests
+        for req in [r for r in (*self._queue, *self._active) if r.expired(now)]:
+            if req in self._queue:
+                self._queue.remove(req)
+            events.append(self._end(req, "timeout"))
 
     def _admit(self, events: list[StreamEvent]) -> None:
-        batch: list[_Request] = []
+        batch: list[Request] = []
         while self._queue and self.pool.n_free:
             req = self._queue.popleft()
             req.slot = self.pool.acquire()
@@ -480,17 +514,16 @@ class Engine:
             return
         try:
             first = self._prefill(batch)
-        except BaseException:
-            for req in batch:
-                self._finish(req, "error")
-            raise
+        except BaseException as e:          # the prefill wrote only these requests' slots
+            self._contain(e, batch, events)
+            return
         now = time.perf_counter()
         for req, token in zip(batch, first):
             req.first_token_at = now
             self._active.append(req)
             events.append(self._emit(req, [token]))
 
-    def _prefill(self, batch: list[_Request]) -> list[int]:
+    def _prefill(self, batch: list[Request]) -> list[int]:
         for req in batch:
             self.state.sampling.set(req.slot, req.params, req.seed)
         sampling = any(not r.params.greedy for r in batch)
@@ -552,8 +585,9 @@ class Engine:
             events.append(self._emit(req, tokens[i][:n_new[i]]))
         return events
 
-    def _emit(self, req: _Request, new_tokens: list[int]) -> StreamEvent:
-        """Append committed tokens, stopping at a stop token or max_new_tokens."""
+    # -- events and finishing ---------------------------------------------------------------
+    def _emit(self, req: Request, new_tokens: list[int]) -> StreamEvent:
+        """Append committed tokens, stopping at a stop token or max_new_tokens, and deliver the event."""
         kept: list[int] = []
         for token in new_tokens:
             req.output.append(token)
@@ -564,17 +598,32 @@ class Engine:
             if len(req.output) >= req.params.max_new_tokens:
                 req.finish_reason = "length"
                 break
-        text = self._text_delta(req)
+        try:
+            text = self._text_delta(req)
+        except Exception as e:            # a tokenizer that cannot decode this output fails this request only
+            req.finish_reason = None
+            return self._end(req, "error", e)
         if req.finished:
             output = self._finish(req, req.finish_reason)
-            event = StreamEvent(req.index, kept, text, finished=True, output=output)
+            event = StreamEvent(req.index, kept, text, finished=True, output=output, request_id=req.request_id)
         else:
-            event = StreamEvent(req.index, kept, text)
-        if req.events is not None:
-            req.events.append(event)
+            event = StreamEvent(req.index, kept, text, request_id=req.request_id)
+        return self._deliver(req, event)
+
+    def _deliver(self, req: Request, event: StreamEvent) -> StreamEvent:
+        """Hand an event to the request's consumer and return it; a consumer that raises ends its own
+        request, and the event returned is then that request's last."""
+        if req.sink is None:
+            return event
+        try:
+            req.sink(event)
+        except Exception as e:
+            req.sink = None
+            if not req.finished:
+                return self._end(req, "error", e)
         return event
 
-    def _text_delta(self, req: _Request) -> str | None:
+    def _text_delta(self, req: Request) -> str | None:
         """The text the new tokens add. While the request runs, a trailing U+FFFD (a character
         whose UTF-8 bytes are split across tokens, not all generated yet) is held back, so the
         deltas of a request concatenate to its final text."""
@@ -588,7 +637,14 @@ class Engine:
         req.text_so_far = text
         return text[common:]
 
-    def _finish(self, req: _Request, reason: str) -> GenerationOutput:
+    def _end(self, req: Request, reason: str, error: BaseException | None = None) -> StreamEvent:
+        """Finish a request outside the token flow (cancelled, timeout, error) and deliver its last event."""
+        req.error = error
+        output = self._finish(req, reason)
+        event = StreamEvent(req.index, [], None, finished=True, output=output, request_id=req.request_id)
+        return self._deliver(req, event)
+
+    def _finish(self, req: Request, reason: str) -> GenerationOutput:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if req.slot is not None:
@@ -596,24 +652,27 @@ class Engine:
             req.slot = None
         if req in self._active:
             self._active.remove(req)
+        self._live.pop(req.request_id, None)
         stats = RequestStats(accept_lengths=req.accept_lengths, block_size=self.block_size,
                              imposed_acceptance=self.imposed_acceptance is not None,
                              prompt_tokens=len(req.prompt_ids),
                              ttft_s=(req.first_token_at - req.submitted) if req.first_token_at else 0.0,
                              decode_s=(req.finished_at - req.first_token_at) if req.first_token_at else 0.0)
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and reason != "error":
             text = self.tokenizer.decode(req.output, skip_special_tokens=True)
         return GenerationOutput(prompt_token_ids=req.prompt_ids, token_ids=list(req.output),
-                                finish_reason=reason, text=text, stats=stats)
+                                finish_reason=reason, text=text, stats=stats, request_id=req.request_id,
+                                error=describe(req.error) if req.error is not None else None)
 
-    def _cancel(self, requests: list[_Request], reason: str = "cancelled") -> None:
+    def _cancel(self, requests: list[Request], reason: str = "cancelled") -> None:
         for req in requests:
             if req in self._queue:
                 self._queue.remove(req)
             if not req.finished:
-                self._finish(req, reason)
+                self._end(req, reason)
         if not self._active and self._inflight is not None:
             if self._inflight.done is not None:
                 self._inflight.done.synchronize()
             self._inflight = None
+

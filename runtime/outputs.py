@@ -49,9 +49,12 @@ class RequestStats:
 class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str                    # "stop" (a stop token, included in token_ids), "length", "cancelled"
+    # "stop" (a stop token, included in token_ids), "length", "cancelled", "timeout" or "error"
+    finish_reason: str
     text: str | None = None               # when the target directory has a tokenizer
     stats: RequestStats = field(default_factory=RequestStats)
+    request_id: str = ""
+    error: str | None = None              # with finish_reason "error": what failed ("RuntimeError: ...")
 
 
 @dataclass
@@ -63,3 +66,4 @@ class StreamEvent:
     text: str | None = None               # decoded text of these tokens (incremental)
     finished: bool = False
     output: GenerationOutput | None = None  # set on the request's last event
+    request_id: str = ""

@@ -41,6 +41,8 @@ class SamplingParams:
     apply to the target and the draft alike, so speculation keeps the filtered target distribution.
     ``stop_token_ids=None`` takes the target's EOS ids (generation_config.json / config.json); the
     stop token is included in the output. ``seed=None`` draws a fresh seed per request.
+    ``timeout_s``: wall-clock seconds from submission after which the request ends with
+    ``finish_reason="timeout"``, keeping the tokens committed so far (``None``: no deadline).
     """
 
     temperature: float = 0.0
@@ -50,6 +52,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    timeout_s: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +96,9 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        t = self.timeout_s
+        if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
+            raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")
 
 
 _FP32_MAX = 3.4028234663852886e38
