@@ -5,6 +5,7 @@ refused input the engine still serves a normal request with its earlier output a
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -144,3 +145,47 @@ def test_chat_messages_are_validated(messages, message):
 def test_a_lone_surrogate_in_a_text_prompt_is_refused(engine):
     with pytest.raises(RequestError, match=r"not valid Unicode text \(a lone surrogate at character 2\)"):
         engine.generate("ab\udc80", SamplingParams(max_new_tokens=2))
+
+
+def test_soak_of_mixed_requests_with_aborts_and_refusals(engine, reference):
+    """Two hundred requests through the request-level API, a quarter aborted at random points, bad
+    requests refused between them: every finished output is its solo run, every aborted one a
+    prefix of it, and nothing is held at the end."""
+    rng = random.Random(0)
+    solo_engine = Engine.from_preset("tiny", max_batch=1, max_seq_len=128)
+    solo: dict[tuple, list[int]] = {}
+    expected, finished, live = {}, {}, []
+
+    def record(ev):
+        if ev.finished:
+            finished[ev.request_id] = ev.output
+
+    for n in range(200):
+        prompt = [rng.randrange(1, 200) for _ in range(rng.randint(1, 6))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.8]),
+                                top_k=rng.choice([0, 5]), seed=rng.randrange(1000), ignore_eos=True)
+        key = (tuple(prompt), params.max_new_tokens, params.temperature, params.top_k, params.seed)
+        if key not in solo:
+            solo[key] = solo_engine.generate([prompt], params)[0].token_ids
+        rid = engine.add_request(prompt, params, request_id=f"soak-{n}", on_event=record)
+        expected[rid], live = solo[key], live + [rid]
+        if rng.random() < 0.2:
+            with pytest.raises(RequestError):
+                engine.add_request(prompt, SamplingParams(top_p=rng.choice([0.0, 2.0, float("nan")])))
+        for _ in range(rng.randint(0, 2)):
+            engine.step()
+        if live and rng.random() < 0.25:
+            engine.abort(rng.choice(live))
+        live = [r for r in live if r in engine._live]
+    while not engine.idle:
+        engine.step()
+    aborted = 0
+    for rid, out in finished.items():
+        if out.finish_reason == "cancelled":
+            aborted += 1
+            assert out.token_ids == expected[rid][:len(out.token_ids)], rid
+        else:
+            assert out.finish_reason == "length" and out.token_ids == expected[rid], rid
+    assert aborted > 10 and len(finished) == 200
+    assert not engine._live
+    _still_serves(engine, reference)
