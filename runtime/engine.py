@@ -379,13 +379,25 @@ class Engine:
         it and passed to ``on_event`` (called in the thread running the step; if it raises, that
         request ends with ``finish_reason="error"``). Raises :class:`RequestError` for a bad
         request, :class:`EngineDeadError` once the engine has failed."""
+        req = self.prepare(prompt, params, request_id=request_id, on_event=on_event)
+        self.submit(req)
+        return req.request_id
+
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                on_event: Callable[[StreamEvent], None] | None = None) -> Request:
+        """The validation half of :meth:`add_request`: tokenise and check one request without taking
+        the engine's lock (a thread that must not wait for a running step, such as an event loop,
+        prepares here and hands the request to the thread that steps, which calls :meth:`submit`)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_alive()
+        return self._new_request(prompt, params or SamplingParams(), request_id=request_id, sink=on_event)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by :meth:`prepare` (once)."""
         with self._lock:
             self._check_alive()
-            req = self._new_request(prompt, params or SamplingParams(), request_id=request_id, sink=on_event)
-            self._enqueue([req])
-        return req.request_id
+            self._enqueue([request])
 
     def abort(self, request_id: str) -> bool:
         """End a queued or running request (``finish_reason="cancelled"``, its last event delivered)
@@ -396,6 +408,13 @@ class Engine:
                 return False
             self._cancel([req])
             return True
+
+    def abort_all(self) -> int:
+        """End every queued and running request as :meth:`abort` does; returns how many."""
+        with self._lock:
+            live = list(self._live.values())
+            self._cancel(live)
+            return len(live)
 
     def step(self) -> list[StreamEvent]:
         """One scheduling step: end requests past their deadline, admit queued requests (prefill),
@@ -491,8 +510,9 @@ class Engine:
 
     def _enqueue(self, requests: list[Request]) -> None:
         ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise RequestError(f"request ids {ids} repeat: ids must be unique")
+        clash = sorted({i for i in ids if i in self._live or ids.count(i) > 1})
+        if clash:
+            raise RequestError(f"request ids {clash} are already in use: ids must be unique among live requests")
         for req in requests:
             self._live[req.request_id] = req
             self._queue.append(req)

@@ -1,0 +1,269 @@
+"""``AsyncEngine``: the engine for asyncio services.
+
+One background thread owns the :class:`Engine` and runs its loop (admit, launch, collect) whenever
+there is work; event loops never wait on the GPU. Coroutines, from any event loop in any thread,
+submit requests and read their events through per-request ``asyncio.Queue`` s that the engine
+thread fills with ``loop.call_soon_threadsafe``::
+
+    engine = AsyncEngine(Engine.from_preset("lfm2.5-1.2b"), warmup=True)
+    async for event in engine.generate("Why is the sky blue?", SamplingParams(max_new_tokens=64)):
+        print(event.text, end="")
+    await engine.shutdown()
+
+Requests wait in a bounded queue (``max_waiting``): past it ``generate`` raises
+:class:`QueueFullError` at once rather than buffering without limit. Abort (``abort``, or leaving
+the ``async for``: a client disconnect) and deadlines (``SamplingParams.timeout_s``) reach the
+engine thread before its next step, so the request's slot is free within one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from .engine import Engine
+from .outputs import StreamEvent
+from .prompts import Prompt
+from .requests import EngineDeadError, Request, RequestError, RequestFailedError, describe
+from .sampling import SamplingParams
+
+log = logging.getLogger("lfmspark")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``AsyncEngine(max_waiting=...)`` allows; retry later."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The AsyncEngine has been shut down (or is shutting down) and takes no more requests."""
+
+
+@dataclass
+class _Stream:
+    """One request's path back to the coroutine that reads it."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    started: bool = False          # admitted: its first event came (until then it counts as waiting)
+    finished: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class AsyncEngine:
+    """Drive an :class:`Engine` from a background thread for asyncio callers.
+
+    ``warmup=True`` runs ``engine.warmup()`` in the engine thread before it serves (``ready``
+    tells when it is done; requests sent before then wait). ``observer``, if given, is called in
+    the engine thread with every event and after every step (the server's metrics).
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, warmup: bool = False,
+                 observer: Callable[[StreamEvent | None], None] | None = None):
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()           # guards _streams and _waiting
+        self._waiting = 0                        # submitted, not yet admitted
+        self._accepting = True
+        self._stop = False
+        self._failure: BaseException | None = None    # what ended the loop (device error, warm-up failure)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warmup,), name="lfmspark-engine", daemon=True)
+        self._thread.start()
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Warmed up (if asked) and serving."""
+        return self._ready.is_set() and self.failure is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped serving (a device error, a failed warm-up), or None."""
+        return self._failure if self._failure is not None else self.engine.dead
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Return once warm-up is done; raise its failure if it failed."""
+        ok = await asyncio.to_thread(self._ready.wait, timeout)
+        if self._failure is not None:
+            raise EngineDeadError(f"the engine failed: {describe(self._failure)}") from self._failure
+        if not ok:
+            raise TimeoutError(f"the engine was not ready within {timeout} s")
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       request_id: str | None = None) -> AsyncIterator[StreamEvent]:
+        """Stream one request's events (token deltas; the last has ``finished`` and ``output``).
+
+        Raises :class:`RequestError` for a bad request and :class:`QueueFullError` when too many
+        wait, both before anything runs; :class:`RequestFailedError` if the request fails while
+        running, :class:`EngineDeadError` if the engine does. A timeout or an abort ends the stream
+        with a last event whose ``output.finish_reason`` is ``"timeout"`` / ``"cancelled"``.
+        Leaving the iteration early aborts the request."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        req = self._submit(prompt, params, request_id, stream)
+        try:
+            while True:
+                item = await stream.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                    if self.engine.dead is not None:
+                        raise EngineDeadError(f"the engine failed: {describe(self.engine.dead)}; restart the "
+                                              "process") from self.engine.dead
+                    if item.output.finish_reason == "error":
+                        raise RequestFailedError(f"request {req.request_id!r} failed: {item.output.error}",
+                                                 [req.request_id]) from req.error
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._command("abort", req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request (``finish_reason="cancelled"``; its stream gets the last event) before the
+        engine's next step. Unknown or finished ids are ignored."""
+        self._command("abort", request_id)
+
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                stream: _Stream) -> Request:
+        self._check_serving()
+        req = self.engine.prepare(prompt, params, request_id=request_id, on_event=self._sink(stream))
+        with self._lock:
+            if req.request_id in self._streams:
+                raise RequestError(f"request_id {req.request_id!r} is already running: ids must be unique")
+            if self._waiting >= self.max_waiting:
+                raise QueueFullError(f"{self._waiting} requests are already waiting (max_waiting="
+                                     f"{self.max_waiting}): retry later, or raise AsyncEngine(max_waiting=...)")
+            self._streams[req.request_id] = stream
+            self._waiting += 1
+        self._command("add", req)
+        return req
+
+    def _sink(self, stream: _Stream) -> Callable[[StreamEvent], None]:
+        """The engine-thread side of a stream: count admission, hand the event to its loop."""
+        def deliver(event: StreamEvent) -> None:
+            with self._lock:
+                if not stream.started:
+                    stream.started = True
+                    self._waiting -= 1
+                if event.finished:
+                    self._streams.pop(event.request_id, None)
+            self._observe(event)
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+        return deliver
+
+    def _observe(self, event: StreamEvent | None) -> None:
+        """Tell the observer (metrics); its failure is logged, never a request's."""
+        if self._observer is None:
+            return
+        try:
+            self._observer(event)
+        except Exception:
+            log.exception("the AsyncEngine observer failed")
+
+    def _check_serving(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine failed: {describe(self.failure)}; restart the process")
+        if not self._accepting:
+            raise EngineShutdownError("the AsyncEngine is shut down and takes no more requests")
+
+    def _command(self, kind: str, arg) -> None:
+        self._commands.put((kind, arg))
+        self._wake.set()
+
+    # -- shutdown ----------------------------------------------------------------------------
+    async def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests; with ``drain`` let the running and waiting ones finish (for at most
+        ``timeout`` seconds), then cancel whatever is left and stop the engine thread. Every stream
+        ends (cancelled ones with their last event), and every slot is free afterwards."""
+        self._accepting = False
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._streams and (deadline is None or time.monotonic() < deadline) and self._thread.is_alive():
+                await asyncio.sleep(0.005)
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _run(self, warmup: bool) -> None:
+        try:
+            if warmup:
+                self.engine.warmup()
+            self._ready.set()
+            while True:
+                self._wake.clear()
+                self._apply_commands()
+                if self._stop:
+                    break
+                if self.engine.idle:
+                    self._wake.wait()
+                    continue
+                self.engine.step()
+                self._observe(None)
+        except BaseException as e:          # a device error (EngineDeadError) or a bug in the loop itself
+            self._failure = e
+            log.error("the engine thread stopped: %s", describe(e), exc_info=e)
+        finally:
+            self._accepting = False
+            self._ready.set()
+            self._close_all()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.submit(arg)
+                except BaseException as e:       # an id clash with the engine's own requests, a dead engine
+                    self._fail_stream(arg.request_id, e)
+            else:
+                self.engine.abort(arg)
+
+    def _fail_stream(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and not stream.started:
+                self._waiting -= 1
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, error)
+
+    def _close_all(self) -> None:
+        """The loop has ended: cancel what the engine still holds, fail what never reached it."""
+        if self.engine.dead is None:
+            self.engine.abort_all()
+        error = self._failure if self._failure is not None else EngineShutdownError("the AsyncEngine shut down")
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._fail_stream(arg.request_id, error)
+        for request_id in list(self._streams):
+            self._fail_stream(request_id, error)
