@@ -1,8 +1,9 @@
-"""``lfmspark`` command line: ``bench`` (the latency benchmark) and ``generate``.
+"""``lfmspark`` command line: ``bench`` (the latency benchmark), ``generate`` and ``serve``.
 
     lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
     lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
     lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
+    lfmspark serve --target DIR [--draft DIR] [--port 8000]    # OpenAI-compatible server (the serve extra)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from ..models.config import ConfigError
 from ..models.loading import CheckpointError
@@ -110,6 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device")
     g.add_argument("--dtype", default=None)
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs: pip install 'lfmspark[serve]')")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--target", help="local HF checkpoint directory of the target")
+    src.add_argument("--preset", choices=sorted(TARGET_PRESETS), help="random weights with a real model's shapes "
+                     "(benchmarks: send token ids, there is no tokenizer)")
+    s.add_argument("--draft", help="local DSpark draft directory (with --target)")
+    s.add_argument("--draft-preset", default="default", help="draft for --preset: 'default', 'none' or a preset")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the target directory's "
+                   "name or the preset)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=_positive, default=8000)
+    s.add_argument("--max-batch", type=_positive, default=8, help="requests decoded at once (state slots)")
+    s.add_argument("--max-seq-len", type=_positive, default=4096)
+    s.add_argument("--max-waiting", type=_positive, default=256, help="requests that may wait for a slot; past "
+                   "it the server answers 503")
+    s.add_argument("--imposed-acceptance", type=_rates, help="per-position acceptance rates for a random-weight "
+                   "draft (benchmarks)")
+    s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
+    s.add_argument("--device")
+    s.add_argument("--dtype", default=None)
     return parser
 
 
@@ -179,12 +202,55 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import torch
+
+    from .bench import _dtype
+    from .engine import Engine
+
+    try:
+        from ..serve import run_server
+    except ImportError as e:
+        raise SystemExit(f"lfmspark serve: error: {e.name} is missing: install the server extra with "
+                         "pip install 'lfmspark[serve]'") from None
+    if args.draft and not args.target:
+        raise SystemExit("lfmspark serve: error: --draft needs --target (use --draft-preset with --preset)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    if args.imposed_acceptance is not None:
+        kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
+    if args.target:
+        engine = Engine.from_pretrained(args.target, args.draft, **kw)
+        name = args.served_model_name or Path(args.target).resolve().name
+    else:
+        draft = None if args.draft_preset == "none" else args.draft_preset
+        engine = Engine.from_preset(args.preset, draft, **kw)
+        name = args.served_model_name or args.preset
+    run_server(engine, name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+               warmup=not args.no_warmup, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+def _imposed_rates(rates: list[float], args) -> list[float]:
+    """One rate means every position; the engine checks the count against the draft's block."""
+    if len(rates) > 1:
+        return rates
+    from ..models.presets import DEFAULT_DRAFT, draft_preset
+
+    name = DEFAULT_DRAFT.get(args.preset) if args.draft_preset == "default" else args.draft_preset
+    if args.target or name is None:
+        raise SystemExit("lfmspark serve: error: --imposed-acceptance with one value needs a preset draft; "
+                         "give one rate per draft position")
+    return rates * draft_preset(name).block_size
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        return _bench(args) if args.command == "bench" else _generate(args)
+        return {"bench": _bench, "generate": _generate, "serve": _serve}[args.command](args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"lfmspark {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,184 @@
+"""The OpenAI request bodies the server takes, and how each maps onto ``SamplingParams``.
+
+Every field the OpenAI API defines for these endpoints is declared, so that one the engine cannot
+honour is refused by name (:class:`UnsupportedParameter` -> HTTP 400) instead of being ignored; an
+unknown field is refused too (``extra="forbid"``). Extensions, as vLLM names them: ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids``, ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..runtime.sampling import SamplingParams
+
+
+class UnsupportedParameter(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float | None = None       # OpenAI's default: 1
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                # metadata only: accepted, not used
+    # extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    timeout_s: float | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise UnsupportedParameter("n", f"n={self.n} is not supported: this server returns one choice per "
+                                            "prompt (send n=1 or leave it out)")
+        if self.stop:
+            raise UnsupportedParameter("stop", "stop strings are not supported yet: use stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise UnsupportedParameter(name, f"{name} is not supported yet: leave it out or send 0")
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias", "logit_bias is not supported yet")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameter("stream_options", "stream_options is only allowed with stream=true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise UnsupportedParameter("stream_options", "continuous_usage_stats is not supported")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (validated by the engine: a bad value is a 400 naming it)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            max_new_tokens=max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            timeout_s=self.timeout_s,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16            # OpenAI's default
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        _check_max_tokens("max_tokens", self.max_tokens)
+        if self.best_of not in (None, 1):
+            raise UnsupportedParameter("best_of", f"best_of={self.best_of} is not supported")
+        if self.echo:
+            raise UnsupportedParameter("echo", "echo is not supported")
+        if self.logprobs is not None:
+            raise UnsupportedParameter("logprobs", "logprobs are not supported yet")
+        if self.suffix:
+            raise UnsupportedParameter("suffix", "suffix (insertion) is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise UnsupportedParameter("prompt", "prompt is an empty list")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        _check_max_tokens("max_tokens", self.max_tokens)
+        _check_max_tokens("max_completion_tokens", self.max_completion_tokens)
+        if self.logprobs or self.top_logprobs:
+            raise UnsupportedParameter("logprobs", "logprobs are not supported yet")
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                     "prediction", "web_search_options", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                raise UnsupportedParameter(name, f"{name} is not supported by this server")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedParameter("response_format", "only response_format {'type': 'text'} is supported")
+        if self.modalities not in (None, ["text"]):
+            raise UnsupportedParameter("modalities", "only text output is supported")
+        if self.store:
+            raise UnsupportedParameter("store", "this server does not store completions")
+        if self.service_tier not in (None, "auto", "default"):
+            raise UnsupportedParameter("service_tier", "service tiers are not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise UnsupportedParameter("max_completion_tokens", "max_tokens and max_completion_tokens disagree")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _check_max_tokens(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UnsupportedParameter(name, f"{name} must be >= 1, got {value}")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+def error_json(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
+

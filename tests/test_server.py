@@ -1,0 +1,327 @@
+"""The OpenAI-compatible server (issue 33), driven by the official ``openai`` client over loopback:
+a tiny checkpoint with a word-level tokenizer and a DSpark draft, served by uvicorn in a thread.
+
+Streamed text equals non-streamed text equals the ``Engine``'s output for the same seed; 32
+concurrent clients get their solo outputs; a client that disconnects frees its slot; what the
+server cannot honour is a 400 naming the parameter; ``/metrics`` counts what was sent."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.serve import make_server_app
+from engine_fixtures import save_tiny_draft, save_tiny_target
+
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+MODEL = "tiny-chat"
+MAX_BATCH = 4
+
+
+class Served:
+    """A uvicorn server on a free loopback port, in a daemon thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.app.state.engine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    return save_tiny_target(root / "target"), save_tiny_draft(root / "draft")
+
+
+def load(ckpt, **kw) -> Engine:
+    target, draft = ckpt
+    return Engine.from_pretrained(target, draft, dtype=torch.float32, device="cpu", max_seq_len=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    s = Served(make_server_app(load(ckpt, max_batch=MAX_BATCH), MODEL, warmup=False))
+    yield s
+    s.stop()
+    assert s.engine.engine.pool.in_use == 0          # shutting the app down freed everything
+
+
+@pytest.fixture(scope="module")
+def solo(ckpt):
+    """The synchronous engine, one request at a time: what every served request must equal."""
+    chat, plain = load(ckpt, max_batch=1), load(ckpt, max_batch=1, chat=False)
+
+    def run(prompt, params: SamplingParams, chat_prompt: bool):
+        return (chat if chat_prompt else plain).generate([prompt], params)[0]
+    return run
+
+
+def sampled(seed: int | None, n: int = 12) -> dict:
+    return dict(temperature=0.0) if seed is None else dict(temperature=0.8, top_p=0.9, seed=seed)
+
+
+def test_health_and_models(served):
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_streamed_equals_whole_equals_the_engine(served, solo):
+    c = served.client()
+    kw = dict(model=MODEL, prompt="w3 w7 w9", max_tokens=14, seed=5, temperature=0.8,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = c.completions.create(**kw)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    ref = solo("w3 w7 w9", SamplingParams(max_new_tokens=14, temperature=0.8, seed=5, ignore_eos=True), False)
+    assert whole.choices[0].text == streamed == ref.text and ref.text
+    assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert whole.choices[0].finish_reason == "length" == [ch for ch in chunks if ch.choices][-1].choices[0].finish_reason
+    assert whole.usage.completion_tokens == 14 and whole.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_chat_streamed_equals_whole_equals_the_engine(served, solo):
+    c = served.client()
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w5 w6 w8"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0.0)
+    whole = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    ref = solo(messages, SamplingParams(max_new_tokens=10), True)
+    assert whole.choices[0].message.content == streamed == ref.text
+    assert whole.choices[0].finish_reason == ref.finish_reason == chunks[-1].choices[0].finish_reason
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_token_id_prompts_and_several_prompts_in_one_request(served, solo):
+    prompts = [[1, 10, 11], [1, 20]]
+    out = served.client().completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+    for choice, p in zip(sorted(out.choices, key=lambda ch: ch.index), prompts):
+        assert choice.model_extra["token_ids"] == solo(p, SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                                         False).token_ids
+
+
+def test_32_concurrent_clients_get_their_solo_outputs(served, solo):
+    cases = [(f"w{3 + i % 20} w{10 + i % 7} w{i % 5 + 30}", None if i % 2 else i) for i in range(32)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i, prompt, seed):
+            if i % 3 == 0:     # some stream, some do not
+                text = ""
+                async for ch in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                                stream=True, extra_body={"ignore_eos": True},
+                                                                **sampled(seed)):
+                    text += ch.choices[0].text
+                return text
+            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                extra_body={"ignore_eos": True}, **sampled(seed))
+            return r.choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(cases)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(main())
+    for (prompt, seed), text in zip(cases, texts):
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True, **sampled(seed))
+        assert text == solo(prompt, params, False).text, (prompt, seed)
+
+
+def test_a_client_that_disconnects_frees_its_slot(served):
+    ae = served.engine
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 100, "stream": True, "ignore_eos": True,
+            "temperature": 0.0}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break                                       # one chunk, then walk away
+    deadline = time.monotonic() + 10
+    while ae.engine.pool.in_use:
+        assert time.monotonic() < deadline, "the disconnected stream still holds its slot"
+        time.sleep(0.005)
+    peak = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak.append(ae.num_running)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            return await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=f"w{5 + i}", max_tokens=60, temperature=0.0, extra_body={"ignore_eos": True})
+                for i in range(MAX_BATCH)))
+        finally:
+            await client.close()
+
+    outs = asyncio.run(main())
+    stop.set()
+    watcher.join()
+    assert all(o.usage.completion_tokens == 60 for o in outs)
+    assert max(peak) == MAX_BATCH                           # all of them ran at once: every slot was free
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(n=2), "n"),
+    (dict(stop=["w3"]), "stop"),
+    (dict(logprobs=2), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(frequency_penalty=0.1), "frequency_penalty"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(echo=True), "echo"),
+    (dict(best_of=3), "best_of"),
+    (dict(suffix="w4"), "suffix"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(extra_body={"top_k": -3}), "top_k"),
+    (dict(extra_body={"mirostat": 1}), "mirostat"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[1, 999]), "prompt"),
+    (dict(max_tokens=500), None),
+])
+def test_what_the_server_cannot_honour_is_a_400_naming_it(served, kw, param):
+    args = dict(model=MODEL, prompt="w3 w4", max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().completions.create(**args)
+    error = err.value.body
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param and param in error["message"]
+    assert served.engine.engine.pool.in_use == 0
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=[{"role": "wizard", "content": "w3"}]), "messages"),
+    (dict(messages=[{"role": "user"}]), "messages"),
+])
+def test_chat_parameters_it_cannot_honour_are_named(served, kw, param):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "w3"}], max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().chat.completions.create(**args)
+    assert err.value.body["param"] == param
+
+
+def test_another_model_is_a_404(served):
+    with pytest.raises(openai.NotFoundError) as err:
+        served.client().completions.create(model="gpt-9", prompt="w3", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+
+
+def metric_values(url: str) -> dict[tuple, float]:
+    text = httpx.get(url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            values[(s.name, labels)] = s.value
+    return values
+
+
+def test_metrics_count_what_was_sent(served):
+    before = metric_values(served.url)
+    c = served.client()
+    outs = [c.completions.create(model=MODEL, prompt=f"w{3 + i} w9", max_tokens=5 + i, temperature=0.0,
+                                 extra_body={"ignore_eos": True}) for i in range(3)]
+    outs.append(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}], max_tokens=3,
+                                          temperature=0.0, extra_body={"ignore_eos": True}))
+    after = metric_values(served.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("lfmspark:request_success_total", finished_reason="length") == 4
+    assert delta("lfmspark:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    assert delta("lfmspark:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
+    assert delta("lfmspark:time_to_first_token_seconds_count") == 4
+    assert delta("lfmspark:e2e_request_latency_seconds_count") == 4
+    rounds = delta("lfmspark:spec_decode_num_drafts_total")
+    assert rounds > 0 and delta("lfmspark:spec_decode_num_draft_tokens_total") == 4 * rounds   # block of 4
+    accepted = delta("lfmspark:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(delta("lfmspark:spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) for k in range(4))
+    assert per_pos == accepted
+    assert after[("lfmspark:num_requests_running", ())] == 0 and after[("lfmspark:num_requests_waiting", ())] == 0
+
+
+def test_health_says_warming_up_until_the_engine_is_warm(ckpt):
+    engine = load(ckpt, max_batch=2)
+    release = threading.Event()
+    real_warmup = engine.warmup
+    engine.warmup = lambda: (release.wait(30), real_warmup(progress=False))
+    s = Served(make_server_app(engine, MODEL, warmup=True))
+    try:
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert s.client().completions.create(model=MODEL, prompt="w3", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        s.stop()
+
+
+def test_a_device_failure_answers_every_waiter_and_shows_on_health(ckpt):
+    engine = load(ckpt, max_batch=2)
+    s = Served(make_server_app(engine, MODEL, warmup=False))
+    try:
+        def dead(*args, **kw):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+        engine.runner.run = dead
+        with pytest.raises(openai.APIStatusError) as err:
+            s.client().completions.create(model=MODEL, prompt="w3 w4", max_tokens=20)
+        assert err.value.status_code in (500, 503) and "illegal memory access" in err.value.message
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "illegal memory access" in health.json()["error"]
+        with pytest.raises(openai.APIStatusError) as err:
+            s.client().completions.create(model=MODEL, prompt="w3", max_tokens=2)
+        assert err.value.status_code == 503
+    finally:
+        s.stop()
