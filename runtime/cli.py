@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_positive, default=8000)
     s.add_argument("--max-batch", type=_positive, default=8, help="requests decoded at once (state slots)")
     s.add_argument("--max-seq-len", type=_positive, default=4096)
+    s.add_argument("--cuda-graph-sizes", type=_int_list, help="comma-separated batch sizes to capture (default: "
+                   "every size to 8, then coarser steps; larger batches pad to the next captured size)")
     s.add_argument("--max-waiting", type=_positive, default=256, help="requests that may wait for a slot; past "
                    "it the server answers 503")
     s.add_argument("--imposed-acceptance", type=_rates, help="per-position acceptance rates for a random-weight "
@@ -217,7 +219,8 @@ def _serve(args) -> int:
         raise SystemExit("lfmspark serve: error: --draft needs --target (use --draft-preset with --preset)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-    kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+              batch_sizes=args.cuda_graph_sizes)
     if args.imposed_acceptance is not None:
         kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     if args.target:
