@@ -7,8 +7,8 @@ loading, presets) and ``lfmspark.ops`` (Triton kernels as ``torch.library`` ops)
 
 __version__ = "0.1.0"
 
-from .runtime import (Engine, EngineDeadError, GenerationOutput, RequestError, RequestFailedError,  # noqa: E402
-                      RequestStats, SamplingParams, StreamEvent)
+from .runtime import (AsyncEngine, Engine, EngineDeadError, GenerationOutput, RequestError,  # noqa: E402
+                      RequestFailedError, RequestStats, SamplingParams, StreamEvent)
 
-__all__ = ["Engine", "EngineDeadError", "GenerationOutput", "RequestError", "RequestFailedError", "RequestStats",
-           "SamplingParams", "StreamEvent", "__version__"]
+__all__ = ["AsyncEngine", "Engine", "EngineDeadError", "GenerationOutput", "RequestError", "RequestFailedError",
+           "RequestStats", "SamplingParams", "StreamEvent", "__version__"]

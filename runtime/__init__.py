@@ -1,9 +1,10 @@
-"""The engine people embed (``Engine``, ``SamplingParams``), its outputs, and the CLI."""
+"""The engine people embed (``Engine``, ``AsyncEngine``, ``SamplingParams``), its outputs, and the CLI."""
 
+from .async_engine import AsyncEngine, EngineShutdownError, QueueFullError
 from .engine import Engine
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .requests import EngineDeadError, RequestError, RequestFailedError
 from .sampling import SamplingParams
 
-__all__ = ["Engine", "RequestError", "RequestFailedError", "EngineDeadError", "GenerationOutput", "RequestStats",
-           "StreamEvent", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineDeadError", "EngineShutdownError", "GenerationOutput", "QueueFullError",
+           "RequestError", "RequestFailedError", "RequestStats", "SamplingParams", "StreamEvent"]

@@ -107,7 +107,8 @@ def main() -> int:
         prompt = lambda: [rng.randrange(1, 200) for _ in range(args.prompt_len)]  # noqa: E731
         asyncio.run(run_phase(url, [prompt()], 16, concurrent=False))             # first-request effects
 
-        name_sum, name_count = "lfmspark:time_per_output_token_seconds_sum", "lfmspark:time_per_output_token_seconds_count"
+        name_sum = "lfmspark:time_per_output_token_seconds_sum"
+        name_count = "lfmspark:time_per_output_token_seconds_count"
         for phase, n, concurrent, out_len in (("batch1", args.sequential, False, args.output_len),
                                               (f"concurrent{args.clients}", args.clients, True, 128)):
             s0, c0 = metric(url, name_sum), metric(url, name_count)

@@ -106,7 +106,8 @@ def test_completion_streamed_equals_whole_equals_the_engine(served, solo):
     ref = solo("w3 w7 w9", SamplingParams(max_new_tokens=14, temperature=0.8, seed=5, ignore_eos=True), False)
     assert whole.choices[0].text == streamed == ref.text and ref.text
     assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
-    assert whole.choices[0].finish_reason == "length" == [ch for ch in chunks if ch.choices][-1].choices[0].finish_reason
+    last_choice = [ch for ch in chunks if ch.choices][-1].choices[0]
+    assert whole.choices[0].finish_reason == "length" == last_choice.finish_reason
     assert whole.usage.completion_tokens == 14 and whole.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
