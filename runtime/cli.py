@@ -241,6 +241,8 @@ def _imposed_rates(rates: list[float], args) -> list[float]:
         return rates
     from ..models.presets import DEFAULT_DRAFT, draft_preset
 
+    if args.draft_preset == "none":
+        raise SystemExit("lfmspark serve: error: --imposed-acceptance needs a draft (not --draft-preset none)")
     name = DEFAULT_DRAFT.get(args.preset) if args.draft_preset == "default" else args.draft_preset
     if args.target or name is None:
         raise SystemExit("lfmspark serve: error: --imposed-acceptance with one value needs a preset draft; "

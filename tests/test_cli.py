@@ -117,8 +117,49 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
     (["generate", "--target", "/nonexistent", "--prompt", "hi"], "config.json"),
     (["generate", "--prompt", "hi"], "--target"),
     (["frobnicate"], "invalid choice"),
+    (["serve"], "one of the arguments --target --preset is required"),
+    (["serve", "--preset", "tiny", "--draft", "x"], "--draft needs --target"),
+    (["serve", "--target", "/nonexistent"], "config.json"),
+    (["serve", "--preset", "tiny", "--draft-preset", "none", "--imposed-acceptance", "0.8"], "needs a draft"),
+    (["serve", "--preset", "tiny", "--cuda-graph-sizes", "0"], "positive integers"),
 ])
 def test_bad_arguments_fail_clearly(args, message):
     proc = lfmspark(*args)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_serve_answers_on_its_port_and_stops_cleanly():
+    """``lfmspark serve`` end to end: up, healthy, a completion, then SIGTERM shuts it down gracefully
+    (uvicorn re-raises the signal once the app has shut down, so the exit status is the signal's)."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lfmspark.runtime.cli", "serve", "--preset", "tiny", "--port",
+                             str(port), "--max-batch", "2", "--max-seq-len", "128", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "not healthy in time"
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in proc.stdout.read()
