@@ -44,6 +44,7 @@ from ..ops.attention.window_attention import launch_variant as attention_launch_
 from ..ops.moe import launch_variant as moe_launch_variant
 from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
+from .detokenize import TextStream
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
                        pair_prompts)
@@ -60,13 +61,6 @@ class _InFlight:
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
 
 
 def prefill_warm_shapes(max_batch: int, longest: int,
@@ -501,8 +495,13 @@ class Engine:
             stops = frozenset(p.stop_token_ids)
         else:
             stops = frozenset(() if p.ignore_eos else self.stop_token_ids)
+        if p.stop and self.tokenizer is None:
+            raise RequestError(f"{label}stop strings need a tokenizer, and this engine has none: use stop_token_ids")
         seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
-        return Request(request_id, index, ids, p, stops, seed, time.perf_counter(), sink=sink)
+        text = None
+        if self.tokenizer is not None:
+            text = TextStream(self.tokenizer, p.stop or (), p.include_stop_str_in_output)
+        return Request(request_id, index, ids, p, stops, seed, time.perf_counter(), sink=sink, text=text)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -607,27 +606,38 @@ class Engine:
 
     # -- events and finishing ---------------------------------------------------------------
     def _emit(self, req: Request, new_tokens: list[int]) -> StreamEvent:
-        """Append committed tokens, stopping at a stop token or max_new_tokens, and deliver the event."""
+        """Append committed tokens, stopping at a stop token, a stop string or max_new_tokens, and
+        deliver the event (its text: what the tokens add, less what is held back)."""
         kept: list[int] = []
-        for token in new_tokens:
-            req.output.append(token)
-            kept.append(token)
-            if token in req.stop_ids:
-                req.finish_reason = "stop"
-                break
-            if len(req.output) >= req.params.max_new_tokens:
-                req.finish_reason = "length"
-                break
+        text = req.text
         try:
-            text = self._text_delta(req)
+            for token in new_tokens:
+                req.output.append(token)
+                kept.append(token)
+                if token in req.stop_ids:
+                    req.finish_reason, req.stop_reason = "stop", token
+                    break
+                if text is not None and text.has_stop_strings and text.push(req.output):
+                    req.finish_reason, req.stop_reason = "stop", text.stop_string
+                    break
+                if len(req.output) >= req.params.max_new_tokens:
+                    req.finish_reason = "length"
+                    break
+            delta = None
+            if text is not None:
+                if not text.has_stop_strings:
+                    text.push(req.output)
+                if req.finished:
+                    text.finish(req.output)
+                delta = text.take(final=req.finished)
         except Exception as e:            # a tokenizer that cannot decode this output fails this request only
             req.finish_reason = None
             return self._end(req, "error", e)
         if req.finished:
             output = self._finish(req, req.finish_reason)
-            event = StreamEvent(req.index, kept, text, finished=True, output=output, request_id=req.request_id)
+            event = StreamEvent(req.index, kept, delta, finished=True, output=output, request_id=req.request_id)
         else:
-            event = StreamEvent(req.index, kept, text, request_id=req.request_id)
+            event = StreamEvent(req.index, kept, delta, request_id=req.request_id)
         return self._deliver(req, event)
 
     def _deliver(self, req: Request, event: StreamEvent) -> StreamEvent:
@@ -643,25 +653,15 @@ class Engine:
                 return self._end(req, "error", e)
         return event
 
-    def _text_delta(self, req: Request) -> str | None:
-        """The text the new tokens add. While the request runs, a trailing U+FFFD (a character
-        whose UTF-8 bytes are split across tokens, not all generated yet) is held back, so the
-        deltas of a request concatenate to its final text."""
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(req.output, skip_special_tokens=True)
-        if not req.finished:
-            text = text.rstrip("\ufffd")
-        common = len(req.text_so_far) if text.startswith(req.text_so_far) else len(
-            _common_prefix(text, req.text_so_far))
-        req.text_so_far = text
-        return text[common:]
-
     def _end(self, req: Request, reason: str, error: BaseException | None = None) -> StreamEvent:
         """Finish a request outside the token flow (cancelled, timeout, error) and deliver its last event."""
         req.error = error
+        delta = None
+        if req.text is not None and error is None:      # what was held back is final now
+            req.text.finish(req.output)
+            delta = req.text.take(final=True)
         output = self._finish(req, reason)
-        event = StreamEvent(req.index, [], None, finished=True, output=output, request_id=req.request_id)
+        event = StreamEvent(req.index, [], delta, finished=True, output=output, request_id=req.request_id)
         return self._deliver(req, event)
 
     def _finish(self, req: Request, reason: str) -> GenerationOutput:
@@ -678,12 +678,11 @@ class Engine:
                              prompt_tokens=len(req.prompt_ids),
                              ttft_s=(req.first_token_at - req.submitted) if req.first_token_at else 0.0,
                              decode_s=(req.finished_at - req.first_token_at) if req.first_token_at else 0.0)
-        text = None
-        if self.tokenizer is not None and reason != "error":
-            text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        text = req.text.text if req.text is not None and reason != "error" else None
         return GenerationOutput(prompt_token_ids=req.prompt_ids, token_ids=list(req.output),
                                 finish_reason=reason, text=text, stats=stats, request_id=req.request_id,
-                                error=describe(req.error) if req.error is not None else None)
+                                error=describe(req.error) if req.error is not None else None,
+                                stop_reason=req.stop_reason)
 
     def _cancel(self, requests: list[Request], reason: str = "cancelled") -> None:
         for req in requests:

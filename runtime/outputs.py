@@ -55,6 +55,7 @@ class GenerationOutput:
     stats: RequestStats = field(default_factory=RequestStats)
     request_id: str = ""
     error: str | None = None              # with finish_reason "error": what failed ("RuntimeError: ...")
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or stop string
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detokenize import TextStream
 from .outputs import StreamEvent
 from .sampling import SamplingParams
 
@@ -71,7 +72,8 @@ class Request:
     error: BaseException | None = None
     first_token_at: float = 0.0
     finished_at: float = 0.0
-    text_so_far: str = ""
+    text: TextStream | None = None      # its output text, with a tokenizer
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
     def finished(self) -> bool:

@@ -41,6 +41,9 @@ class SamplingParams:
     apply to the target and the draft alike, so speculation keeps the filtered target distribution.
     ``stop_token_ids=None`` takes the target's EOS ids (generation_config.json / config.json); the
     stop token is included in the output. ``seed=None`` draws a fresh seed per request.
+    ``stop``: strings that end the output where they appear in its text (found across rounds;
+    the text is cut before the string, or after it with ``include_stop_str_in_output``; the token
+    ids end with the token that completed it); needs a tokenizer.
     ``timeout_s``: wall-clock seconds from submission after which the request ends with
     ``finish_reason="timeout"``, keeping the tokens committed so far (``None``: no deadline).
     """
@@ -52,6 +55,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     timeout_s: float | None = None
 
     @property
@@ -67,7 +72,14 @@ class SamplingParams:
             if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
                 raise SamplingError(f"stop_token_ids must be a list of token ids or None, got {stops!r}")
             stops = tuple(stops)
-        return dataclasses.replace(self, stop_token_ids=stops)
+        strings = self.stop
+        if strings is not None and not isinstance(strings, str):
+            if isinstance(strings, bytes) or not hasattr(strings, "__iter__"):
+                raise SamplingError(f"stop must be a string, a list of strings or None, got {strings!r}")
+            strings = tuple(strings)
+        elif isinstance(strings, str):
+            strings = (strings,)
+        return dataclasses.replace(self, stop_token_ids=stops, stop=strings)
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`SamplingError` naming the first field with a value the engine cannot run:
@@ -96,6 +108,14 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.stop is not None:
+            strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+            bad = [x for x in strings if not isinstance(x, str) or not x]
+            if bad or isinstance(self.stop, bytes):
+                raise SamplingError(f"stop must hold non-empty strings, got {bad or self.stop!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise SamplingError(f"include_stop_str_in_output must be True or False, got "
+                                f"{self.include_stop_str_in_output!r}")
         t = self.timeout_s
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
             raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")

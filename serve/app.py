@@ -101,6 +101,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
             return _sse(_completion_chunks(streams, rid, model_name, prompts, body))
         outs = await _finish_all(streams)
         choices = [{"index": i, "text": out.text or "", "logprobs": None, "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
                     **({"token_ids": out.token_ids, "prompt_token_ids": prompts[i]} if body.return_token_ids else {})}
                    for i, out in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
@@ -120,6 +121,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         out = (await _finish_all(streams))[0]
         message = {"role": "assistant", "content": out.text or ""}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason,
+                  "stop_reason": out.stop_reason,
                   **({"token_ids": out.token_ids} if body.return_token_ids else {})}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": [choice], "usage": _usage([prompt_ids], [out])}
@@ -207,7 +209,8 @@ async def _completion_chunks(streams: list[_Started], rid: str, model: str, prom
     created = int(time.time())
     async for i, ev in _merged(streams):
         choice = {"index": i, "text": ev.text or "", "logprobs": None,
-                  "finish_reason": ev.output.finish_reason if ev.finished else None}
+                  "finish_reason": ev.output.finish_reason if ev.finished else None,
+                  "stop_reason": ev.output.stop_reason if ev.finished else None}
         if body.return_token_ids:
             choice["token_ids"] = ev.token_ids
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
@@ -234,7 +237,7 @@ async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[
             yield chunk({"content": ev.text or ""}, **extra)
         if ev.finished:
             out = ev.output
-            yield chunk({}, out.finish_reason)
+            yield chunk({}, out.finish_reason, stop_reason=out.stop_reason)
     if body.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": _usage([prompt_ids], [out])}
@@ -291,7 +294,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_json(str(exc), "internal_error", code="request_failed"), status_code=500)
 
 
-_SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+_SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed", "stop": "stop",
                    "stop_token_ids": "stop_token_ids", "timeout_s": "timeout_s", "max_new_tokens": "max_tokens",
                    "ignore_eos": "ignore_eos"}
 

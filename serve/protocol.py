@@ -3,7 +3,7 @@
 Every field the OpenAI API defines for these endpoints is declared, so that one the engine cannot
 honour is refused by name (:class:`UnsupportedParameter` -> HTTP 400) instead of being ignored; an
 unknown field is refused too (``extra="forbid"``). Extensions, as vLLM names them: ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``return_token_ids``, ``timeout_s``.
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -49,14 +49,13 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    include_stop_str_in_output: bool = False
     timeout_s: float | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise UnsupportedParameter("n", f"n={self.n} is not supported: this server returns one choice per "
                                             "prompt (send n=1 or leave it out)")
-        if self.stop:
-            raise UnsupportedParameter("stop", "stop strings are not supported yet: use stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise UnsupportedParameter(name, f"{name} is not supported yet: leave it out or send 0")
@@ -75,6 +74,8 @@ class _Common(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             max_new_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids,
+            stop=self.stop or None,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             timeout_s=self.timeout_s,

@@ -65,9 +65,10 @@ def _record_injections(engine: Engine) -> list[int]:
 def _admit(engine: Engine, sampling: bool) -> list[int]:
     params = [SamplingParams(max_new_tokens=60, temperature=0.9 if sampling else 0.0, top_k=20, seed=i)
               for i in range(len(PROMPTS))]
-    reqs = engine._make_requests(PROMPTS, params)
-    engine._queue.extend(reqs)
-    engine._admit([])
+    reqs = [engine.prepare(p, q) for p, q in zip(PROMPTS, params)]
+    for r in reqs:
+        engine.submit(r)
+    engine._admit([])               # prefill only: the test runs the rounds itself
     return [r.slot for r in reqs]
 
 

@@ -126,6 +126,25 @@ def test_chat_streamed_equals_whole_equals_the_engine(served, solo):
     assert whole.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_as_the_engine_does(served, solo, stream):
+    c = served.client()
+    base = solo("w3 w7", SamplingParams(max_new_tokens=12, ignore_eos=True), False).text.split(" ")
+    stop = " ".join(base[3:5])                       # two words in the middle of the greedy text
+    kw = dict(model=MODEL, prompt="w3 w7", max_tokens=12, temperature=0.0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    ref = solo("w3 w7", SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]), False)
+    assert ref.finish_reason == "stop" and stop not in ref.text
+    if stream:
+        chunks = list(c.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks)
+        last = chunks[-1].choices[0]
+    else:
+        last = c.completions.create(**kw).choices[0]
+        text = last.text
+    assert text == ref.text and last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+
+
 def test_token_id_prompts_and_several_prompts_in_one_request(served, solo):
     prompts = [[1, 10, 11], [1, 20]]
     out = served.client().completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0,
@@ -205,7 +224,7 @@ def test_a_client_that_disconnects_frees_its_slot(served):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(n=2), "n"),
-    (dict(stop=["w3"]), "stop"),
+    (dict(stop=[""]), "stop"),
     (dict(logprobs=2), "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(frequency_penalty=0.1), "frequency_penalty"),
