@@ -45,7 +45,7 @@ from ..ops.moe import launch_variant as moe_launch_variant
 from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .detokenize import TextStream
-from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, load_tokenizer
+from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, generation_defaults, load_tokenizer
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
                        pair_prompts)
 from .sampling import SamplingError, SamplingParams
@@ -130,7 +130,8 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi"):
+                 prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
+                 sampling_defaults: dict | None = None):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -147,6 +148,8 @@ class Engine:
             raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no prefill buckets or graphs), "
                              f"got {prefill_graph_tokens}")
         self.target, self.draft, self.tokenizer, self.chat = target, draft, tokenizer, chat
+        self.sampling_defaults = dict(sampling_defaults or {})
+        SamplingParams(**self.sampling_defaults).validate(cfg.vocab_size)   # a bad default fails here
         self.config = cfg
         self.device, self.dtype = target.device, target.dtype
         self.max_batch, self.max_seq_len, self.prefill_chunk = max_batch, max_seq_len, prefill_chunk
@@ -213,6 +216,7 @@ class Engine:
             draft = load_draft(draft_dir, target.config, dtype=dtype, device=device, cfg=draft_cfg)
         tokenizer = load_tokenizer(target_dir)
         stops = default_stop_ids(target_dir, target.config.eos_token_ids)
+        kw.setdefault("sampling_defaults", generation_defaults(target_dir))
         return cls(target, draft, tokenizer=tokenizer, stop_token_ids=stops, max_batch=max_batch,
                    max_seq_len=max_seq_len, **kw)
 
@@ -315,6 +319,13 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What ``params=None`` means: ``SamplingParams()`` with the checkpoint's
+        ``generation_config.json`` sampling fields (temperature, top_k, top_p, max_new_tokens;
+        ``Engine(sampling_defaults=...)``), as transformers and vLLM apply them. A ``SamplingParams``
+        passed explicitly is used as given."""
+        return SamplingParams(**self.sampling_defaults)
+
     # -- the synchronous API ------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
@@ -344,7 +355,7 @@ class Engine:
         that fails (``finish_reason="error"``) yields its last event like any other; once all have
         finished the stream raises :class:`RequestFailedError` naming the failed ones.
         """
-        pairs = pair_prompts(prompts, params)
+        pairs = pair_prompts(prompts, params if params is not None else self.default_sampling_params())
         mine: deque[StreamEvent] = deque()      # this stream's events (a step also advances other streams')
         with self._lock:
             self._check_alive()
@@ -385,7 +396,8 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_alive()
-        return self._new_request(prompt, params or SamplingParams(), request_id=request_id, sink=on_event)
+        return self._new_request(prompt, params or self.default_sampling_params(), request_id=request_id,
+                                 sink=on_event)
 
     def submit(self, request: Request) -> None:
         """Queue a request made by :meth:`prepare` (once)."""

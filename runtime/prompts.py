@@ -47,6 +47,41 @@ def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tu
     return config_eos
 
 
+# generation_config.json fields that become SamplingParams defaults, and their names there
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                        "max_new_tokens": "max_new_tokens"}
+# sampling fields lfmspark cannot apply yet, with their neutral values: a checkpoint that sets one
+# to something else is served without it, and a warning says so
+_UNSUPPORTED_DEFAULTS = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                         "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0}
+
+
+def generation_defaults(path: str | Path | None) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, as ``SamplingParams``
+    fields (as transformers and vLLM take them): temperature, top_k, top_p, max_new_tokens;
+    ``do_sample: false`` means greedy. Fields lfmspark cannot apply are named in a warning."""
+    if path is None or not (Path(path) / "generation_config.json").is_file():
+        return {}
+    gen_path = Path(path) / "generation_config.json"
+    gen = read_json_object(gen_path)
+    out: dict[str, Any] = {}
+    for field, key in _GENERATION_DEFAULTS.items():
+        value = gen.get(key)
+        if value is None:
+            continue
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or (field in ("top_k", "max_new_tokens") and value != int(value)):
+            raise ConfigError(f"{gen_path}: {key} must be a number, got {value!r}")
+        out[field] = int(value) if field in ("top_k", "max_new_tokens") else float(value)
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0
+    ignored = [k for k, neutral in _UNSUPPORTED_DEFAULTS.items() if gen.get(k) not in (None, neutral)]
+    if ignored:
+        log.warning("%s sets %s, which lfmspark does not apply yet: sampling runs without them",
+                    gen_path, ", ".join(f"{k}={gen[k]}" for k in ignored))
+    return out
+
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

@@ -95,7 +95,9 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         body.check()
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [encode(p, chat=False, param="prompt") for p in body.prompts()]
-        params = body.sampling(body.max_tokens if body.max_tokens is not None else 16)
+        defaults = core.sampling_defaults
+        max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
+        params = body.sampling(max_tokens, defaults)
         streams = await _start(engine, prompts, params, rid)
         if body.stream:
             return _sse(_completion_chunks(streams, rid, model_name, prompts, body))
@@ -114,8 +116,9 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         body.check()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt_ids = encode(body.messages, chat=True, param="messages")
-        max_tokens = body.requested_max_tokens or room(prompt_ids)
-        streams = await _start(engine, [prompt_ids], body.sampling(max_tokens), rid)
+        defaults = core.sampling_defaults
+        max_tokens = body.requested_max_tokens or min(room(prompt_ids), defaults.get("max_new_tokens", 1 << 30))
+        streams = await _start(engine, [prompt_ids], body.sampling(max_tokens, defaults), rid)
         if body.stream:
             return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body))
         out = (await _finish_all(streams))[0]

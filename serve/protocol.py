@@ -66,12 +66,18 @@ class _Common(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise UnsupportedParameter("stream_options", "continuous_usage_stats is not supported")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters (validated by the engine: a bad value is a 400 naming it)."""
+    def sampling(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+        """The engine's parameters (validated by the engine: a bad value is a 400 naming it). A field
+        the request leaves out takes the checkpoint's default (``Engine.sampling_defaults``, from
+        generation_config.json), else OpenAI's (temperature 1)."""
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=self.top_k or 0,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=pick("temperature", 1.0),
+            top_k=pick("top_k", 0),
+            top_p=pick("top_p", 1.0),
             max_new_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids,
             stop=self.stop or None,
@@ -88,7 +94,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16            # OpenAI's default
+    max_tokens: int | None = None          # default: generation_config's max_new_tokens, else 16 (OpenAI's)
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
