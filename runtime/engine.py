@@ -171,7 +171,7 @@ class Engine:
             draft.attach_target(target.model.embed_tokens, target.lm_head)
             self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
         self.imposed_acceptance = self._imposed(imposed_acceptance)
-        self.state = SlotState(max_batch, self.device)
+        self.state = SlotState(max_batch, cfg.vocab_size, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
@@ -556,8 +556,8 @@ class Engine:
 
     def _prefill(self, batch: list[Request]) -> list[int]:
         for req in batch:
-            self.state.sampling.set(req.slot, req.params, req.seed)
-        sampling = any(not r.params.greedy for r in batch)
+            self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
+        sampling = any(r.params.needs_distribution for r in batch)
         lengths = [len(r.prompt_ids) for r in batch]
         first = torch.zeros(len(batch), dtype=torch.int64, device=self.device)
         for c0 in range(0, max(lengths), self.prefill_chunk):
@@ -578,7 +578,7 @@ class Engine:
         rows = [r for r in self._active if not r.finished]
         if not rows:
             return None
-        sampling = any(not r.params.greedy for r in rows)
+        sampling = any(r.params.needs_distribution for r in rows)
         out = self.runner.run(self.step_kind, [r.slot for r in rows], sampling)
         n = len(rows)
         tokens_host, n_new_host = self._host_buffer()

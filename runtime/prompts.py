@@ -48,17 +48,19 @@ def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tu
 
 
 # generation_config.json fields that become SamplingParams defaults, and their names there
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                        "max_new_tokens": "max_new_tokens"}
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                        "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_new_tokens"}
 # sampling fields lfmspark cannot apply yet, with their neutral values: a checkpoint that sets one
 # to something else is served without it, and a warning says so
-_UNSUPPORTED_DEFAULTS = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                         "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0}
+_UNSUPPORTED_DEFAULTS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
+                         "diversity_penalty": 0.0}
 
 
 def generation_defaults(path: str | Path | None) -> dict[str, Any]:
     """The sampling defaults a checkpoint's ``generation_config.json`` sets, as ``SamplingParams``
-    fields (as transformers and vLLM take them): temperature, top_k, top_p, max_new_tokens;
+    fields (as transformers and vLLM take them): temperature, top_k, top_p, min_p, the repetition,
+    presence and frequency penalties, max_new_tokens;
     ``do_sample: false`` means greedy. Fields lfmspark cannot apply are named in a warning."""
     if path is None or not (Path(path) / "generation_config.json").is_file():
         return {}

@@ -37,8 +37,15 @@ class SamplingError(ValueError):
 class SamplingParams:
     """How to generate for one request.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters; they
-    apply to the target and the draft alike, so speculation keeps the filtered target distribution.
+    ``temperature == 0`` is greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those
+    filters (applied in HF's order: temperature, top-k, top-p, min-p). Before them, the logits take
+    ``logit_bias`` (token id -> added value), ``repetition_penalty`` (transformers / vLLM: over the
+    prompt and output tokens, a positive logit divided by it, a negative one multiplied),
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI: minus the penalty once for a token in the
+    output, minus the penalty per occurrence), and ``min_tokens`` (the stop tokens cannot be drawn
+    before that many tokens are out). Every transform applies to the target and the draft alike, at
+    each block position with the block's own earlier drafts in the history, so speculation keeps
+    the transformed target distribution; a greedy request takes the argmax of its transformed logits.
     ``stop_token_ids=None`` takes the target's EOS ids (generation_config.json / config.json); the
     stop token is included in the output. ``seed=None`` draws a fresh seed per request.
     ``stop``: strings that end the output where they appear in its text (found across rounds;
@@ -52,6 +59,12 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 128
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
@@ -62,6 +75,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether the logits are changed before sampling (bias, penalties, min_tokens): then even a
+        greedy request needs the distribution path (its argmax moves)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0 or self.min_tokens > 0
+
+    @property
+    def needs_distribution(self) -> bool:
+        """Runs in the sampling step (probabilities on the device), not the greedy one."""
+        return not self.greedy or self.transforms_logits
 
     def snapshot(self) -> SamplingParams:
         """A copy for one submitted request, with ``stop_token_ids`` materialised as a tuple (an
@@ -79,7 +104,12 @@ class SamplingParams:
             strings = tuple(strings)
         elif isinstance(strings, str):
             strings = (strings,)
-        return dataclasses.replace(self, stop_token_ids=stops, stop=strings)
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise SamplingError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            bias = dict(bias)
+        return dataclasses.replace(self, stop_token_ids=stops, stop=strings, logit_bias=bias)
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`SamplingError` naming the first field with a value the engine cannot run:
@@ -98,6 +128,26 @@ class SamplingParams:
         n = self.max_new_tokens
         if not _is_int(n) or n < 1:
             raise SamplingError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0 or r > 1e6:
+            raise SamplingError(f"repetition_penalty must be a number > 0 (1 disables it), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise SamplingError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
+        m = self.min_tokens
+        if not _is_int(m) or not 0 <= m <= n:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_new_tokens], got {m!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bad = [k for k, v in self.logit_bias.items() if not _is_int(k) or not 0 <= k < vocab_size
+                   or not _is_number(v) or not -100 <= v <= 100]
+            if bad:
+                raise SamplingError(f"logit_bias entries {bad[:5]} are not token ids in [0, {vocab_size}) with a "
+                                    "bias in [-100, 100]")
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__len__"):
                 raise SamplingError(f"stop_token_ids must be a list of token ids or None, got {self.stop_token_ids!r}")
@@ -179,8 +229,8 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 # distributions
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """``softmax`` of ``logits [N, V]`` (fp32) at per-row temperature after top-k then top-p
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax`` of ``logits [N, V]`` (fp32) at per-row temperature after top-k, top-p and min-p
     filtering (HF order). Rows with temperature 0 get the one-hot of their argmax, so greedy and
     sampled rows share one acceptance rule."""
     V = logits.shape[-1]
@@ -196,6 +246,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     # top_p == 1 keeps everything: the fp32 cumsum reaches 1.0 before the end of a large vocabulary
     keep = torch.where(top_p >= 1.0, V, keep)
     threshold = torch.maximum(sorted_x.gather(1, (keep - 1)[:, None]), kth)
+    if min_p is not None:       # p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p) (min_p 0: -inf)
+        threshold = torch.maximum(threshold, sorted_x[:, :1] + torch.log(min_p)[:, None])
     probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), V).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
@@ -221,51 +273,126 @@ def row_prefix_sums(x: torch.Tensor) -> torch.Tensor:
     return (blocks + before_block[..., None]).view(n, -1)[:, :v]
 
 
+def block_history(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per block position, the counts of the block's own earlier tokens: ``[B, T + 1, V]`` from
+    ``tokens [B, T]``, row ``i`` counting ``tokens[:, :i]`` (what position ``i`` has in its history
+    beyond the committed output)."""
+    one_hot = torch.nn.functional.one_hot(tokens, vocab).to(torch.float32).cumsum(dim=1)
+    return torch.cat([one_hot.new_zeros(tokens.shape[0], 1, vocab), one_hot], dim=1)
+
+
 @dataclass
 class RowSampling:
-    """Per-row sampling parameters gathered for one batch (device tensors ``[B]``)."""
+    """Per-row sampling parameters and output history gathered for one batch (device tensors)."""
 
-    temperature: torch.Tensor
+    temperature: torch.Tensor     # [B]
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     seed: torch.Tensor
+    repetition: torch.Tensor      # [B] 1 = off
+    presence: torch.Tensor        # [B] 0 = off
+    frequency: torch.Tensor       # [B] 0 = off
+    min_len: torch.Tensor         # [B] stop tokens suppressed while the predicted position is below it
+    bias: torch.Tensor            # [B, V] fp32
+    stops: torch.Tensor           # [B, V] bool: the request's stop tokens
+    in_prompt: torch.Tensor       # [B, V] bool
+    counts: torch.Tensor          # [B, V] fp32: output token counts (the anchor included)
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Filtered distributions for ``logits [B, ..., V]`` (rows broadcast over middle dims)."""
-        shape = logits.shape
-        mid = math.prod(shape[1:-1])
-        rep = lambda t: t.repeat_interleave(mid)  # noqa: E731
-        flat = filtered_probs(logits.reshape(-1, shape[-1]), rep(self.temperature), rep(self.top_k), rep(self.top_p))
-        return flat.view(shape)
+    def transform(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """Bias, penalties and min_tokens on fp32 ``logits [B, W, V]`` predicting ``position [B, W]``,
+        with ``extra [B, W, V]`` counts of tokens each column has in its history beyond ``counts``."""
+        x = logits + self.bias[:, None]
+        counts = self.counts[:, None] if extra is None else self.counts[:, None] + extra
+        seen = self.in_prompt[:, None] | (counts > 0)
+        rep = self.repetition[:, None, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.presence[:, None, None] * (counts > 0) - self.frequency[:, None, None] * counts
+        early = (position < self.min_len[:, None])[..., None] & self.stops[:, None]
+        return x.masked_fill(early, float("-inf"))
+
+    def probs(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """Transformed, filtered distributions for fp32 ``logits [B, W, V]`` (or ``[B, V]``, with
+        ``position [B]``) predicting ``position``."""
+        flat = logits.dim() == 2
+        if flat:
+            logits, position = logits[:, None], position[:, None]
+            extra = None if extra is None else extra[:, None]
+        B, W, V = logits.shape
+        x = self.transform(logits, position, extra)
+        rep = lambda t: t.repeat_interleave(W)  # noqa: E731
+        out = filtered_probs(x.reshape(-1, V), rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                             rep(self.min_p)).view(B, W, V)
+        return out[:, 0] if flat else out
 
     def pick(self, logits: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-        """Sample (or argmax, for greedy rows) one token per row from ``logits [B, V]``."""
+        """Sample (or argmax, for greedy rows) one token per row from ``logits [B, V]`` predicting
+        ``position [B]``."""
         key = draw_key(self.seed, position, stream)
-        return sample(self.probs(logits), key)
+        return sample(self.probs(logits, position), key)
 
 
 @dataclass
 class SlotSampling:
-    """Sampling parameters stored per slot on the device, written at admission."""
+    """Sampling parameters and output history stored per slot on the device, written at admission;
+    the counts grow as tokens are committed (:meth:`record`, inside the steps)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     seed: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    min_len: torch.Tensor
+    bias: torch.Tensor
+    stops: torch.Tensor
+    in_prompt: torch.Tensor
+    counts: torch.Tensor
 
     @classmethod
-    def allocate(cls, n: int, device: torch.device | str) -> "SlotSampling":
-        return cls(temperature=torch.zeros(n, dtype=torch.float32, device=device),
-                   top_k=torch.zeros(n, dtype=torch.int64, device=device),
-                   top_p=torch.ones(n, dtype=torch.float32, device=device),
-                   seed=torch.zeros(n, dtype=torch.int64, device=device))
+    def allocate(cls, n: int, vocab: int, device: torch.device | str) -> "SlotSampling":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(temperature=torch.zeros(n, **f32), top_k=torch.zeros(n, dtype=torch.int64, device=device),
+                   top_p=torch.ones(n, **f32), min_p=torch.zeros(n, **f32),
+                   seed=torch.zeros(n, dtype=torch.int64, device=device),
+                   repetition=torch.ones(n, **f32), presence=torch.zeros(n, **f32), frequency=torch.zeros(n, **f32),
+                   min_len=torch.zeros(n, dtype=torch.int64, device=device),
+                   bias=torch.zeros(n, vocab, **f32), stops=torch.zeros(n, vocab, dtype=torch.bool, device=device),
+                   in_prompt=torch.zeros(n, vocab, dtype=torch.bool, device=device), counts=torch.zeros(n, vocab, **f32))
 
     def rows(self, idx: torch.Tensor) -> RowSampling:
-        return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx])
+        return RowSampling(*(getattr(self, f.name)[idx] for f in dataclasses.fields(RowSampling)))
 
-    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+    def set(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int],
+            stop_ids: frozenset[int]) -> None:
         self.temperature[slot] = float(params.temperature)
         # top-k over more columns than the vocabulary has keeps them all, as top_k=0 does (and fits int64)
         self.top_k[slot] = min(int(params.top_k), 2 ** 31 - 1)
         self.top_p[slot] = float(params.top_p)
+        self.min_p[slot] = float(params.min_p)
         self.seed[slot] = seed & _MASK32
+        self.repetition[slot] = float(params.repetition_penalty)
+        self.presence[slot] = float(params.presence_penalty)
+        self.frequency[slot] = float(params.frequency_penalty)
+        self.min_len[slot] = len(prompt_ids) + params.min_tokens
+        device = self.bias.device
+        self.bias[slot] = 0.0
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
+            self.bias[slot, ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        self.stops[slot] = False
+        if stop_ids and params.min_tokens:
+            self.stops[slot, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=device)] = True
+        self.in_prompt[slot] = False
+        if params.repetition_penalty != 1.0:
+            self.in_prompt[slot, torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        self.counts[slot] = 0.0
+
+    def record(self, index: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Count committed ``tokens [B, T]`` in the output history of slots ``index [B]`` (a scatter
+        index: padding rows write the trash entry); ``keep [B, T]`` masks the real ones."""
+        ones = torch.ones_like(tokens, dtype=torch.float32) if keep is None else keep.to(torch.float32)
+        self.counts.index_put_((index[:, None].expand_as(tokens), tokens), ones, accumulate=True)

@@ -15,11 +15,11 @@ from .sampling import SlotSampling
 
 
 class SlotState:
-    def __init__(self, n_slots: int, device: torch.device | str):
+    def __init__(self, n_slots: int, vocab: int, device: torch.device | str):
         self.n_slots = n_slots
         self.seq_len = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
         self.anchor = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
-        self.sampling = SlotSampling.allocate(n_slots + 1, device)
+        self.sampling = SlotSampling.allocate(n_slots + 1, vocab, device)
 
     @staticmethod
     def gather_index(slots: torch.Tensor) -> torch.Tensor:

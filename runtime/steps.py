@@ -41,7 +41,8 @@ from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
-from .sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, draw_key, sample, uniform
+from .sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, block_history, draw_key,
+                       sample, uniform)
 from .state import SlotState
 
 
@@ -163,11 +164,12 @@ class Steps:
         """Pick each row's next token from its last prompt logits ``[B, V]`` (``end[b]`` tokens now in
         the cache), store it as the row's anchor and ``end`` as its committed length."""
         st = self.state
+        w = st.scatter_index(slots)
         if sampling:                      # the greedy argmax reads the logits as they are (exact in fp32)
             token = st.sampling.rows(st.gather_index(slots)).pick(logits.float(), end, STREAM_TOKEN)
+            st.sampling.record(w, token[:, None])
         else:
             token = argmax_last(logits)
-        w = st.scatter_index(slots)
         st.seq_len[w] = end
         st.anchor[w] = token
         return token
@@ -197,6 +199,8 @@ class Steps:
         logits = self.target.compute_logits(h[:, 0], delta[:, 0])
         nxt = row.rows.pick(logits.float(), row.s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
         w = st.scatter_index(slots)
+        if sampling:
+            st.sampling.record(w, nxt[:, None])
         st.seq_len[w] = row.s + 1
         st.anchor[w] = nxt
         return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s))
@@ -241,11 +245,16 @@ class Steps:
         row = self.read_rows(inp.slots, inp.sampling)
         rows, s = row.rows, row.s
         draft_probs: list[torch.Tensor] = []
+        drawn: list[torch.Tensor] = []
 
         def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
-            probs = rows.probs(logits_k)
+            # the block's earlier drafts are in this position's history, as in the verify's p
+            extra = block_history(torch.stack(drawn, dim=1), logits_k.shape[-1])[:, -1] if drawn else None
+            probs = rows.probs(logits_k, s + k + 1, extra)
             draft_probs.append(probs)
-            return sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
+            token = sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
+            drawn.append(token)
+            return token
 
         proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
                                             self.count_walk_passes)
@@ -359,7 +368,8 @@ class Steps:
             accepted = d == target_pick[:, :-1]
         else:
             logits = self.target.compute_logits(verified.hidden, verified.delta)
-            p = rows.probs(logits.float())                                     # [B, W, V]
+            window = s[:, None] + torch.arange(1, gamma + 2, device=s.device)[None, :]   # predicted positions
+            p = rows.probs(logits.float(), window, block_history(d, logits.shape[-1]))  # [B, W, V]
             q = drafted.probs                                                  # [B, gamma, V]
             p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
             q_d = q.gather(-1, d[..., None])[..., 0]
@@ -388,4 +398,6 @@ class Steps:
         cols = torch.arange(gamma + 1, device=s.device)[None, :]
         d_ext = torch.cat([d, d[:, :1]], dim=1)
         tokens = torch.where(cols < a[:, None], d_ext, final[:, None])         # [d_1..d_a, final, ...]
+        if rows is not None:
+            st.sampling.record(w, tokens, cols < commit[:, None])
         return StepOutput(tokens=tokens, n_new=commit)

@@ -298,6 +298,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 _SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed", "stop": "stop",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "logit_bias": "logit_bias",
                    "stop_token_ids": "stop_token_ids", "timeout_s": "timeout_s", "max_new_tokens": "max_tokens",
                    "ignore_eos": "ignore_eos"}
 

@@ -3,6 +3,7 @@
 Every field the OpenAI API defines for these endpoints is declared, so that one the engine cannot
 honour is refused by name (:class:`UnsupportedParameter` -> HTTP 400) instead of being ignored; an
 unknown field is refused too (``extra="forbid"``). Extensions, as vLLM names them: ``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``.
 """
 
@@ -46,6 +47,9 @@ class _Common(BaseModel):
     user: str | None = None                # metadata only: accepted, not used
     # extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -56,11 +60,10 @@ class _Common(BaseModel):
         if self.n not in (None, 1):
             raise UnsupportedParameter("n", f"n={self.n} is not supported: this server returns one choice per "
                                             "prompt (send n=1 or leave it out)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedParameter(name, f"{name} is not supported yet: leave it out or send 0")
         if self.logit_bias:
-            raise UnsupportedParameter("logit_bias", "logit_bias is not supported yet")
+            bad = [k for k in self.logit_bias if not k.lstrip("-").isdigit()]
+            if bad:
+                raise UnsupportedParameter("logit_bias", f"logit_bias keys must be token ids, got {bad[:5]}")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed with stream=true")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -78,6 +81,12 @@ class _Common(BaseModel):
             temperature=pick("temperature", 1.0),
             top_k=pick("top_k", 0),
             top_p=pick("top_p", 1.0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             max_new_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids,
             stop=self.stop or None,

@@ -47,20 +47,20 @@ class Captured(logging.Handler):
 
 def test_the_checkpoint_defaults_apply_when_no_params_are_given(target_dir, tmp_path):
     d = with_generation_config(target_dir, tmp_path, do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
-                               max_new_tokens=6, repetition_penalty=1.05)
+                               max_new_tokens=6, repetition_penalty=1.05, typical_p=0.9)
     captured = Captured()
     logging.getLogger("lfmspark").addHandler(captured)
     try:
         e = load(d)
     finally:
         logging.getLogger("lfmspark").removeHandler(captured)
-    assert any("repetition_penalty=1.05" in m and "does not apply" in m for m in captured.messages)
+    assert any("typical_p=0.9" in m and "does not apply" in m for m in captured.messages)
     p = e.default_sampling_params()
-    assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens) == (0.7, 5, 0.9, 6)
+    assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens, p.repetition_penalty) == (0.7, 5, 0.9, 6, 1.05)
     prompt = "w3 w4"
     assert len(e.generate(prompt)[0].token_ids) <= 6
     e.sampling_defaults["seed"] = 11           # seeded, so the default run can be compared
-    seeded = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=6, seed=11)
+    seeded = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=6, repetition_penalty=1.05, seed=11)
     assert e.generate(prompt)[0].token_ids == e.generate(prompt, seeded)[0].token_ids
     greedy = e.generate(prompt, SamplingParams(max_new_tokens=3))[0]           # an explicit object wins
     assert greedy.token_ids == load(target_dir).generate(prompt, SamplingParams(max_new_tokens=3))[0].token_ids

@@ -145,6 +145,17 @@ def test_stop_strings_end_the_text_as_the_engine_does(served, solo, stream):
     assert text == ref.text and last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
 
 
+def test_penalties_bias_and_min_p_reach_the_engine(served, solo):
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"12": 5.0})
+    extra = {"min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+    out = served.client().completions.create(model=MODEL, prompt="w3 w8", max_tokens=8, temperature=0.7, seed=3,
+                                             extra_body=extra, **kw)
+    ref = solo("w3 w8", SamplingParams(max_new_tokens=8, temperature=0.7, seed=3, presence_penalty=0.5,
+                                       frequency_penalty=1.0, logit_bias={12: 5.0}, min_p=0.05,
+                                       repetition_penalty=1.2, min_tokens=3, ignore_eos=True), False)
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
 def test_token_id_prompts_and_several_prompts_in_one_request(served, solo):
     prompts = [[1, 10, 11], [1, 20]]
     out = served.client().completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0,
@@ -226,9 +237,12 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     (dict(n=2), "n"),
     (dict(stop=[""]), "stop"),
     (dict(logprobs=2), "logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
-    (dict(frequency_penalty=0.1), "frequency_penalty"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(logit_bias={"w5": 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 300.0}), "logit_bias"),
+    (dict(extra_body={"min_p": 2.0}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(echo=True), "echo"),
     (dict(best_of=3), "best_of"),
     (dict(suffix="w4"), "suffix"),
