@@ -364,7 +364,10 @@ class SlotSampling:
                    in_prompt=torch.zeros(n, vocab, dtype=torch.bool, device=device), counts=torch.zeros(n, vocab, **f32))
 
     def rows(self, idx: torch.Tensor) -> RowSampling:
-        return RowSampling(*(getattr(self, f.name)[idx] for f in dataclasses.fields(RowSampling)))
+        # spelled out: torch.compile (2.11) cannot trace dataclasses.fields() of the class
+        return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx], self.seed[idx],
+                           self.repetition[idx], self.presence[idx], self.frequency[idx], self.min_len[idx],
+                           self.bias[idx], self.stops[idx], self.in_prompt[idx], self.counts[idx])
 
     def set(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int],
             stop_ids: frozenset[int]) -> None:
