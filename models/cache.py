@@ -67,6 +67,14 @@ class TargetCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv_state, self.conv_tape))
 
+    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Give slots ``dst`` the state slot ``src`` has after ``length`` tokens: their K/V at
+        positions ``< length`` and the conv state (several samples of one prompt, one prefill)."""
+        idx = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
+        self.k[:, idx, :length] = self.k[:, src:src + 1, :length]
+        self.v[:, idx, :length] = self.v[:, src:src + 1, :length]
+        self.conv_state[:, idx] = self.conv_state[:, src:src + 1]
+
 
 @dataclass
 class DraftCache:
@@ -83,3 +91,9 @@ class DraftCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
+
+    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Give slots ``dst`` the draft context of slot ``src`` at positions ``< length``."""
+        idx = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
+        self.k[:, idx, :length] = self.k[:, src:src + 1, :length]
+        self.v[:, idx, :length] = self.v[:, src:src + 1, :length]

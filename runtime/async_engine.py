@@ -49,7 +49,7 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    started: bool = False          # admitted: its first event came (until then it counts as waiting)
+    waiting: int = 0               # its requests not yet admitted (no first event yet)
     finished: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -120,26 +120,30 @@ class AsyncEngine:
         Leaving the iteration early aborts the request."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        req = self._submit(prompt, params, request_id, stream)
+        requests = self._submit(prompt, params, request_id, stream)
+        rid = requests[0].group or requests[0].request_id
+        by_id = {r.request_id: r for r in requests}
+        left = len(requests)                  # SamplingParams.n samples share the stream
         try:
             while True:
                 item = await stream.events.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
-                    stream.finished = True
+                    left -= 1
+                    stream.finished = left == 0
                     if self.engine.dead is not None:
                         raise EngineDeadError(f"the engine failed: {describe(self.engine.dead)}; restart the "
                                               "process") from self.engine.dead
                     if item.output.finish_reason == "error":
-                        raise RequestFailedError(f"request {req.request_id!r} failed: {item.output.error}",
-                                                 [req.request_id]) from req.error
+                        raise RequestFailedError(f"request {item.request_id!r} failed: {item.output.error}",
+                                                 [item.request_id]) from by_id[item.request_id].error
                 yield item
                 if stream.finished:
                     return
         finally:
             if not stream.finished:
-                self._command("abort", req.request_id)
+                self._command("abort", rid)
 
     async def abort(self, request_id: str) -> None:
         """End a request (``finish_reason="cancelled"``; its stream gets the last event) before the
@@ -147,26 +151,33 @@ class AsyncEngine:
         self._command("abort", request_id)
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                stream: _Stream) -> Request:
+                stream: _Stream) -> list[Request]:
         self._check_serving()
-        req = self.engine.prepare(prompt, params, request_id=request_id, on_event=self._sink(stream))
+        requests = self.engine.prepare(prompt, params, request_id=request_id, on_event=self._sink(stream))
         with self._lock:
-            if req.request_id in self._streams:
-                raise RequestError(f"request_id {req.request_id!r} is already running: ids must be unique")
+            clash = [r.request_id for r in requests if r.request_id in self._streams]
+            if clash or (requests[0].group is not None and any(
+                    k.startswith(requests[0].group + "-") for k in self._streams)):
+                raise RequestError(f"request_id {request_id!r} is already running: ids must be unique")
             if self._waiting >= self.max_waiting:
                 raise QueueFullError(f"{self._waiting} requests are already waiting (max_waiting="
                                      f"{self.max_waiting}): retry later, or raise AsyncEngine(max_waiting=...)")
-            self._streams[req.request_id] = stream
-            self._waiting += 1
-        self._command("add", req)
-        return req
+            for r in requests:
+                self._streams[r.request_id] = stream
+            stream.waiting = len(requests)
+            self._waiting += len(requests)
+        self._command("add", requests)
+        return requests
 
     def _sink(self, stream: _Stream) -> Callable[[StreamEvent], None]:
         """The engine-thread side of a stream: count admission, hand the event to its loop."""
+        started: set[str] = set()
+
         def deliver(event: StreamEvent) -> None:
             with self._lock:
-                if not stream.started:
-                    stream.started = True
+                if event.request_id not in started:
+                    started.add(event.request_id)
+                    stream.waiting -= 1
                     self._waiting -= 1
                 if event.finished:
                     self._streams.pop(event.request_id, None)
@@ -241,14 +252,16 @@ class AsyncEngine:
                 try:
                     self.engine.submit(arg)
                 except BaseException as e:       # an id clash with the engine's own requests, a dead engine
-                    self._fail_stream(arg.request_id, e)
+                    for r in arg:
+                        self._fail_stream(r.request_id, e)
             else:
                 self.engine.abort(arg)
 
     def _fail_stream(self, request_id: str, error: BaseException) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
-            if stream is not None and not stream.started:
+            if stream is not None and stream.waiting > 0:
+                stream.waiting -= 1
                 self._waiting -= 1
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.events.put_nowait, error)
@@ -264,6 +277,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                self._fail_stream(arg.request_id, error)
+                for r in arg:
+                    self._fail_stream(r.request_id, error)
         for request_id in list(self._streams):
             self._fail_stream(request_id, error)

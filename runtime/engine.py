@@ -329,19 +329,20 @@ class Engine:
     # -- the synchronous API ------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
-        """Generate for one prompt or a list of prompts; returns one output per prompt, in order.
+        """Generate for one prompt or a list of prompts; returns one output per prompt, in order
+        (``SamplingParams.n`` outputs for a prompt that asks several samples, ``output.sample``
+        numbering them).
 
         A single prompt is a string, a list of token ids or a list of chat messages; anything else
         must be a list of such prompts. Every request is validated before anything runs, so a bad
         one raises :class:`RequestError` and leaves the engine untouched. A request that fails
         while running raises :class:`RequestFailedError` once the others have finished.
         """
-        outputs: list[GenerationOutput | None] = []
+        outputs: dict[tuple[int, int], GenerationOutput] = {}
         for event in self.stream(prompts, params):
             if event.finished:
-                outputs.extend([None] * (event.index + 1 - len(outputs)))
-                outputs[event.index] = event.output
-        return outputs  # type: ignore[return-value]
+                outputs[event.index, event.sample] = event.output
+        return [outputs[key] for key in sorted(outputs)]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamEvent]:
@@ -359,8 +360,8 @@ class Engine:
         mine: deque[StreamEvent] = deque()      # this stream's events (a step also advances other streams')
         with self._lock:
             self._check_alive()
-            requests = [self._new_request(prompt, p, index=i, sink=mine.append, label=f"request {i}: ")
-                        for i, (prompt, p) in enumerate(pairs)]
+            requests = [r for i, (prompt, p) in enumerate(pairs)
+                        for r in self._new_requests(prompt, p, index=i, sink=mine.append, label=f"request {i}: ")]
             self._enqueue(requests)
         try:
             while mine or any(not r.finished for r in requests):
@@ -382,37 +383,42 @@ class Engine:
         """Validate and queue one request; returns its id (``request_id``, or a fresh one). The
         request runs as :meth:`step` is called; each of its events is returned by the step that made
         it and passed to ``on_event`` (called in the thread running the step; if it raises, that
-        request ends with ``finish_reason="error"``). Raises :class:`RequestError` for a bad
-        request, :class:`EngineDeadError` once the engine has failed."""
-        req = self.prepare(prompt, params, request_id=request_id, on_event=on_event)
-        self.submit(req)
-        return req.request_id
+        request ends with ``finish_reason="error"``). With ``SamplingParams.n > 1`` its samples run as
+        requests ``{id}-0 .. {id}-(n-1)`` (``event.sample``), and aborting the id aborts them all.
+        Raises :class:`RequestError` for a bad request, :class:`EngineDeadError` once the engine has
+        failed."""
+        requests = self.prepare(prompt, params, request_id=request_id, on_event=on_event)
+        self.submit(requests)
+        return requests[0].group or requests[0].request_id
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                on_event: Callable[[StreamEvent], None] | None = None) -> Request:
-        """The validation half of :meth:`add_request`: tokenise and check one request without taking
-        the engine's lock (a thread that must not wait for a running step, such as an event loop,
-        prepares here and hands the request to the thread that steps, which calls :meth:`submit`)."""
+                on_event: Callable[[StreamEvent], None] | None = None) -> list[Request]:
+        """The validation half of :meth:`add_request`: tokenise and check one request (its
+        ``SamplingParams.n`` samples) without taking the engine's lock (a thread that must not wait for
+        a running step, such as an event loop, prepares here and hands the requests to the thread that
+        steps, which calls :meth:`submit`)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_alive()
-        return self._new_request(prompt, params or self.default_sampling_params(), request_id=request_id,
-                                 sink=on_event)
+        return self._new_requests(prompt, params or self.default_sampling_params(), request_id=request_id,
+                                  sink=on_event)
 
-    def submit(self, request: Request) -> None:
-        """Queue a request made by :meth:`prepare` (once)."""
+    def submit(self, requests: list[Request]) -> None:
+        """Queue the requests :meth:`prepare` made (once)."""
         with self._lock:
             self._check_alive()
-            self._enqueue([request])
+            self._enqueue(requests)
 
     def abort(self, request_id: str) -> bool:
         """End a queued or running request (``finish_reason="cancelled"``, its last event delivered)
-        and free its slot; False if no such request is live (finished already, or never was)."""
+        and free its slot, or every sample of a request with ``n > 1``; False if no such request is
+        live (finished already, or never was)."""
         with self._lock:
             req = self._live.get(request_id)
-            if req is None:
+            targets = [req] if req is not None else [r for r in self._live.values() if r.group == request_id]
+            if not targets:
                 return False
-            self._cancel([req])
+            self._cancel(targets)
             return True
 
     def abort_all(self) -> int:
@@ -482,13 +488,13 @@ class Engine:
             raise error
         log.error("a step failed; %d requests ended with finish_reason 'error'", len(concerned), exc_info=error)
 
-    def _new_request(self, prompt: Prompt, params: SamplingParams, *, index: int = 0, request_id: str | None = None,
-                     sink: Callable[[StreamEvent], None] | None = None, label: str = "") -> Request:
+    def _new_requests(self, prompt: Prompt, params: SamplingParams, *, index: int = 0, request_id: str | None = None,
+                      sink: Callable[[StreamEvent], None] | None = None, label: str = "") -> list[Request]:
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise RequestError(f"{label}request_id must be a non-empty string, got {request_id!r}")
-        elif request_id in self._live:
+        elif request_id in self._live or any(r.group == request_id for r in self._live.values()):
             raise RequestError(f"{label}request_id {request_id!r} is already running: ids must be unique")
         try:
             p = params.snapshot()     # the request's own copy: later changes to the caller's object change nothing
@@ -509,11 +515,17 @@ class Engine:
             stops = frozenset(() if p.ignore_eos else self.stop_token_ids)
         if p.stop and self.tokenizer is None:
             raise RequestError(f"{label}stop strings need a tokenizer, and this engine has none: use stop_token_ids")
-        seed = p.seed if p.seed is not None else self._rng.getrandbits(32)
-        text = None
-        if self.tokenizer is not None:
-            text = TextStream(self.tokenizer, p.stop or (), p.include_stop_str_in_output)
-        return Request(request_id, index, ids, p, stops, seed, time.perf_counter(), sink=sink, text=text)
+        if p.n > self.max_batch:
+            raise RequestError(f"{label}n={p.n} samples run at once, one slot each, and the engine has "
+                               f"max_batch={self.max_batch}: lower n or raise max_batch")
+        now, requests = time.perf_counter(), []
+        for j in range(p.n):
+            seed = p.seed + j if p.seed is not None else self._rng.getrandbits(32)
+            text = TextStream(self.tokenizer, p.stop or (), p.include_stop_str_in_output) if self.tokenizer else None
+            rid = request_id if p.n == 1 else f"{request_id}-{j}"
+            requests.append(Request(rid, index, ids, p, stops, seed, now, sink=sink, text=text,
+                                    group=request_id if p.n > 1 else None, sample=j))
+        return requests
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -538,9 +550,15 @@ class Engine:
     def _admit(self, events: list[StreamEvent]) -> None:
         batch: list[Request] = []
         while self._queue and self.pool.n_free:
-            req = self._queue.popleft()
-            req.slot = self.pool.acquire()
-            batch.append(req)
+            head = self._queue[0]
+            # the samples of one prompt are admitted together: they share its prefill
+            members = [head] if head.group is None else [r for r in self._queue if r.group == head.group]
+            if len(members) > self.pool.n_free:
+                break                        # first come, first served: wait for enough slots
+            for req in members:
+                self._queue.remove(req)
+                req.slot = self.pool.acquire()
+                batch.append(req)
         if not batch:
             return
         try:
@@ -555,23 +573,52 @@ class Engine:
             events.append(self._emit(req, [token]))
 
     def _prefill(self, batch: list[Request]) -> list[int]:
+        """Prefill the batch; the first token of each request. Of several samples of one prompt only
+        the first is prefilled: the others get a copy of its caches and state (:meth:`_share_prefill`)
+        and draw their first token from its logits with their own seeds."""
         for req in batch:
             self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
         sampling = any(r.params.needs_distribution for r in batch)
-        lengths = [len(r.prompt_ids) for r in batch]
-        first = torch.zeros(len(batch), dtype=torch.int64, device=self.device)
+        leaders: list[Request] = []
+        followers: dict[int, list[Request]] = {}
+        for req in batch:
+            lead = next((r for r in leaders if req.group is not None and r.group == req.group), None)
+            if lead is None:
+                leaders.append(req)
+            else:
+                followers.setdefault(id(lead), []).append(req)
+        lengths = [len(r.prompt_ids) for r in leaders]
+        first: dict[int, int] = {}
+        t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         for c0 in range(0, max(lengths), self.prefill_chunk):
             rows = [i for i, n in enumerate(lengths) if n > c0]
-            chunks = [batch[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
-            slots = [batch[i].slot for i in rows]
+            chunks = [leaders[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
+            slots = [leaders[i].slot for i in rows]
             logits = self.prefill_runner.run(chunks, slots, c0)
-            t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
             picked = self.steps.prefill_pick(logits, t(slots), t([c0 + len(c) for c in chunks]), sampling)
-            ends_here = [j for j, i in enumerate(rows) if lengths[i] <= c0 + self.prefill_chunk]
-            if ends_here:
-                idx = torch.tensor([rows[j] for j in ends_here], device=self.device)
-                first[idx] = picked[torch.tensor(ends_here, device=self.device)]
-        return first.tolist()
+            for j, i in enumerate(rows):
+                lead = leaders[i]
+                if lengths[i] > c0 + self.prefill_chunk:
+                    continue                 # its prompt goes on in the next chunk
+                first[id(lead)] = picked[j]
+                for req, token in self._share_prefill(lead, followers.get(id(lead), []), logits[j], sampling):
+                    first[id(req)] = token
+        return [int(first[id(r)]) for r in batch]
+
+    def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, sampling: bool
+                       ) -> list[tuple[Request, torch.Tensor]]:
+        """Give ``others`` (samples of ``lead``'s prompt) its prefilled caches, then pick each one's
+        first token from ``logits [V]`` (the prompt's last) with its own sampling state."""
+        if not others:
+            return []
+        n = len(lead.prompt_ids)
+        dst = [r.slot for r in others]
+        self.tcache.copy_prefix(lead.slot, dst, n)
+        if self.dcache is not None:
+            self.dcache.copy_prefix(lead.slot, dst, n)
+        slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        picked = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n), sampling)
+        return list(zip(others, picked))
 
     # -- rounds -----------------------------------------------------------------------------
     def _launch(self) -> _InFlight | None:
@@ -647,9 +694,10 @@ class Engine:
             return self._end(req, "error", e)
         if req.finished:
             output = self._finish(req, req.finish_reason)
-            event = StreamEvent(req.index, kept, delta, finished=True, output=output, request_id=req.request_id)
+            event = StreamEvent(req.index, kept, delta, finished=True, output=output, request_id=req.request_id,
+                                sample=req.sample)
         else:
-            event = StreamEvent(req.index, kept, delta, request_id=req.request_id)
+            event = StreamEvent(req.index, kept, delta, request_id=req.request_id, sample=req.sample)
         return self._deliver(req, event)
 
     def _deliver(self, req: Request, event: StreamEvent) -> StreamEvent:
@@ -673,7 +721,8 @@ class Engine:
             req.text.finish(req.output)
             delta = req.text.take(final=True)
         output = self._finish(req, reason)
-        event = StreamEvent(req.index, [], delta, finished=True, output=output, request_id=req.request_id)
+        event = StreamEvent(req.index, [], delta, finished=True, output=output, request_id=req.request_id,
+                            sample=req.sample)
         return self._deliver(req, event)
 
     def _finish(self, req: Request, reason: str) -> GenerationOutput:
@@ -694,7 +743,7 @@ class Engine:
         return GenerationOutput(prompt_token_ids=req.prompt_ids, token_ids=list(req.output),
                                 finish_reason=reason, text=text, stats=stats, request_id=req.request_id,
                                 error=describe(req.error) if req.error is not None else None,
-                                stop_reason=req.stop_reason)
+                                stop_reason=req.stop_reason, sample=req.sample)
 
     def _cancel(self, requests: list[Request], reason: str = "cancelled") -> None:
         for req in requests:

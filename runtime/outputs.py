@@ -56,6 +56,7 @@ class GenerationOutput:
     request_id: str = ""
     error: str | None = None              # with finish_reason "error": what failed ("RuntimeError: ...")
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or stop string
+    sample: int = 0                       # which of the prompt's SamplingParams.n samples
 
 
 @dataclass
@@ -68,3 +69,4 @@ class StreamEvent:
     finished: bool = False
     output: GenerationOutput | None = None  # set on the request's last event
     request_id: str = ""
+    sample: int = 0                       # which of the prompt's SamplingParams.n samples

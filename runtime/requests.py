@@ -74,6 +74,8 @@ class Request:
     finished_at: float = 0.0
     text: TextStream | None = None      # its output text, with a tokenizer
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    group: str | None = None            # samples of one prompt (SamplingParams.n > 1): the id they share
+    sample: int = 0                     # which of them
 
     @property
     def finished(self) -> bool:

@@ -53,6 +53,8 @@ class SamplingParams:
     ids end with the token that completed it); needs a tokenizer.
     ``timeout_s``: wall-clock seconds from submission after which the request ends with
     ``finish_reason="timeout"``, keeping the tokens committed so far (``None``: no deadline).
+    ``n``: independent samples of the prompt, sharing one prefill (sample ``j`` is seeded
+    ``seed + j`` when ``seed`` is given).
     """
 
     temperature: float = 0.0
@@ -71,6 +73,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     timeout_s: float | None = None
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +169,8 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise SamplingError(f"include_stop_str_in_output must be True or False, got "
                                 f"{self.include_stop_str_in_output!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise SamplingError(f"n must be an integer >= 1, got {self.n!r}")
         t = self.timeout_s
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
             raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")

@@ -102,9 +102,11 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         if body.stream:
             return _sse(_completion_chunks(streams, rid, model_name, prompts, body))
         outs = await _finish_all(streams)
+        n = body.n or 1
         choices = [{"index": i, "text": out.text or "", "logprobs": None, "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
-                    **({"token_ids": out.token_ids, "prompt_token_ids": prompts[i]} if body.return_token_ids else {})}
+                    **({"token_ids": out.token_ids, "prompt_token_ids": prompts[i // n]} if body.return_token_ids
+                       else {})}
                    for i, out in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(prompts, outs)}
@@ -121,13 +123,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         streams = await _start(engine, [prompt_ids], body.sampling(max_tokens, defaults), rid)
         if body.stream:
             return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body))
-        out = (await _finish_all(streams))[0]
-        message = {"role": "assistant", "content": out.text or ""}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason,
-                  "stop_reason": out.stop_reason,
-                  **({"token_ids": out.token_ids} if body.return_token_ids else {})}
+        outs = await _finish_all(streams)
+        choices = [{"index": j, "message": {"role": "assistant", "content": out.text or ""}, "logprobs": None,
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                    **({"token_ids": out.token_ids} if body.return_token_ids else {})}
+                   for j, out in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage([prompt_ids], [out])}
+                "choices": choices, "usage": _usage([prompt_ids], outs)}
 
     return app
 
@@ -135,22 +137,21 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
 # -- running requests ---------------------------------------------------------------------------
 
 class _Started:
-    """A request whose first event has arrived (so a refusal became an HTTP error, not a broken stream)."""
+    """A request (its ``n`` samples) whose first event has arrived (so a refusal became an HTTP
+    error, not a broken stream)."""
 
     def __init__(self, stream: AsyncIterator[StreamEvent], first: StreamEvent):
         self.stream, self.first = stream, first
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         yield self.first
-        if not self.first.finished:
-            async for ev in self.stream:
-                yield ev
+        async for ev in self.stream:
+            yield ev
 
-    async def finish(self) -> GenerationOutput:
-        async for ev in self.events():
-            if ev.finished:
-                return ev.output
-        raise RuntimeError("the stream ended without a last event")
+    async def finish(self) -> list[GenerationOutput]:
+        """Every sample's output, in sample order."""
+        outs = [ev.output async for ev in self.events() if ev.finished]
+        return sorted(outs, key=lambda o: o.sample)
 
 
 async def _start(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, rid: str) -> list[_Started]:
@@ -165,7 +166,9 @@ async def _start(engine: AsyncEngine, prompts: list[list[int]], params: Sampling
 
 
 async def _finish_all(streams: list[_Started]) -> list[GenerationOutput]:
-    return list(await asyncio.gather(*(s.finish() for s in streams)))
+    """The outputs of every prompt's samples, prompt by prompt (OpenAI's choice order)."""
+    per_prompt = await asyncio.gather(*(s.finish() for s in streams))
+    return [out for outs in per_prompt for out in outs]
 
 
 def _usage(prompts: list[list[int]], outs: list[GenerationOutput]) -> dict:
@@ -176,7 +179,7 @@ def _usage(prompts: list[list[int]], outs: list[GenerationOutput]) -> dict:
 
 
 async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Events of several requests as they come, tagged with their choice index."""
+    """Events of several requests as they come, tagged with their prompt's index."""
     if len(streams) == 1:
         async for ev in streams[0].events():
             yield 0, ev
@@ -187,19 +190,21 @@ async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEve
         try:
             async for ev in s.events():
                 await inbox.put((i, ev, None))
+            await inbox.put((i, None, None))          # this prompt's stream has ended
         except BaseException as e:
             await inbox.put((i, None, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        for _ in range(len(streams)):
-            while True:
-                i, ev, err = await inbox.get()
-                if err is not None:
-                    raise err
-                yield i, ev
-                if ev.finished:
-                    break
+        ended = 0
+        while ended < len(streams):
+            i, ev, err = await inbox.get()
+            if err is not None:
+                raise err
+            if ev is None:
+                ended += 1
+                continue
+            yield i, ev
     finally:
         for t in tasks:
             t.cancel()
@@ -208,17 +213,18 @@ async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEve
 
 async def _completion_chunks(streams: list[_Started], rid: str, model: str, prompts: list[list[int]],
                              body: CompletionRequest) -> AsyncIterator[dict]:
-    outs: list[GenerationOutput | None] = [None] * len(streams)
+    n = body.n or 1
+    outs: list[GenerationOutput] = []
     created = int(time.time())
     async for i, ev in _merged(streams):
-        choice = {"index": i, "text": ev.text or "", "logprobs": None,
+        choice = {"index": i * n + ev.sample, "text": ev.text or "", "logprobs": None,
                   "finish_reason": ev.output.finish_reason if ev.finished else None,
                   "stop_reason": ev.output.stop_reason if ev.finished else None}
         if body.return_token_ids:
             choice["token_ids"] = ev.token_ids
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if ev.finished:
-            outs[i] = ev.output
+            outs.append(ev.output)
     if body.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": _usage(prompts, outs)}
@@ -228,22 +234,24 @@ async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[
                        body: ChatCompletionRequest) -> AsyncIterator[dict]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> dict:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                             **extra}]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    out = None
+    for j in range(body.n or 1):
+        yield chunk(j, {"role": "assistant", "content": ""})
+    outs = []
     async for ev in stream.events():
         extra = {"token_ids": ev.token_ids} if body.return_token_ids else {}
         if ev.text or ev.token_ids:
-            yield chunk({"content": ev.text or ""}, **extra)
+            yield chunk(ev.sample, {"content": ev.text or ""}, **extra)
         if ev.finished:
-            out = ev.output
-            yield chunk({}, out.finish_reason, stop_reason=out.stop_reason)
+            outs.append(ev.output)
+            yield chunk(ev.sample, {}, ev.output.finish_reason, stop_reason=ev.output.stop_reason)
     if body.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-               "usage": _usage([prompt_ids], [out])}
+               "usage": _usage([prompt_ids], outs)}
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -301,12 +309,12 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top
                    "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "logit_bias": "logit_bias",
                    "stop_token_ids": "stop_token_ids", "timeout_s": "timeout_s", "max_new_tokens": "max_tokens",
-                   "ignore_eos": "ignore_eos"}
+                   "ignore_eos": "ignore_eos", "n": "n"}
 
 
 def _named_param(message: str) -> str | None:
     """The API parameter an engine refusal names ("top_p must be ..." -> "top_p")."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].split("=", 1)[0]
     if first in _SAMPLING_NAMES:
         return _SAMPLING_NAMES[first]
     if message.startswith(("prompt", "a token-id prompt", "the prompt")):

@@ -57,9 +57,6 @@ class _Common(BaseModel):
     timeout_s: float | None = None
 
     def _refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise UnsupportedParameter("n", f"n={self.n} is not supported: this server returns one choice per "
-                                            "prompt (send n=1 or leave it out)")
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not k.lstrip("-").isdigit()]
             if bad:
@@ -94,6 +91,7 @@ class _Common(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             timeout_s=self.timeout_s,
+            n=1 if self.n is None else self.n,
         )
 
     @property

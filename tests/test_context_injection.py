@@ -65,9 +65,8 @@ def _record_injections(engine: Engine) -> list[int]:
 def _admit(engine: Engine, sampling: bool) -> list[int]:
     params = [SamplingParams(max_new_tokens=60, temperature=0.9 if sampling else 0.0, top_k=20, seed=i)
               for i in range(len(PROMPTS))]
-    reqs = [engine.prepare(p, q) for p, q in zip(PROMPTS, params)]
-    for r in reqs:
-        engine.submit(r)
+    reqs = [r for p, q in zip(PROMPTS, params) for r in engine.prepare(p, q)]
+    engine.submit(reqs)
     engine._admit([])               # prefill only: the test runs the rounds itself
     return [r.slot for r in reqs]
 

@@ -49,9 +49,8 @@ def prefill_rows(engine: Engine, n: int, sampling: bool) -> list[int]:
     """Admit ``n`` requests through the engine's own prefill; returns their slots."""
     params = [SamplingParams(max_new_tokens=64, temperature=0.8 if sampling else 0.0, top_k=50, seed=i)
               for i in range(n)]
-    reqs = [engine.prepare([7 + i, 3, 9 + 2 * i, 11] * (i + 1), p) for i, p in enumerate(params)]
-    for r in reqs:
-        engine.submit(r)
+    reqs = [r for i, p in enumerate(params) for r in engine.prepare([7 + i, 3, 9 + 2 * i, 11] * (i + 1), p)]
+    engine.submit(reqs)
     engine._admit([])               # prefill only: the test runs the rounds itself
     return [r.slot for r in reqs]
 

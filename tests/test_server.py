@@ -156,6 +156,35 @@ def test_penalties_bias_and_min_p_reach_the_engine(served, solo):
     assert out.choices[0].model_extra["token_ids"] == ref.token_ids
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_the_engines_samples_seed_by_seed(served, solo, stream):
+    kw = dict(model=MODEL, prompt=["w3 w5", "w9"], max_tokens=6, temperature=0.8, seed=21, n=2,
+              extra_body={"ignore_eos": True})
+    if stream:
+        texts: dict[int, str] = {}
+        for ch in served.client().completions.create(stream=True, **kw):
+            for c in ch.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        texts = {c.index: c.text for c in served.client().completions.create(**kw).choices}
+    assert sorted(texts) == [0, 1, 2, 3]                 # prompt i, sample j -> choice i * n + j
+    for i, prompt in enumerate(["w3 w5", "w9"]):
+        for j in range(2):
+            ref = solo(prompt, SamplingParams(max_new_tokens=6, temperature=0.8, seed=21 + j, ignore_eos=True), False)
+            assert texts[2 * i + j] == ref.text
+
+
+def test_chat_n_choices(served, solo):
+    messages = [{"role": "user", "content": "w4 w6"}]
+    out = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.9,
+                                                  seed=4, n=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for j, c in enumerate(out.choices):
+        ref = solo(messages, SamplingParams(max_new_tokens=5, temperature=0.9, seed=4 + j, ignore_eos=True), True)
+        assert c.message.content == ref.text
+    assert out.usage.completion_tokens == 15
+
+
 def test_token_id_prompts_and_several_prompts_in_one_request(served, solo):
     prompts = [[1, 10, 11], [1, 20]]
     out = served.client().completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0,
@@ -234,7 +263,7 @@ def test_a_client_that_disconnects_frees_its_slot(served):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(n=2), "n"),
+    (dict(n=99), "n"),
     (dict(stop=[""]), "stop"),
     (dict(logprobs=2), "logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
