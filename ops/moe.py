@@ -36,8 +36,8 @@ Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the n
 (:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
 launches with any other pair count of that variant need. The engine's prefill warm-up relies on
-this (runtime/engine.py ``prefill_warm_shapes``): a first request that compiled a plan variant cost
-the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200.
+this (runtime/prefill_warmup.py ``prefill_warm_shapes``): a first request that compiled a plan
+variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200.
 """
 
 from __future__ import annotations

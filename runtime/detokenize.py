@@ -75,7 +75,8 @@ class TextStream:
 
     def take(self, final: bool) -> str:
         """The text not yet streamed; while running, minus what might still start a stop string."""
-        end = len(self.text) if final or self.stop_string is not None else max(self.sent, len(self.text) - self._holdback)
+        decided = final or self.stop_string is not None
+        end = len(self.text) if decided else max(self.sent, len(self.text) - self._holdback)
         delta = self.text[self.sent:end]
         self.sent = end
         return delta

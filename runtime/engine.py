@@ -17,16 +17,14 @@ hand tokens to the caller. A request finishing in round ``r`` therefore rides al
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import math
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,13 +36,12 @@ from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
 from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
-from ..models.config import DraftConfig, TargetConfig, read_json_object
+from ..models.config import DraftConfig, read_json_object
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
-from ..ops.attention.window_attention import launch_variant as attention_launch_variant
-from ..ops.moe import launch_variant as moe_launch_variant
 from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .detokenize import TextStream
+from .prefill_warmup import prefill_variants, prefill_warm_shapes
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, generation_defaults, load_tokenizer
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
                        pair_prompts)
@@ -61,56 +58,6 @@ class _InFlight:
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
-
-
-def prefill_warm_shapes(max_batch: int, longest: int,
-                        variants: Sequence[Callable[[int, int], Hashable]] = ()) -> list[tuple[int, int]]:
-    """The ``(rows, length)`` prefills that compile every Triton variant a prefill can need, for
-    prompts of up to ``longest`` tokens per chunk.
-
-    On the H200 each variant a first request compiled cost it 0.3-0.6 s of TTFT.
-    Which variant a kernel needs is decided by compile-time choices
-    and by Triton's specialization of integer arguments ("== 1", "% 16 == 0"):
-
-    - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
-    - the length: one token, a multiple of 16 (above) and not (17);
-    - kernels whose launch plan depends on both, each named by a function ``variant(rows, length)``
-      in ``variants``: the attention (``ops.window_attention.launch_variant``: the window kernel and its
-      token block for short windows, and the launch plan's row tiles by length and key splits by
-      the number of programs) and, for an MoE target, the experts
-      (``ops.moe.launch_variant`` of the ``rows * length * top_k`` pairs: tiles and plan chunking).
-      One shape per variant of each, the one with the fewest tokens. Their shape-dependent
-      integer arguments are not specialized, so one shape covers a variant.
-    """
-    shapes = [(rows, 16) for rows in range(1, max_batch + 1)] + [(1, 1), (1, 17)]
-    for variant in variants:
-        cheapest: dict[Hashable, tuple[int, int]] = {}
-        for rows in range(1, max_batch + 1):
-            for length in range(1, longest + 1):
-                v = variant(rows, length)
-                if v not in cheapest or rows * length < math.prod(cheapest[v]):
-                    cheapest[v] = (rows, length)
-        shapes += sorted(cheapest.values())
-    return list(dict.fromkeys((r, n) for r, n in shapes if n <= longest))
-
-
-def prefill_variants(cfg: TargetConfig, cache_len: int, elem_size: int, sms: int
-                     ) -> list[Callable[[int, int], Hashable]]:
-    """The ``variant(rows, length)`` functions of :func:`prefill_warm_shapes` for a target: its
-    attention's launch plan (with a KV cache of ``cache_len`` positions) and, for an MoE target, its
-    experts' (``ops.moe.launch_variant`` of the prefill's ``rows * length * top_k`` pairs)."""
-    variants: list[Callable[[int, int], Hashable]] = []
-    if cfg.attention_layers:
-        def attention_variant(rows: int, length: int) -> Hashable:
-            return attention_launch_variant(rows, length, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                            cfg.head_dim, cache_len, elem_size, sms)
-        variants.append(attention_variant)
-    if cfg.is_moe and cfg.num_hidden_layers > cfg.num_dense_layers:
-        # a function of the pair count alone, which many shapes share
-        moe_variant = functools.lru_cache(maxsize=None)(
-            lambda pairs: moe_launch_variant(pairs, cfg.num_experts, elem_size))
-        variants.append(lambda rows, length: moe_variant(rows * length * cfg.num_experts_per_tok))
-    return variants
 
 
 class Engine:

@@ -370,8 +370,8 @@ class SlotSampling:
 
     def rows(self, idx: torch.Tensor) -> RowSampling:
         # spelled out: torch.compile (2.11) cannot trace dataclasses.fields() of the class
-        return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx], self.seed[idx],
-                           self.repetition[idx], self.presence[idx], self.frequency[idx], self.min_len[idx],
+        return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
+                           self.seed[idx], self.repetition[idx], self.presence[idx], self.frequency[idx], self.min_len[idx],
                            self.bias[idx], self.stops[idx], self.in_prompt[idx], self.counts[idx])
 
     def set(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int],

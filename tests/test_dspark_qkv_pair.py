@@ -28,7 +28,7 @@ from torch import nn
 
 from eager_ops import EagerOpRecorder
 from lfmspark.ops import routing
-from lfmspark.models import dspark, layers
+from lfmspark.models import dspark
 from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import DraftConfig
 from lfmspark.models.presets import random_draft

@@ -19,7 +19,7 @@ from lfmspark.ops.attention.window_attention import launch_variant, window_block
 from lfmspark.ops.routing import window_attention
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.models.presets import target_preset
-from lfmspark.runtime.engine import prefill_variants, prefill_warm_shapes
+from lfmspark.runtime.prefill_warmup import prefill_variants, prefill_warm_shapes
 
 # (n_heads, n_kv, head_dim): LFM2.5-1.2B / LFM2-8B-A1B, a group of 3, a long head
 _ATTENTION = [(32, 8, 64), (24, 8, 64), (16, 4, 128)]

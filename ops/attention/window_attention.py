@@ -42,7 +42,7 @@ def window_block(T: int) -> int:
 def launch_variant(B: int, T: int, n_heads: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int) -> Hashable:
     """The compile-time choices of the attention a ``[B, T]`` window runs in the models (which
     kernel, its window block, the launch plan's ``variant``): equal values share compiled kernels,
-    so the prefill warm-up (runtime/engine.py ``prefill_variants``) runs one shape per value."""
+    so the prefill warm-up (runtime/prefill_warmup.py ``prefill_variants``) runs one shape per value."""
     plan = plan_launch(B, T, n_heads, n_kv, hd, S, elem_size, sms)
     if window_attention(T, n_heads, n_kv):
         return "window", window_block(T), plan.variant
