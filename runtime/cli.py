@@ -2,6 +2,7 @@
 
     lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
     lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
+    lfmspark bench serve --preset lfm2.5-1.2b --num-prompts 200 --request-rate 20 --prompt-len 512 --output-len 128
     lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
     lfmspark serve --target DIR [--draft DIR] [--port 8000]    # OpenAI-compatible server (the serve extra)
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -63,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("bench", help="latency benchmark: target-only, HF transformers and DSpark in one run")
+    b = sub.add_parser("bench", help="latency benchmark: target-only, HF transformers and DSpark in one run; "
+                       "'bench serve': the open-loop serving benchmark")
+    b.add_argument("mode", nargs="?", choices=["latency", "serve"], default="latency",
+                   help="latency (default): closed-loop batches; serve: open-loop arrivals through AsyncEngine, "
+                        "target-only and speculative on one trace (as vllm bench serve)")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(TARGET_PRESETS), help="random weights with a real model's shapes "
                      "(default: tiny on CPU, lfm2.5-1.2b on a GPU)")
@@ -94,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", help="write the full report here")
     b.add_argument("--profile-dir", help="write per-kernel profiles of the step replays (smallest batch) here")
+    sv = b.add_argument_group("serve mode (lfmspark bench serve)")
+    sv.add_argument("--num-prompts", type=_positive, default=64)
+    sv.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default "
+                    "inf: all at once)")
+    sv.add_argument("--max-concurrency", type=_positive, help="requests in flight at most")
+    sv.add_argument("--range-ratio", type=float, default=0.0, help="prompt and output lengths drawn in "
+                    "[len * (1 - r), len * (1 + r)] (random prompts)")
+    sv.add_argument("--dataset", help="JSONL file, one {'prompt': text or token ids, 'output_len': n} per line")
+    sv.add_argument("--max-batch", type=_positive, default=64, help="engine slots (serve mode)")
 
     g = sub.add_parser("generate", help="generate text with a local checkpoint, streaming to the terminal")
     g.add_argument("--target", required=True, help="local HF checkpoint directory of the target")
@@ -143,6 +158,9 @@ def _bench(args) -> int:
 
     from .bench import BenchConfig, run_bench, table
 
+    if args.mode == "serve":
+        return _bench_serve(args)
+
     if args.draft and not args.target:
         raise SystemExit("lfmspark bench: error: --draft needs --target (use --draft-preset with --preset)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,6 +179,39 @@ def _bench(args) -> int:
                       prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk)
     report = run_bench(cfg)
     print(table(report))
+    if args.json:
+        print(f"report written to {args.json}")
+    return 0
+
+
+def _bench_serve(args) -> int:
+    import torch
+
+    from .serve_bench import ServeBenchConfig, format_report, run_serve_bench
+
+    if args.draft and not args.target:
+        raise SystemExit("lfmspark bench: error: --draft needs --target (use --draft-preset with --preset)")
+    if not args.request_rate > 0:
+        raise SystemExit(f"lfmspark bench: error: --request-rate must be > 0, got {args.request_rate}")
+    if not 0 <= args.range_ratio < 1:
+        raise SystemExit(f"lfmspark bench: error: --range-ratio must be in [0, 1), got {args.range_ratio}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rates = args.imposed_acceptance[0] if args.imposed_acceptance else None
+    draft_preset = None if args.draft_preset == "none" else args.draft_preset
+    if rates is not None and len(rates) == 1 and not args.target:
+        from ..models.presets import DEFAULT_DRAFT, draft_preset as draft_config
+
+        name = DEFAULT_DRAFT.get(args.preset or "tiny") if draft_preset == "default" else draft_preset
+        rates = rates * draft_config(name).block_size if name else rates
+    cfg = ServeBenchConfig(preset=args.preset or ("lfm2.5-1.2b" if device.startswith("cuda") else "tiny"),
+                           target_dir=args.target, draft_dir=args.draft, draft_preset=draft_preset,
+                           num_prompts=args.num_prompts, input_len=args.prompt_len, output_len=args.output_len,
+                           range_ratio=args.range_ratio, dataset=args.dataset, request_rate=args.request_rate,
+                           max_concurrency=args.max_concurrency, max_batch=args.max_batch,
+                           temperature=args.temperature, imposed_acceptance=rates, device=device,
+                           dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+                           seed=args.seed, json_path=args.json)
+    print(format_report(run_serve_bench(cfg)))
     if args.json:
         print(f"report written to {args.json}")
     return 0

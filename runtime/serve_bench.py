@@ -1,0 +1,257 @@
+"""``lfmspark bench serve``: an open-loop serving benchmark, target-only and speculative on one trace.
+
+Requests arrive on their own clock (Poisson at ``request_rate`` per second, or all at once with
+``inf``; at most ``max_concurrency`` in flight), as in ``vllm bench serve`` and
+``sglang.bench_serving``, so a slow step shows as queueing, TTFT and inter-token latency instead of
+as a lower closed-loop rate. Each engine is built, warmed up and driven through an
+:class:`AsyncEngine` with the same trace (prompts, output lengths, arrival times). Reported per
+engine, in vLLM's words and units: successful requests, duration, tokens, request / output / total
+token throughput, TTFT, TPOT (per request, excluding the first token) and ITL (the gap between
+consecutive streamed events, each event's tokens counted at its arrival) as mean / p50 / p90 / p99,
+end-to-end latency, τ, peak GPU memory.
+
+Prompts: random token ids of ``input_len`` (drawn in ``[input_len * (1 - range_ratio), input_len *
+(1 + range_ratio)]``, likewise the outputs), or a JSONL file with one ``{"prompt": text or token
+ids, "output_len": n}`` per line (text needs a checkpoint with a tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .async_engine import AsyncEngine
+from .engine import Engine
+from .sampling import SamplingParams
+
+log = logging.getLogger("lfmspark")
+
+
+@dataclass
+class ServeBenchConfig:
+    preset: str | None = None
+    target_dir: str | None = None
+    draft_dir: str | None = None
+    draft_preset: str | None = "default"
+    num_prompts: int = 64
+    input_len: int = 512
+    output_len: int = 128
+    range_ratio: float = 0.0
+    dataset: str | None = None
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    max_batch: int = 64
+    temperature: float = 0.0
+    imposed_acceptance: list[float] | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    json_path: str | None = None
+
+
+@dataclass
+class _Trace:
+    prompts: list[list[int] | str]
+    output_lens: list[int]
+    arrivals: list[float]            # seconds from the start
+
+
+@dataclass
+class _Result:
+    ok: bool
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    tau: float = 1.0
+    error: str | None = None
+
+
+def make_trace(cfg: ServeBenchConfig, vocab: int) -> _Trace:
+    rng = random.Random(cfg.seed)
+
+    def length(base: int) -> int:
+        lo, hi = max(1, int(base * (1 - cfg.range_ratio))), max(1, int(base * (1 + cfg.range_ratio)))
+        return rng.randint(lo, hi)
+
+    if cfg.dataset:
+        prompts, output_lens = [], []
+        with open(cfg.dataset) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    prompts.append(row["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{cfg.dataset}:{n}: each line must be a JSON object with a 'prompt' "
+                                     f"({type(e).__name__}: {e})") from None
+                output_lens.append(int(row.get("output_len", cfg.output_len)))
+                if len(prompts) == cfg.num_prompts:
+                    break
+        if not prompts:
+            raise ValueError(f"{cfg.dataset} holds no prompts")
+    else:
+        prompts = [[rng.randrange(1, vocab) for _ in range(length(cfg.input_len))] for _ in range(cfg.num_prompts)]
+        output_lens = [length(cfg.output_len) for _ in prompts]
+    t, arrivals = 0.0, []
+    for _ in prompts:
+        arrivals.append(t)
+        if math.isfinite(cfg.request_rate):
+            t += rng.expovariate(cfg.request_rate)
+    return _Trace(prompts, output_lens, arrivals)
+
+
+async def _drive(engine: AsyncEngine, trace: _Trace, cfg: ServeBenchConfig) -> tuple[list[_Result], float]:
+    gate = asyncio.Semaphore(cfg.max_concurrency or len(trace.prompts))
+    start = time.perf_counter()
+
+    async def one(i: int) -> _Result:
+        await asyncio.sleep(max(0.0, start + trace.arrivals[i] - time.perf_counter()))
+        async with gate:
+            params = SamplingParams(max_new_tokens=trace.output_lens[i], temperature=cfg.temperature,
+                                    seed=cfg.seed + i, ignore_eos=True)
+            t0 = last = time.perf_counter()
+            res = _Result(ok=False)
+            try:
+                async for ev in engine.generate(trace.prompts[i], params, request_id=f"bench-{i}"):
+                    now = time.perf_counter()
+                    if ev.token_ids:
+                        if res.ttft == 0.0:
+                            res.ttft = now - t0
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+                    if ev.finished:
+                        out = ev.output
+                        res.ok, res.output_len, res.prompt_len = True, len(out.token_ids), len(out.prompt_token_ids)
+                        res.e2e, res.tau = now - t0, out.stats.tau
+            except Exception as e:        # a failed request is counted, not fatal to the benchmark
+                res.error = f"{type(e).__name__}: {e}"
+            return res
+
+    results = await asyncio.gather(*(one(i) for i in range(len(trace.prompts))))
+    return list(results), time.perf_counter() - start
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    s = sorted(values)
+
+    def pct(q: float) -> float:
+        return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    return {"mean": statistics.fmean(s), "p50": statistics.median(s), "p90": pct(0.90), "p99": pct(0.99)}
+
+
+def _summarise(results: list[_Result], duration: float, peak_bytes: int | None, warmup_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    ms = lambda xs: {k: v * 1e3 for k, v in _stats(xs).items()}  # noqa: E731
+    return {
+        "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": ms([r.ttft for r in ok]),
+        "tpot_ms": ms([(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]),
+        "itl_ms": ms([x for r in ok for x in r.itls]),
+        "e2el_ms": ms([r.e2e for r in ok]),
+        "tau_mean": statistics.fmean(r.tau for r in ok) if ok else float("nan"),
+        "peak_memory_gb": None if peak_bytes is None else peak_bytes / 1e9,
+        "warmup_s": warmup_s,
+    }
+
+
+def _build(cfg: ServeBenchConfig, speculative: bool) -> Engine:
+    from .bench import _dtype
+
+    kw = dict(dtype=_dtype(cfg.dtype), device=cfg.device, max_batch=cfg.max_batch,
+              max_seq_len=_seq_len(cfg))
+    if speculative and cfg.imposed_acceptance is not None:
+        kw["imposed_acceptance"] = cfg.imposed_acceptance
+    if cfg.target_dir:
+        return Engine.from_pretrained(cfg.target_dir, cfg.draft_dir if speculative else None, **kw)
+    return Engine.from_preset(cfg.preset or "tiny", cfg.draft_preset if speculative else None, seed=cfg.seed, **kw)
+
+
+def _seq_len(cfg: ServeBenchConfig) -> int:
+    longest = int(cfg.input_len * (1 + cfg.range_ratio)) + int(cfg.output_len * (1 + cfg.range_ratio))
+    if cfg.dataset:
+        longest = max(longest, 4096)
+    return 1 << max(7, math.ceil(math.log2(longest + 64)))
+
+
+def run_serve_bench(cfg: ServeBenchConfig) -> dict:
+    """Both engines on one trace; the report (also written to ``cfg.json_path``)."""
+    kinds = ["target_only"]
+    if cfg.draft_dir or (not cfg.target_dir and cfg.draft_preset):
+        kinds.append("speculative")
+    report: dict = {"schema": 1, "config": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                                             for k, v in asdict(cfg).items()},
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "results": {}}
+    trace = None
+    for kind in kinds:
+        engine = _build(cfg, kind == "speculative")
+        trace = trace or make_trace(cfg, engine.config.vocab_size)
+        t0 = time.perf_counter()
+        engine.warmup(progress=False)
+        warmup_s = time.perf_counter() - t0
+        if engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        log.info("%s: %d requests, rate %s/s", kind, len(trace.prompts), cfg.request_rate)
+
+        async def main():
+            ae = AsyncEngine(engine, max_waiting=len(trace.prompts) + 1)
+            try:
+                return await _drive(ae, trace, cfg)
+            finally:
+                await ae.shutdown()
+
+        results, duration = asyncio.run(main())
+        peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
+        report["results"][kind] = _summarise(results, duration, peak, warmup_s)
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def format_report(report: dict) -> str:
+    """vLLM's ``bench serve`` block, once per engine."""
+    lines = []
+    for kind, r in report["results"].items():
+        lines += [f"{' Serving Benchmark Result: ' + kind + ' ':=^60}",
+                  f"{'Successful requests:':<44}{r['successful_requests']}",
+                  f"{'Failed requests:':<44}{r['failed_requests']}",
+                  f"{'Benchmark duration (s):':<44}{r['duration_s']:.2f}",
+                  f"{'Total input tokens:':<44}{r['total_input_tokens']}",
+                  f"{'Total generated tokens:':<44}{r['total_output_tokens']}",
+                  f"{'Request throughput (req/s):':<44}{r['request_throughput']:.2f}",
+                  f"{'Output token throughput (tok/s):':<44}{r['output_throughput']:.2f}",
+                  f"{'Total Token throughput (tok/s):':<44}{r['total_token_throughput']:.2f}",
+                  f"{'Mean tau (tokens per round):':<44}{r['tau_mean']:.2f}"]
+        for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                           ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+            short = key.split("_")[0].upper()
+            lines.append(f"{title:-^60}")
+            for stat, name in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99")):
+                lines.append(f"{f'{name} {short} (ms):':<44}{r[key][stat]:.3f}")
+        if r["peak_memory_gb"] is not None:
+            lines.append(f"{'Peak GPU memory (GB):':<44}{r['peak_memory_gb']:.2f}")
+        lines.append("=" * 60)
+    return "\n".join(lines)
