@@ -2,6 +2,7 @@
 # The device-machine job (H200): install, engine benchmarks (with per-kernel profiles), GPU tests,
 # kernel microbenchmarks. Each step has its own time limit so one slow step cannot starve the rest.
 #   STEPS="bench12 tests kernels bench8" BATCH_SIZES=1,4,16 bash scripts/device_run.sh
+#   STEPS="serve servebench sampling" bash scripts/device_run.sh     # serving and sampling figures (carry .whl)
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -81,6 +82,20 @@ for step in $STEPS; do
         done
       done
       python3 scripts/ab_summary.py $RUN/oldnew_*.json | tee $RUN/oldnew_summary.txt ;;
+    serve)   # the server's figures (scripts/serve_probe.py); needs the serve extra's wheels carried in .whl/
+             # (pip download fastapi uvicorn prometheus-client httpx --python-version 3.12 --only-binary=:all:
+             #  --platform manylinux2014_x86_64 -d .whl): the device has no network
+      python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx > $RUN/pip_serve.log 2>&1 \
+        || tail -5 $RUN/pip_serve.log
+      timeout ${T_SERVE:-420} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} --json $RUN/serve_probe.json \
+        --server-log $RUN/serve.log 2>&1 | tail -6 ;;
+    servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
+      timeout ${T_SERVEBENCH:-480} lfmspark bench serve --preset ${SERVE_PRESET:-lfm2.5-1.2b} --max-batch ${SERVE_BATCH:-64} \
+        --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
+        --imposed-acceptance 0.8 --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
+    sampling)  # model-card sampling against greedy and target-only (scripts/sampling_probe.py)
+      timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py 2>&1 | grep -E "^(speculative|target-only|\{)" \
+        | tee $RUN/sampling_probe.log ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
