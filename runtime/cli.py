@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "[len * (1 - r), len * (1 + r)] (random prompts)")
     sv.add_argument("--dataset", help="JSONL file, one {'prompt': text or token ids, 'output_len': n} per line")
     sv.add_argument("--max-batch", type=_positive, default=64, help="engine slots (serve mode)")
+    sv.add_argument("--cuda-graph-sizes", type=_int_list, help="batch sizes captured (serve mode; default: the "
+                    "engine's, every size to 8 then coarser)")
 
     g = sub.add_parser("generate", help="generate text with a local checkpoint, streaming to the terminal")
     g.add_argument("--target", required=True, help="local HF checkpoint directory of the target")
@@ -208,6 +210,7 @@ def _bench_serve(args) -> int:
                            num_prompts=args.num_prompts, input_len=args.prompt_len, output_len=args.output_len,
                            range_ratio=args.range_ratio, dataset=args.dataset, request_rate=args.request_rate,
                            max_concurrency=args.max_concurrency, max_batch=args.max_batch,
+                           cuda_graph_sizes=args.cuda_graph_sizes,
                            temperature=args.temperature, imposed_acceptance=rates, device=device,
                            dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
                            seed=args.seed, json_path=args.json)

@@ -50,6 +50,7 @@ class ServeBenchConfig:
     request_rate: float = math.inf
     max_concurrency: int | None = None
     max_batch: int = 64
+    cuda_graph_sizes: list[int] | None = None      # the batch sizes captured (None: the engine's default)
     temperature: float = 0.0
     imposed_acceptance: list[float] | None = None
     device: str = "cpu"
@@ -179,7 +180,7 @@ def _build(cfg: ServeBenchConfig, speculative: bool) -> Engine:
     from .bench import _dtype
 
     kw = dict(dtype=_dtype(cfg.dtype), device=cfg.device, max_batch=cfg.max_batch,
-              max_seq_len=_seq_len(cfg))
+              max_seq_len=_seq_len(cfg), batch_sizes=cfg.cuda_graph_sizes)
     if speculative and cfg.imposed_acceptance is not None:
         kw["imposed_acceptance"] = cfg.imposed_acceptance
     if cfg.target_dir:
@@ -207,7 +208,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         engine = _build(cfg, kind == "speculative")
         trace = trace or make_trace(cfg, engine.config.vocab_size)
         t0 = time.perf_counter()
-        engine.warmup(progress=False)
+        engine.warmup(progress=False, sampling=cfg.temperature > 0)   # the trace's mode only
         warmup_s = time.perf_counter() - t0
         if engine.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(engine.device)

@@ -91,6 +91,7 @@ for step in $STEPS; do
         --server-log $RUN/serve.log 2>&1 | tail -6 ;;
     servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
       timeout ${T_SERVEBENCH:-480} lfmspark bench serve --preset ${SERVE_PRESET:-lfm2.5-1.2b} --max-batch ${SERVE_BATCH:-64} \
+        --cuda-graph-sizes ${SERVE_SIZES:-1,8,16,32,64} \
         --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
         --imposed-acceptance 0.8 --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
     sampling)  # model-card sampling against greedy and target-only (scripts/sampling_probe.py)
