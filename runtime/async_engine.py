@@ -155,9 +155,7 @@ class AsyncEngine:
         self._check_serving()
         requests = self.engine.prepare(prompt, params, request_id=request_id, on_event=self._sink(stream))
         with self._lock:
-            clash = [r.request_id for r in requests if r.request_id in self._streams]
-            if clash or (requests[0].group is not None and any(
-                    k.startswith(requests[0].group + "-") for k in self._streams)):
+            if any(r.request_id in self._streams for r in requests):
                 raise RequestError(f"request_id {request_id!r} is already running: ids must be unique")
             if self._waiting >= self.max_waiting:
                 raise QueueFullError(f"{self._waiting} requests are already waiting (max_waiting="

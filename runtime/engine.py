@@ -550,7 +550,7 @@ class Engine:
                 first[id(lead)] = picked[j]
                 for req, token in self._share_prefill(lead, followers.get(id(lead), []), logits[j], sampling):
                     first[id(req)] = token
-        return [int(first[id(r)]) for r in batch]
+        return torch.stack([first[id(r)] for r in batch]).tolist()     # one host sync for the batch
 
     def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, sampling: bool
                        ) -> list[tuple[Request, torch.Tensor]]:

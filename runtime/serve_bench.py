@@ -145,6 +145,14 @@ async def _drive(engine: AsyncEngine, trace: _Trace, cfg: ServeBenchConfig) -> t
     return list(results), time.perf_counter() - start
 
 
+async def _serve_trace(engine: Engine, trace: _Trace, cfg: ServeBenchConfig) -> tuple[list[_Result], float]:
+    ae = AsyncEngine(engine, max_waiting=len(trace.prompts) + 1)
+    try:
+        return await _drive(ae, trace, cfg)
+    finally:
+        await ae.shutdown()
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
@@ -214,14 +222,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             torch.cuda.reset_peak_memory_stats(engine.device)
         log.info("%s: %d requests, rate %s/s", kind, len(trace.prompts), cfg.request_rate)
 
-        async def main():
-            ae = AsyncEngine(engine, max_waiting=len(trace.prompts) + 1)
-            try:
-                return await _drive(ae, trace, cfg)
-            finally:
-                await ae.shutdown()
-
-        results, duration = asyncio.run(main())
+        results, duration = asyncio.run(_serve_trace(engine, trace, cfg))
         peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
         report["results"][kind] = _summarise(results, duration, peak, warmup_s)
         del engine

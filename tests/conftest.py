@@ -34,6 +34,22 @@ def triton_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(scope="module")
+def target():
+    """The engine tests' tiny target (spec_fixtures), one per module: engines take it read-only."""
+    from spec_fixtures import random_tiny_target
+
+    return random_tiny_target(seed=3)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """The DSpark draft paired with :func:`target` in the engine tests."""
+    from spec_fixtures import random_tiny_draft
+
+    return random_tiny_draft(seed=4)
+
+
 @pytest.fixture(autouse=True)
 def _environment_read_fresh():
     """lfmspark reads its ``LFMSPARK_*`` variables once (lfmspark/environment.py): a test that changes

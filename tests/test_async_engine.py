@@ -13,17 +13,6 @@ import torch
 
 from lfmspark.runtime import Engine, EngineDeadError, RequestError, SamplingParams
 from lfmspark.runtime.async_engine import AsyncEngine, EngineShutdownError, QueueFullError
-from spec_fixtures import random_tiny_draft, random_tiny_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return random_tiny_target(seed=3)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return random_tiny_draft(seed=4)
 
 
 def make(target, draft=None, max_batch: int = 4) -> Engine:

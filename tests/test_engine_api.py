@@ -21,8 +21,7 @@ from engine_fixtures import (BOS, IM_END, IM_START, TOKEN_ID, VOCAB, byte_level_
 from lfmspark.models.config import ConfigError, DraftConfig, TargetConfig
 from lfmspark.models.loading import load_draft
 from lfmspark.runtime import Engine, GenerationOutput, RequestError, SamplingParams
-from spec_fixtures import (V, bigram_target, derangement_of, oracle_draft, permutation, random_tiny_draft,
-                           random_tiny_target)
+from spec_fixtures import (V, bigram_target, derangement_of, oracle_draft, permutation, random_tiny_draft)
 
 GAMMA = 4                        # block size of the spec_fixtures drafts
 F32 = dict(dtype=torch.float32, device="cpu")
@@ -45,16 +44,6 @@ def one_by_one(target, prompts, params) -> list[list[int]]:
     """Target-only greedy outputs, each prompt alone in a fresh engine."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     return [engine(target, None, max_batch=1).generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return random_tiny_target(seed=3)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return random_tiny_draft(seed=4)
 
 
 # =============================================================================================
@@ -734,7 +723,7 @@ def test_interleaved_streams_each_get_only_their_own_events(target, draft):
     assert_clean(e)
 
 
-def test_a_failing_step_aborts_every_request_and_frees_the_slots(target, draft, monkeypatch):
+def test_a_failing_round_ends_every_request_in_it_and_frees_the_slots(target, draft, monkeypatch):
     e = engine(target, draft, max_batch=4)
     sa = e.stream([[1, 2], [3]], greedy(20))
     next(sa)

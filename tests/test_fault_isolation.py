@@ -14,17 +14,6 @@ import torch
 from lfmspark.runtime import Engine, EngineDeadError, RequestError, RequestFailedError, SamplingParams
 from lfmspark.runtime.requests import is_device_error
 from engine_fixtures import word_tokenizer
-from spec_fixtures import random_tiny_draft, random_tiny_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    return random_tiny_target(seed=3)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return random_tiny_draft(seed=4)
 
 
 def make(target, draft=None, **kw) -> Engine:
