@@ -35,8 +35,10 @@ def default_batch_sizes(max_batch: int) -> list[int]:
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, torch.Tensor]):
-        self.graph, self.tokens, self.n_new = graph, outputs[0], outputs[1]
+    """A captured step and its static outputs (as ``runtime.steps.StepOutput``: tokens, n_new, scores)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        self.graph, self.tokens, self.n_new, self.scores = graph, *outputs
 
 
 class CudaGraphRunner:
@@ -63,13 +65,13 @@ class CudaGraphRunner:
         self.capture_stream = torch.cuda.Stream(device)
 
     # step bodies returning plain tensors (what a graph can hold)
-    def _decode(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.steps.decode(slots, sampling)
-        return out.tokens, out.n_new
+        return out.tokens, out.n_new, out.scores
 
-    def _round(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _round(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.steps.spec_round(slots, sampling)
-        return out.tokens, out.n_new
+        return out.tokens, out.n_new, out.scores
 
     # -- capture ----------------------------------------------------------------------------
     def _capture(self, kind: StepKind, sampling: bool, bs: int) -> WarmupEntry:

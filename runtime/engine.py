@@ -41,6 +41,7 @@ from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_t
 from ..ops.routing import WALKS
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .detokenize import TextStream
+from .logprobs import LOGPROBS_MODES, LogprobTensors, TokenLogprobs, token_logprobs
 from .prefill_warmup import prefill_variants, prefill_warm_shapes
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, generation_defaults, load_tokenizer
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
@@ -58,6 +59,8 @@ class _InFlight:
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
+    logprobs: LogprobTensors | None = None      # host copies, W entries per row that asked (logprob_rows)
+    logprob_rows: dict[int, int] | None = None  # row -> its block in ``logprobs``
 
 
 class Engine:
@@ -71,6 +74,10 @@ class Engine:
     which ``lfmspark bench`` reports as ``walk_passes``), ``"persistent"`` (the sequential walk in
     one launch: for trained heads whose bias often moves the argmax, i.e. many passes) or
     ``"steps"`` (one launch per block slot).
+
+    ``logprobs_mode`` says which distribution ``SamplingParams.logprobs`` are of: ``"raw"`` (the
+    target's logits as the model produced them) or ``"processed"`` (after the request's transforms,
+    temperature and filters: what each token was drawn from); runtime/logprobs.py.
     """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
@@ -78,10 +85,13 @@ class Engine:
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
                  prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, logprobs_mode: str = "raw"):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {', '.join(LOGPROBS_MODES)}")
+        self.logprobs_mode = logprobs_mode
         cfg = target.config
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
                             ("prefill_graph_tokens", prefill_graph_tokens)):
@@ -119,7 +129,8 @@ class Engine:
             self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
         self.imposed_acceptance = self._imposed(imposed_acceptance)
         self.state = SlotState(max_batch, cfg.vocab_size, self.device)
-        self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk)
+        self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk,
+                           logprobs_mode)
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
         # prefill_graph_tokens > 0 (the default): prompts run at bucket shapes (graphs/prefill.py),
@@ -509,7 +520,7 @@ class Engine:
         if not batch:
             return
         try:
-            first = self._prefill(batch)
+            first, first_logprobs = self._prefill(batch)
         except BaseException as e:          # the prefill wrote only these requests' slots
             self._contain(e, batch, events)
             return
@@ -517,12 +528,13 @@ class Engine:
         for req, token in zip(batch, first):
             req.first_token_at = now
             self._active.append(req)
-            events.append(self._emit(req, [token]))
+            events.append(self._emit(req, [token], first_logprobs.get(id(req))))
 
-    def _prefill(self, batch: list[Request]) -> list[int]:
-        """Prefill the batch; the first token of each request. Of several samples of one prompt only
-        the first is prefilled: the others get a copy of its caches and state (:meth:`_share_prefill`)
-        and draw their first token from its logits with their own seeds."""
+    def _prefill(self, batch: list[Request]) -> tuple[list[int], dict[int, list[TokenLogprobs]]]:
+        """Prefill the batch; the first token of each request, and the logprobs of those of requests
+        that ask for them (by ``id(request)``). Of several samples of one prompt only the first is
+        prefilled: the others get a copy of its caches and state (:meth:`_share_prefill`) and draw
+        their first token from its logits with their own seeds."""
         for req in batch:
             self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
         sampling = any(r.params.needs_distribution for r in batch)
@@ -535,27 +547,79 @@ class Engine:
             else:
                 followers.setdefault(id(lead), []).append(req)
         lengths = [len(r.prompt_ids) for r in leaders]
-        first: dict[int, int] = {}
+        first: dict[int, torch.Tensor] = {}
+        scored: list[tuple[Request, torch.Tensor, torch.Tensor]] = []    # (request, scores [V], token) for logprobs
         t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         for c0 in range(0, max(lengths), self.prefill_chunk):
             rows = [i for i, n in enumerate(lengths) if n > c0]
             chunks = [leaders[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
             slots = [leaders[i].slot for i in rows]
-            logits = self.prefill_runner.run(chunks, slots, c0)
-            picked = self.steps.prefill_pick(logits, t(slots), t([c0 + len(c) for c in chunks]), sampling)
+            logits = self._prefill_chunk([leaders[i] for i in rows], chunks, c0)
+            picked, scores = self.steps.prefill_pick(logits, t(slots), t([c0 + len(c) for c in chunks]), sampling)
             for j, i in enumerate(rows):
                 lead = leaders[i]
                 if lengths[i] > c0 + self.prefill_chunk:
                     continue                 # its prompt goes on in the next chunk
                 first[id(lead)] = picked[j]
-                for req, token in self._share_prefill(lead, followers.get(id(lead), []), logits[j], sampling):
+                scored.append((lead, scores[j], picked[j]))
+                for req, token, row_scores in self._share_prefill(lead, followers.get(id(lead), []), logits[j],
+                                                                  sampling):
                     first[id(req)] = token
-        return torch.stack([first[id(r)] for r in batch]).tolist()     # one host sync for the batch
+                    scored.append((req, row_scores, token))
+                    req.prompt_logprobs = lead.prompt_logprobs
+        want = [(req, sc, tok) for req, sc, tok in scored if req.params.logprobs is not None]
+        lp = None
+        if want:
+            lp = token_logprobs(torch.stack([sc for _, sc, _ in want]), torch.stack([tok for _, _, tok in want]),
+                                max(req.params.logprobs for req, _, _ in want)).to_host()
+        # one host sync for the batch, after which the logprobs' host copies (queued before) are complete too
+        tokens = torch.stack([first[id(r)] for r in batch]).tolist()
+        records = {id(req): lp.records([first_token], j, 1, req.params.logprobs)
+                   for j, (req, first_token) in enumerate((req, tokens[batch.index(req)]) for req, _, _ in want)}
+        return tokens, records
+
+    def _prefill_chunk(self, rows: list[Request], chunks: list[list[int]], start: int) -> torch.Tensor:
+        """Run one chunk of each row's prompt (from position ``start``); the logits ``[len(rows), V]`` of
+        each chunk's last token. Rows that ask for prompt logprobs run eagerly with every position's
+        logits (they are rare, and no graph holds logits of every position), the others from the
+        prefill runner's buckets."""
+        plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None]
+        if len(plain) == len(rows):
+            return self.prefill_runner.run(chunks, [r.slot for r in rows], start)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        if plain:
+            logits = self.prefill_runner.run([chunks[i] for i in plain], [rows[i].slot for i in plain], start)
+            for j, i in enumerate(plain):
+                out[i] = logits[j]
+        for i, req in enumerate(rows):
+            if out[i] is None:
+                out[i] = self._prefill_with_prompt_logprobs(req, chunks[i], start)
+        return torch.stack(out)
+
+    def _prefill_with_prompt_logprobs(self, req: Request, chunk: list[int], start: int) -> torch.Tensor:
+        """One chunk of ``req``'s prompt with the logits of every position: appends the raw logprobs of
+        the prompt tokens they predict to ``req.prompt_logprobs`` (the first prompt token has none:
+        ``None``); returns the chunk's last logits ``[V]``. Prompt logprobs are always of the raw
+        logits: the logit transforms depend on an output history the prompt does not have."""
+        ids = torch.tensor([chunk], dtype=torch.int64, device=self.device)
+        one = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
+        logits = self.steps.prefill_logits(ids, one(req.slot), one(start), one(len(chunk)), every_position=True)[0]
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        following = req.prompt_ids[start + 1:start + 1 + len(chunk)]        # the prompt tokens these positions predict
+        if following:
+            lp = token_logprobs(logits[:len(following)], torch.tensor(following, device=self.device),
+                                req.params.prompt_logprobs).to_host()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            req.prompt_logprobs += lp.records(following, 0, len(following), req.params.prompt_logprobs)
+        return logits[len(chunk) - 1]
 
     def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, sampling: bool
-                       ) -> list[tuple[Request, torch.Tensor]]:
+                       ) -> list[tuple[Request, torch.Tensor, torch.Tensor]]:
         """Give ``others`` (samples of ``lead``'s prompt) its prefilled caches, then pick each one's
-        first token from ``logits [V]`` (the prompt's last) with its own sampling state."""
+        first token from ``logits [V]`` (the prompt's last) with its own sampling state; returns
+        ``(request, token, scores)`` for each."""
         if not others:
             return []
         n = len(lead.prompt_ids)
@@ -564,8 +628,9 @@ class Engine:
         if self.dcache is not None:
             self.dcache.copy_prefix(lead.slot, dst, n)
         slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        picked = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n), sampling)
-        return list(zip(others, picked))
+        picked, scores = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n),
+                                                 sampling)
+        return [(req, picked[j], scores[j]) for j, req in enumerate(others)]
 
     # -- rounds -----------------------------------------------------------------------------
     def _launch(self) -> _InFlight | None:
@@ -580,11 +645,26 @@ class Engine:
         n_new_host = n_new_host[:n]
         tokens_host.copy_(out.tokens[:n], non_blocking=True)
         n_new_host.copy_(out.n_new[:n], non_blocking=True)
+        logprobs, logprob_rows = self._round_logprobs(rows, out)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _InFlight(rows, tokens_host, n_new_host, done)
+        return _InFlight(rows, tokens_host, n_new_host, done, logprobs, logprob_rows)
+
+    @staticmethod
+    def _round_logprobs(rows: list[Request], out) -> tuple[LogprobTensors | None, dict[int, int] | None]:
+        """The logprobs of every column of the rows that ask for them, from the step's scores, queued
+        on the stream right after the step (the next step overwrites a captured step's outputs), their
+        host copies on their way; rows that do not ask cost nothing."""
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return None, None
+        index = torch.tensor(want, dtype=torch.int64).to(out.tokens.device, non_blocking=True)
+        scores, tokens = out.scores.index_select(0, index), out.tokens.index_select(0, index)
+        lp = token_logprobs(scores.reshape(-1, scores.shape[-1]), tokens.reshape(-1),
+                            max(rows[i].params.logprobs for i in want))
+        return lp.to_host(), {i: j for j, i in enumerate(want)}
 
     def _host_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Two alternating host buffers: one is being filled by the launched round while the other
@@ -602,18 +682,26 @@ class Engine:
             inflight.done.synchronize()
         events = []
         tokens, n_new = inflight.tokens.tolist(), inflight.n_new.tolist()
+        width = inflight.tokens.shape[1]
         for i, req in enumerate(inflight.requests):
             if req.finished:
                 continue          # finished in an earlier round; this round's result is dropped
             if self.draft is not None:
                 req.accept_lengths.append(n_new[i])
-            events.append(self._emit(req, tokens[i][:n_new[i]]))
+            new = tokens[i][:n_new[i]]
+            logprobs = None
+            if inflight.logprob_rows is not None and i in inflight.logprob_rows:
+                logprobs = inflight.logprobs.records(new, inflight.logprob_rows[i] * width, len(new),
+                                                     req.params.logprobs)
+            events.append(self._emit(req, new, logprobs))
         return events
 
     # -- events and finishing ---------------------------------------------------------------
-    def _emit(self, req: Request, new_tokens: list[int]) -> StreamEvent:
+    def _emit(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+              ) -> StreamEvent:
         """Append committed tokens, stopping at a stop token, a stop string or max_new_tokens, and
-        deliver the event (its text: what the tokens add, less what is held back)."""
+        deliver the event (its text: what the tokens add, less what is held back; with ``logprobs``,
+        one per token, those of the tokens kept)."""
         kept: list[int] = []
         text = req.text
         try:
@@ -639,12 +727,17 @@ class Engine:
         except Exception as e:            # a tokenizer that cannot decode this output fails this request only
             req.finish_reason = None
             return self._end(req, "error", e)
+        kept_logprobs = None
+        if logprobs is not None:
+            kept_logprobs = logprobs[:len(kept)]
+            req.logprobs += kept_logprobs
         if req.finished:
             output = self._finish(req, req.finish_reason)
             event = StreamEvent(req.index, kept, delta, finished=True, output=output, request_id=req.request_id,
-                                sample=req.sample)
+                                sample=req.sample, logprobs=kept_logprobs)
         else:
-            event = StreamEvent(req.index, kept, delta, request_id=req.request_id, sample=req.sample)
+            event = StreamEvent(req.index, kept, delta, request_id=req.request_id, sample=req.sample,
+                                logprobs=kept_logprobs)
         return self._deliver(req, event)
 
     def _deliver(self, req: Request, event: StreamEvent) -> StreamEvent:
@@ -690,7 +783,9 @@ class Engine:
         return GenerationOutput(prompt_token_ids=req.prompt_ids, token_ids=list(req.output),
                                 finish_reason=reason, text=text, stats=stats, request_id=req.request_id,
                                 error=describe(req.error) if req.error is not None else None,
-                                stop_reason=req.stop_reason, sample=req.sample)
+                                stop_reason=req.stop_reason, sample=req.sample,
+                                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+                                prompt_logprobs=req.prompt_logprobs)
 
     def _cancel(self, requests: list[Request], reason: str = "cancelled") -> None:
         for req in requests:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .logprobs import TokenLogprobs
+
 
 @dataclass
 class RequestStats:
@@ -57,6 +59,15 @@ class GenerationOutput:
     error: str | None = None              # with finish_reason "error": what failed ("RuntimeError: ...")
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop token id or stop string
     sample: int = 0                       # which of the prompt's SamplingParams.n samples
+    # with SamplingParams.logprobs: one entry per token of token_ids (runtime/logprobs.py)
+    logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the output tokens' log-probabilities (with ``logprobs``), as vLLM reports it."""
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
 
 
 @dataclass
@@ -70,3 +81,4 @@ class StreamEvent:
     output: GenerationOutput | None = None  # set on the request's last event
     request_id: str = ""
     sample: int = 0                       # which of the prompt's SamplingParams.n samples
+    logprobs: list[TokenLogprobs] | None = None   # with SamplingParams.logprobs: one per token of token_ids

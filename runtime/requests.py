@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import TextStream
+from .logprobs import TokenLogprobs
 from .outputs import StreamEvent
 from .sampling import SamplingParams
 
@@ -76,6 +77,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     group: str | None = None            # samples of one prompt (SamplingParams.n > 1): the id they share
     sample: int = 0                     # which of them
+    logprobs: list[TokenLogprobs] = field(default_factory=list)   # with SamplingParams.logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None    # with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,11 @@ class SamplingParams:
     ``finish_reason="timeout"``, keeping the tokens committed so far (``None``: no deadline).
     ``n``: independent samples of the prompt, sharing one prefill (sample ``j`` is seeded
     ``seed + j`` when ``seed`` is given).
+    ``logprobs``: with each output token, its log-probability, its rank and the ``logprobs`` most
+    likely tokens' (0: the token's alone; at most :data:`MAX_LOGPROBS`); ``prompt_logprobs`` the same
+    for each prompt token after the first. Which distribution they are of is the engine's
+    ``logprobs_mode`` (runtime/logprobs.py): by default the target's raw logits, as vLLM returns them;
+    an accepted draft token's log-probability is the target's, never the draft's.
     """
 
     temperature: float = 0.0
@@ -74,6 +79,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     timeout_s: float | None = None
     n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -171,12 +178,19 @@ class SamplingParams:
                                 f"{self.include_stop_str_in_output!r}")
         if not _is_int(self.n) or self.n < 1:
             raise SamplingError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise SamplingError(f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}]: how many of the "
+                                    f"most likely tokens to return beside the chosen one, got {v!r}")
         t = self.timeout_s
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
             raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")
 
 
 _FP32_MAX = 3.4028234663852886e38
+# the most alternatives a request may ask per token (vLLM's default max_logprobs, the OpenAI API's top_logprobs)
+MAX_LOGPROBS = 20
 
 
 def _is_int(v) -> bool:
@@ -233,11 +247,11 @@ def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # distributions
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax`` of ``logits [N, V]`` (fp32) at per-row temperature after top-k, top-p and min-p
-    filtering (HF order). Rows with temperature 0 get the one-hot of their argmax, so greedy and
-    sampled rows share one acceptance rule."""
+def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [N, V]`` (fp32) at per-row temperature with what top-k, top-p and min-p filter out
+    (HF order) at ``-inf``: the log-space form of the distribution a sampled row draws from. Rows
+    with temperature 0 (greedy) come back unscaled and unfiltered (their argmax is what counts)."""
     V = logits.shape[-1]
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
@@ -253,9 +267,22 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     threshold = torch.maximum(sorted_x.gather(1, (keep - 1)[:, None]), kth)
     if min_p is not None:       # p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p) (min_p 0: -inf)
         threshold = torch.maximum(threshold, sorted_x[:, :1] + torch.log(min_p)[:, None])
-    probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), V).to(probs.dtype)
-    return torch.where(greedy[:, None], one_hot, probs)
+    threshold = torch.where(greedy[:, None], float("-inf"), threshold)
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax`` of :func:`filtered_logits`; rows with temperature 0 get the one-hot of their
+    argmax, so greedy and sampled rows share one acceptance rule."""
+    return probs_of(filtered_logits(logits, temperature, top_k, top_p, min_p), temperature)
+
+
+def probs_of(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The sampling distribution of :func:`filtered_logits` ``scores [N, V]``: their softmax, or the
+    one-hot of the argmax for greedy rows."""
+    one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1]).to(torch.float32)
+    return torch.where((temperature <= 0)[:, None], one_hot, torch.softmax(scores, dim=-1))
 
 
 _SCAN_BLOCK = 256
@@ -316,10 +343,11 @@ class RowSampling:
         early = (position < self.min_len[:, None])[..., None] & self.stops[:, None]
         return x.masked_fill(early, float("-inf"))
 
-    def probs(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        """Transformed, filtered distributions for fp32 ``logits [B, W, V]`` (or ``[B, V]``, with
-        ``position [B]``) predicting ``position``."""
+    def scores(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The transformed, filtered logits (:meth:`transform`, then :func:`filtered_logits`) of fp32
+        ``logits [B, W, V]`` (or ``[B, V]``, with ``position [B]``) predicting ``position``: the
+        log-space distribution each row draws from (the "processed" logprobs)."""
         flat = logits.dim() == 2
         if flat:
             logits, position = logits[:, None], position[:, None]
@@ -327,9 +355,21 @@ class RowSampling:
         B, W, V = logits.shape
         x = self.transform(logits, position, extra)
         rep = lambda t: t.repeat_interleave(W)  # noqa: E731
-        out = filtered_probs(x.reshape(-1, V), rep(self.temperature), rep(self.top_k), rep(self.top_p),
-                             rep(self.min_p)).view(B, W, V)
+        out = filtered_logits(x.reshape(-1, V), rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                              rep(self.min_p)).view(B, W, V)
         return out[:, 0] if flat else out
+
+    def probs_of(self, scores: torch.Tensor) -> torch.Tensor:
+        """The distributions of :meth:`scores` ``[B, W, V]`` or ``[B, V]`` (greedy rows: one-hot)."""
+        shape = scores.shape
+        temperature = self.temperature.repeat_interleave(shape[1]) if scores.dim() == 3 else self.temperature
+        return probs_of(scores.reshape(-1, shape[-1]), temperature).view(shape)
+
+    def probs(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """Transformed, filtered distributions for fp32 ``logits [B, W, V]`` (or ``[B, V]``, with
+        ``position [B]``) predicting ``position``."""
+        return self.probs_of(self.scores(logits, position, extra))
 
     def pick(self, logits: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
         """Sample (or argmax, for greedy rows) one token per row from ``logits [B, V]`` predicting

@@ -96,6 +96,10 @@ class Verified:
 class StepOutput:
     tokens: torch.Tensor      # [B, W] int64: new tokens of each row; the first n_new[b] are real
     n_new: torch.Tensor       # [B] int64: tokens committed this step (accept length incl. the bonus)
+    # [B, W, V]: what column j's logprobs are taken from (runtime/logprobs.py): the target's logits
+    # (raw), or in a sampling step with logprobs_mode "processed" its transformed, filtered logits; a
+    # tensor the step holds anyway, so returning it costs nothing
+    scores: torch.Tensor
 
 
 class Steps:
@@ -103,8 +107,10 @@ class Steps:
 
     def __init__(self, target: Lfm2ForCausalLM, tcache: TargetCache, state: SlotState,
                  draft: DSparkDraft | None = None, dcache: DraftCache | None = None,
-                 imposed_acceptance: torch.Tensor | None = None, markov_walk: str = "jacobi"):
+                 imposed_acceptance: torch.Tensor | None = None, markov_walk: str = "jacobi",
+                 logprobs_mode: str = "raw"):
         self.target, self.tcache, self.state = target, tcache, state
+        self.logprobs_mode = logprobs_mode        # which scores the steps hand out (StepOutput.scores)
         self.draft, self.dcache = draft, dcache
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
@@ -143,36 +149,42 @@ class Steps:
         inject the draft context for it, and pick each row's next token, which becomes the anchor.
         Returns the picked tokens ``[B]`` (meaningful after a row's last chunk)."""
         logits = self.prefill_logits(ids, slots, start, lens)
-        return self.prefill_pick(logits, slots, start + lens, sampling)
+        return self.prefill_pick(logits, slots, start + lens, sampling)[0]
 
     @torch.no_grad()
     def prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
-                       lens: torch.Tensor) -> torch.Tensor:
+                       lens: torch.Tensor, every_position: bool = False) -> torch.Tensor:
         """The chunk's forward: target caches and conv states written, draft context injected;
-        returns the logits ``[B, V]`` of each row's last real token. Kernels only, no host sync and no
-        per-slot state read: what graphs/prefill.py captures per bucket shape (rows with slot ``-1``
-        write nothing)."""
+        returns the logits ``[B, V]`` of each row's last real token (``every_position``: ``[B, T, V]``,
+        for prompt logprobs). Kernels only, no host sync and no per-slot state read: what
+        graphs/prefill.py captures per bucket shape (rows with slot ``-1`` write nothing)."""
         out = self.target(ids, self.tcache, slots, start, lens, ForwardMode.PREFILL, aux_layer_ids=self.taps,
-                          logits_index=(lens - 1).clamp(min=0))
+                          logits_index=None if every_position else (lens - 1).clamp(min=0))
         if self.draft is not None:
             self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
         return out.logits
 
     @torch.no_grad()
     def prefill_pick(self, logits: torch.Tensor, slots: torch.Tensor, end: torch.Tensor,
-                     sampling: bool) -> torch.Tensor:
+                     sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick each row's next token from its last prompt logits ``[B, V]`` (``end[b]`` tokens now in
-        the cache), store it as the row's anchor and ``end`` as its committed length."""
+        the cache), store it as the row's anchor and ``end`` as its committed length. Returns the
+        tokens ``[B]`` and their scores ``[B, V]`` (as :attr:`StepOutput.scores`)."""
         st = self.state
         w = st.scatter_index(slots)
+        scores = logits
         if sampling:                      # the greedy argmax reads the logits as they are (exact in fp32)
-            token = st.sampling.rows(st.gather_index(slots)).pick(logits.float(), end, STREAM_TOKEN)
+            rows = st.sampling.rows(st.gather_index(slots))
+            processed = rows.scores(logits.float(), end)
+            token = sample(rows.probs_of(processed), draw_key(rows.seed, end, STREAM_TOKEN))
             st.sampling.record(w, token[:, None])
+            if self.logprobs_mode == "processed":
+                scores = processed
         else:
             token = argmax_last(logits)
         st.seq_len[w] = end
         st.anchor[w] = token
-        return token
+        return token, scores
 
     # -- target-only decode -----------------------------------------------------------------
     @torch.no_grad()
@@ -197,13 +209,19 @@ class Steps:
         LM head, pick the next token, advance the rows' state."""
         st, row = self.state, self.read_rows(slots, sampling)
         logits = self.target.compute_logits(h[:, 0], delta[:, 0])
-        nxt = row.rows.pick(logits.float(), row.s + 1, STREAM_TOKEN) if sampling else argmax_last(logits)
+        scores = logits
         w = st.scatter_index(slots)
         if sampling:
+            processed = row.rows.scores(logits.float(), row.s + 1)
+            nxt = sample(row.rows.probs_of(processed), draw_key(row.rows.seed, row.s + 1, STREAM_TOKEN))
             st.sampling.record(w, nxt[:, None])
+            if self.logprobs_mode == "processed":
+                scores = processed
+        else:
+            nxt = argmax_last(logits)
         st.seq_len[w] = row.s + 1
         st.anchor[w] = nxt
-        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s))
+        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s), scores=scores[:, None])
 
     # -- speculative round ------------------------------------------------------------------
     @torch.no_grad()
@@ -364,12 +382,15 @@ class Steps:
         d = drafted.tokens
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:   # [B, W], no fp32 copy
-            target_pick = self.target.compute_greedy(verified.hidden, verified.delta)[1]
+            logits, target_pick = self.target.compute_greedy(verified.hidden, verified.delta)
+            scores = logits
             accepted = d == target_pick[:, :-1]
         else:
             logits = self.target.compute_logits(verified.hidden, verified.delta)
             window = s[:, None] + torch.arange(1, gamma + 2, device=s.device)[None, :]   # predicted positions
-            p = rows.probs(logits.float(), window, block_history(d, logits.shape[-1]))  # [B, W, V]
+            processed = rows.scores(logits.float(), window, block_history(d, logits.shape[-1]))
+            scores = processed if self.logprobs_mode == "processed" else logits
+            p = rows.probs_of(processed)                                       # [B, W, V]
             q = drafted.probs                                                  # [B, gamma, V]
             p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
             q_d = q.gather(-1, d[..., None])[..., 0]
@@ -400,4 +421,4 @@ class Steps:
         tokens = torch.where(cols < a[:, None], d_ext, final[:, None])         # [d_1..d_a, final, ...]
         if rows is not None:
             st.sampling.record(w, tokens, cols < commit[:, None])
-        return StepOutput(tokens=tokens, n_new=commit)
+        return StepOutput(tokens=tokens, n_new=commit, scores=scores)

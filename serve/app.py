@@ -28,6 +28,7 @@ from ..runtime.outputs import GenerationOutput, StreamEvent
 from ..runtime.prompts import PromptError, encode_prompt
 from ..runtime.requests import EngineDeadError, RequestError, RequestFailedError
 from ..runtime.sampling import SamplingParams
+from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_json
 
@@ -50,6 +51,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.state.engine, app.state.metrics = engine, metrics
     _install_error_handlers(app)
     core = engine.engine
+    token_text = TokenText(core.tokenizer)
 
     @app.get("/health")
     async def health():
@@ -97,16 +99,18 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         prompts = [encode(p, chat=False, param="prompt") for p in body.prompts()]
         defaults = core.sampling_defaults
         max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
-        params = body.sampling(max_tokens, defaults)
+        params = body.sampling(max_tokens, defaults, logprobs=body.logprobs)
         streams = await _start(engine, prompts, params, rid)
         if body.stream:
-            return _sse(_completion_chunks(streams, rid, model_name, prompts, body))
+            return _sse(_completion_chunks(streams, rid, model_name, prompts, body, token_text))
         outs = await _finish_all(streams)
         n = body.n or 1
-        choices = [{"index": i, "text": out.text or "", "logprobs": None, "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
+        choices = [{"index": i, "text": out.text or "",
+                    "logprobs": completion_logprobs(out.logprobs, token_text) if out.logprobs is not None else None,
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                     **({"token_ids": out.token_ids, "prompt_token_ids": prompts[i // n]} if body.return_token_ids
-                       else {})}
+                       else {}),
+                    **_prompt_logprobs(out, token_text)}
                    for i, out in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(prompts, outs)}
@@ -120,13 +124,16 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         prompt_ids = encode(body.messages, chat=True, param="messages")
         defaults = core.sampling_defaults
         max_tokens = body.requested_max_tokens or min(room(prompt_ids), defaults.get("max_new_tokens", 1 << 30))
-        streams = await _start(engine, [prompt_ids], body.sampling(max_tokens, defaults), rid)
+        params = body.sampling(max_tokens, defaults, logprobs=body.logprobs_count)
+        streams = await _start(engine, [prompt_ids], params, rid)
         if body.stream:
-            return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body))
+            return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body, token_text))
         outs = await _finish_all(streams)
-        choices = [{"index": j, "message": {"role": "assistant", "content": out.text or ""}, "logprobs": None,
+        choices = [{"index": j, "message": {"role": "assistant", "content": out.text or ""},
+                    "logprobs": chat_logprobs(out.logprobs, token_text) if out.logprobs is not None else None,
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                    **({"token_ids": out.token_ids} if body.return_token_ids else {})}
+                    **({"token_ids": out.token_ids} if body.return_token_ids else {}),
+                    **_prompt_logprobs(out, token_text)}
                    for j, out in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage([prompt_ids], outs)}
@@ -211,17 +218,32 @@ async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEve
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _prompt_logprobs(out: GenerationOutput, token_text: TokenText) -> dict:
+    """The ``prompt_logprobs`` field of a choice (vLLM's extension), when the request asked for them."""
+    if out.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs(out.prompt_logprobs, token_text)}
+
+
 async def _completion_chunks(streams: list[_Started], rid: str, model: str, prompts: list[list[int]],
-                             body: CompletionRequest) -> AsyncIterator[dict]:
+                             body: CompletionRequest, token_text: TokenText) -> AsyncIterator[dict]:
     n = body.n or 1
     outs: list[GenerationOutput] = []
     created = int(time.time())
+    offsets: dict[int, int] = {}           # per choice: where its next token's text starts
     async for i, ev in _merged(streams):
-        choice = {"index": i * n + ev.sample, "text": ev.text or "", "logprobs": None,
+        index = i * n + ev.sample
+        logprobs = None
+        if ev.logprobs is not None:
+            logprobs = completion_logprobs(ev.logprobs, token_text, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": ev.text or "", "logprobs": logprobs,
                   "finish_reason": ev.output.finish_reason if ev.finished else None,
                   "stop_reason": ev.output.stop_reason if ev.finished else None}
         if body.return_token_ids:
             choice["token_ids"] = ev.token_ids
+        if ev.finished:
+            choice.update(_prompt_logprobs(ev.output, token_text))
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if ev.finished:
             outs.append(ev.output)
@@ -231,12 +253,13 @@ async def _completion_chunks(streams: list[_Started], rid: str, model: str, prom
 
 
 async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[int],
-                       body: ChatCompletionRequest) -> AsyncIterator[dict]:
+                       body: ChatCompletionRequest, token_text: TokenText) -> AsyncIterator[dict]:
     created = int(time.time())
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, **extra) -> dict:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+              **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                              **extra}]}
 
     for j in range(body.n or 1):
@@ -245,7 +268,8 @@ async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[
     async for ev in stream.events():
         extra = {"token_ids": ev.token_ids} if body.return_token_ids else {}
         if ev.text or ev.token_ids:
-            yield chunk(ev.sample, {"content": ev.text or ""}, **extra)
+            logprobs = chat_logprobs(ev.logprobs, token_text) if ev.logprobs is not None else None
+            yield chunk(ev.sample, {"content": ev.text or ""}, logprobs=logprobs, **extra)
         if ev.finished:
             outs.append(ev.output)
             yield chunk(ev.sample, {}, ev.output.finish_reason, stop_reason=ev.output.stop_reason)
@@ -309,7 +333,7 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top
                    "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "logit_bias": "logit_bias",
                    "stop_token_ids": "stop_token_ids", "timeout_s": "timeout_s", "max_new_tokens": "max_tokens",
-                   "ignore_eos": "ignore_eos", "n": "n"}
+                   "ignore_eos": "ignore_eos", "n": "n", "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
 
 
 def _named_param(message: str) -> str | None:

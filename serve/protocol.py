@@ -4,7 +4,8 @@ Every field the OpenAI API defines for these endpoints is declared, so that one 
 honour is refused by name (:class:`UnsupportedParameter` -> HTTP 400) instead of being ignored; an
 unknown field is refused too (``extra="forbid"``). Extensions, as vLLM names them: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``.
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``,
+``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
     timeout_s: float | None = None
+    prompt_logprobs: int | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -66,7 +68,7 @@ class _Common(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise UnsupportedParameter("stream_options", "continuous_usage_stats is not supported")
 
-    def sampling(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+    def sampling(self, max_tokens: int, defaults: dict[str, Any], logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters (validated by the engine: a bad value is a 400 naming it). A field
         the request leaves out takes the checkpoint's default (``Engine.sampling_defaults``, from
         generation_config.json), else OpenAI's (temperature 1)."""
@@ -92,6 +94,8 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             timeout_s=self.timeout_s,
             n=1 if self.n is None else self.n,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property
@@ -114,8 +118,6 @@ class CompletionRequest(_Common):
             raise UnsupportedParameter("best_of", f"best_of={self.best_of} is not supported")
         if self.echo:
             raise UnsupportedParameter("echo", "echo is not supported")
-        if self.logprobs is not None:
-            raise UnsupportedParameter("logprobs", "logprobs are not supported yet")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix (insertion) is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -156,8 +158,8 @@ class ChatCompletionRequest(_Common):
         self._refuse_unsupported()
         _check_max_tokens("max_tokens", self.max_tokens)
         _check_max_tokens("max_completion_tokens", self.max_completion_tokens)
-        if self.logprobs or self.top_logprobs:
-            raise UnsupportedParameter("logprobs", "logprobs are not supported yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs=true")
         for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
                      "prediction", "web_search_options", "reasoning_effort"):
             if getattr(self, name) is not None:
@@ -173,6 +175,11 @@ class ChatCompletionRequest(_Common):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise UnsupportedParameter("max_completion_tokens", "max_tokens and max_completion_tokens disagree")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """``SamplingParams.logprobs``: None unless ``logprobs`` is true, then ``top_logprobs`` (0 by default)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -262,10 +262,58 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     assert max(peak) == MAX_BATCH                           # all of them ran at once: every slot was free
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_are_the_engines(served, solo, stream):
+    """The legacy completions form: one entry per token, the top-N as text -> logprob, offsets into
+    the text; prompt_logprobs (vLLM's extension) keyed by token id."""
+    kw = dict(model=MODEL, prompt="w3 w7 w9", max_tokens=9, logprobs=3, temperature=0.0,
+              extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    ref = solo("w3 w7 w9", SamplingParams(max_new_tokens=9, ignore_eos=True, logprobs=3, prompt_logprobs=2), False)
+    if stream:
+        chunks = [ch.choices[0] for ch in served.client().completions.create(stream=True, **kw) if ch.choices]
+        got = {k: [v for ch in chunks for v in ch.logprobs.model_dump()[k]]
+               for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        prompt_lp = chunks[-1].model_extra["prompt_logprobs"]
+    else:
+        choice = served.client().completions.create(**kw).choices[0]
+        got, prompt_lp = choice.logprobs.model_dump(), choice.model_extra["prompt_logprobs"]
+    tok = served.engine.engine.tokenizer
+    texts = [tok.decode([r.token_id]) for r in ref.logprobs]
+    assert got["tokens"] == texts
+    assert got["token_logprobs"] == pytest.approx([r.logprob for r in ref.logprobs], abs=1e-5)
+    assert [list(d) for d in got["top_logprobs"]] == [[tok.decode([i]) for i, _ in r.top] for r in ref.logprobs]
+    assert got["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert prompt_lp[0] is None and len(prompt_lp) == len(ref.prompt_token_ids)
+    for entry, r in zip(prompt_lp[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(r.token_id)]["logprob"] == pytest.approx(r.logprob, abs=1e-5)
+        assert entry[str(r.token_id)]["rank"] == r.rank
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_are_the_engines(served, solo, stream):
+    messages = [{"role": "user", "content": "w5 w6 w8"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
+    ref = solo(messages, SamplingParams(max_new_tokens=8, logprobs=2), True)
+    if stream:
+        content = [c for ch in served.client().chat.completions.create(stream=True, **kw)
+                   if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    else:
+        content = served.client().chat.completions.create(**kw).choices[0].logprobs.content
+    tok = served.engine.engine.tokenizer
+    assert [c.token for c in content] == [tok.decode([r.token_id]) for r in ref.logprobs]
+    assert [c.logprob for c in content] == pytest.approx([r.logprob for r in ref.logprobs], abs=1e-5)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+        [[tok.decode([i]) for i, _ in r.top] for r in ref.logprobs]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    plain = served.client().chat.completions.create(**{k: v for k, v in kw.items() if "logprobs" not in k})
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("kw, param", [
     (dict(n=99), "n"),
     (dict(stop=[""]), "stop"),
-    (dict(logprobs=2), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(logit_bias={"w5": 1.0}), "logit_bias"),
@@ -297,7 +345,8 @@ def test_what_the_server_cannot_honour_is_a_400_naming_it(served, kw, param):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(logprobs=True), "logprobs"),
+    (dict(top_logprobs=3), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=30), "logprobs"),
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(messages=[{"role": "wizard", "content": "w3"}]), "messages"),
     (dict(messages=[{"role": "user"}]), "messages"),
