@@ -244,3 +244,37 @@ def test_eager_runner_is_used_without_cuda_graphs():
     assert isinstance(engine.runner, EagerRunner)
     engine2 = Engine(target, draft, max_batch=2, max_seq_len=64)
     assert isinstance(engine2.runner, CudaGraphRunner)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_logprobs_read_from_replayed_rounds_are_the_targets(sampling):
+    """Logprobs are computed from a captured round's outputs after its replay and before the next one
+    overwrites them (the loop is pipelined): over many rounds, mixed with a request that asks none,
+    they equal the log-softmax of a plain target forward over the emitted tokens."""
+    from lfmspark.models.cache import TargetCache
+    from lfmspark.models.lfm2 import ForwardMode
+
+    target, draft = small_models()
+    engine = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4],
+                    imposed_acceptance=[0.8] * 5)
+    engine.warmup(progress=False)
+    prompts = [[7, 3, 9, 11] * (i + 1) for i in range(3)]
+    params = [SamplingParams(max_new_tokens=40, temperature=0.8 if sampling else 0.0, seed=i, ignore_eos=True,
+                             logprobs=3 if i != 1 else None) for i in range(3)]
+    outs = engine.generate(prompts, params)
+    assert outs[1].logprobs is None
+    for prompt, out in zip(prompts, outs):
+        if out.logprobs is None:
+            continue
+        tokens = prompt + out.token_ids[:-1]
+        cache = TargetCache.allocate(target.config, 1, 256, 2, torch.float32, "cuda")
+        z = torch.zeros(1, dtype=torch.int64, device="cuda")
+        with torch.no_grad():
+            logits = target(torch.tensor([tokens], device="cuda"), cache, z, z,
+                            torch.tensor([len(tokens)], device="cuda"), ForwardMode.PREFILL).logits[0]
+        expected = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:].cpu()
+        got = torch.tensor([r.logprob for r in out.logprobs])
+        want = expected.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
+        best = torch.tensor([r.top[0][1] for r in out.logprobs])
+        assert torch.allclose(best, expected.max(dim=-1).values, atol=2e-3)
