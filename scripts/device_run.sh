@@ -21,6 +21,11 @@ for f in .carry/inductor_cache.t?z .carry/triton_cache.t?z; do  # each file back
   [ -f $f ] && tar xf $f -C $LFMSPARK_CACHE_DIR && echo "$f restored"
 done
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || { cat $RUN/install.log; exit 1; }
+# the serve extra and the server tests' client, from carried wheels (the device has no network): see the serve step
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx openai > $RUN/pip_serve.log 2>&1 \
+    || tail -5 $RUN/pip_serve.log
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > $RUN/gpu.txt 2>&1
 IMPOSED_ARGS="--imposed-acceptance 0.9 --imposed-acceptance 0.8"
 for step in $STEPS; do
@@ -85,8 +90,6 @@ for step in $STEPS; do
     serve)   # the server's figures (scripts/serve_probe.py); needs the serve extra's wheels carried in .whl/
              # (pip download fastapi uvicorn prometheus-client httpx --python-version 3.12 --only-binary=:all:
              #  --platform manylinux2014_x86_64 -d .whl): the device has no network
-      python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus-client httpx > $RUN/pip_serve.log 2>&1 \
-        || tail -5 $RUN/pip_serve.log
       timeout ${T_SERVE:-420} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} --json $RUN/serve_probe.json \
         --server-log $RUN/serve.log 2>&1 | tail -6 ;;
     servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
@@ -95,8 +98,8 @@ for step in $STEPS; do
         --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
         --imposed-acceptance 0.8 --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
     sampling)  # model-card sampling against greedy and target-only (scripts/sampling_probe.py)
-      timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py 2>&1 | grep -E "^(speculative|target-only|\{)" \
-        | tee $RUN/sampling_probe.log ;;
+      timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py ${SAMPLING_ARGS:---profile 30} 2>&1 \
+        | grep -E "^(speculative|target-only|profile|  |\{)" | tee $RUN/sampling_probe.log ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac

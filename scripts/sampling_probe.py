@@ -2,6 +2,7 @@
 repetition_penalty 1.05) against greedy, and against target-only (issue 34's figure; GPU).
 
     python scripts/sampling_probe.py          # LFM2.5-1.2B preset + draft, imposed acceptance 0.8
+    python scripts/sampling_probe.py --profile 30   # also the 30 costliest kernels of a batch-1 card-sampling run
 
 Per engine: warm up the captured sizes 1 and 8, one untimed generate, then the median per-request
 TPOT (first to last token over the tokens after the first) of two runs of 256 tokens each.
@@ -9,6 +10,7 @@ TPOT (first to last token over the tokens after the first) of two runs of 256 to
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -37,7 +39,27 @@ def tpot_ms(engine: Engine, prompt: list[int], batch: int, name: str) -> float:
     return statistics.median(tpots)
 
 
+def kernel_table(engine: Engine, prompt: list[int], top: int) -> None:
+    """The costliest kernels (device time per committed token) of one batch-1 card-sampling request:
+    what bounds the sampled round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate([prompt], [params("card", 1)])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = engine.generate([prompt], [params("card", 2)])[0]
+    tokens = len(out.token_ids)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    print(f"profile: {total / tokens:.1f} us of kernel time per token, {out.stats.rounds} rounds, {tokens} tokens")
+    for e in events[:top]:
+        print(f"  {e.device_time_total / tokens:8.2f} us/token {e.count / out.stats.rounds:7.1f} /round  {e.key[:110]}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", type=int, default=0, help="print this many of the costliest kernels")
+    args = parser.parse_args()
     torch.manual_seed(0)
     prompt = torch.randint(100, 60000, (128,)).tolist()
     results = {}
@@ -56,6 +78,8 @@ def main() -> None:
                 key = f"{kind} b{batch} {name}"
                 results[key] = round(tpot_ms(engine, prompt, batch, name), 4)
                 print(key, results[key], "ms", flush=True)
+        if args.profile and kind == "speculative":
+            kernel_table(engine, prompt, args.profile)
         del engine
         torch.cuda.empty_cache()
     print(json.dumps(results))
