@@ -92,7 +92,7 @@ class PrefillRunner:
 
     def bucket(self, rows: int, width: int, start: int) -> tuple[int, int] | None:
         """The smallest bucket holding ``rows x width`` whose padding columns stay inside the cache
-        (positions ``start .. start + W - 1``), or None."""
+        (positions ``start .. start + W - 1``, ``start`` the rows' furthest), or None."""
         for r, w in self.buckets:
             if r >= rows and w >= width and start + w <= self.max_seq_len:
                 return r, w
@@ -108,8 +108,8 @@ class PrefillRunner:
         return (R * W + 1) // 2 * 2, (R + 1) // 2 * 2
 
     @classmethod
-    def _pack(cls, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int, shape: tuple[int, int]
-              ) -> torch.Tensor:
+    def _pack(cls, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+              shape: tuple[int, int]) -> torch.Tensor:
         """One int64 host tensor holding ``ids | slots | start | lens`` (:meth:`_layout`), padded to
         ``shape``: padding rows have slot ``-1`` and length 0, padding tokens are 0."""
         R, W = shape
@@ -121,7 +121,7 @@ class PrefillRunner:
         per_row = flat[n_ids:].view(3, n_row)
         per_row[0] = -1
         per_row[0, :len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
-        per_row[1] = start
+        per_row[1, :len(starts)] = torch.tensor(list(starts), dtype=torch.int64)
         per_row[2, :len(chunks)] = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
         return flat
 
@@ -145,12 +145,12 @@ class PrefillRunner:
         inputs[3].fill_(shape[1])
         return flat, inputs
 
-    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], start: int) -> torch.Tensor:
+    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
         """The logits ``[len(chunks), V]`` of each chunk's last token, after running the chunks (row
-        ``i``: ``chunks[i]`` at positions ``start ..`` of slot ``slots[i]``)."""
+        ``i``: ``chunks[i]`` at positions ``starts[i] ..`` of slot ``slots[i]``)."""
         rows, width = len(chunks), max(len(c) for c in chunks)
-        shape = self.bucket(rows, width, start) or (rows, width)
-        flat = self._pack(chunks, slots, start, shape)
+        shape = self.bucket(rows, width, max(starts)) or (rows, width)
+        flat = self._pack(chunks, slots, starts, shape)
         if shape in self._graphs:
             graph, logits = self._graphs[shape]
             self._inputs[shape].copy_(flat, non_blocking=True)

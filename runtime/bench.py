@@ -161,7 +161,7 @@ def time_prefill(engine: Engine, batch: int, prompt_len: int, iters: int) -> tup
     for _ in range(iters):
         _sync(engine.device)
         t0 = time.perf_counter()
-        runner.run(chunks, slots, 0)
+        runner.run(chunks, slots, [0] * batch)
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
     return percentile(times, 50), runner.bucket(batch, prompt_len, 0)

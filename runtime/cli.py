@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=_positive, default=64, help="engine slots (serve mode)")
     sv.add_argument("--cuda-graph-sizes", type=_int_list, help="batch sizes captured (serve mode; default: the "
                     "engine's, every size to 8 then coarser)")
+    sv.add_argument("--prefill-budget", type=_positive, default=256, help="prompt tokens prefilled per step while "
+                    "requests decode (Engine(prefill_budget=...))")
 
     g = sub.add_parser("generate", help="generate text with a local checkpoint, streaming to the terminal")
     g.add_argument("--target", required=True, help="local HF checkpoint directory of the target")
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "every size to 8, then coarser steps; larger batches pad to the next captured size)")
     s.add_argument("--max-waiting", type=_positive, default=256, help="requests that may wait for a slot; past "
                    "it the server answers 503")
+    s.add_argument("--prefill-budget", type=_positive, default=256, help="prompt tokens prefilled per step while "
+                   "requests decode: an arrival delays the decoding streams by one such chunk per round")
     s.add_argument("--imposed-acceptance", type=_rates, help="per-position acceptance rates for a random-weight "
                    "draft (benchmarks)")
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
@@ -210,7 +214,7 @@ def _bench_serve(args) -> int:
                            num_prompts=args.num_prompts, input_len=args.prompt_len, output_len=args.output_len,
                            range_ratio=args.range_ratio, dataset=args.dataset, request_rate=args.request_rate,
                            max_concurrency=args.max_concurrency, max_batch=args.max_batch,
-                           cuda_graph_sizes=args.cuda_graph_sizes,
+                           cuda_graph_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget,
                            temperature=args.temperature, imposed_acceptance=rates, device=device,
                            dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
                            seed=args.seed, json_path=args.json)
@@ -274,7 +278,7 @@ def _serve(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-              batch_sizes=args.cuda_graph_sizes)
+              batch_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget)
     if args.imposed_acceptance is not None:
         kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     if args.target:

@@ -84,7 +84,7 @@ class Engine:
                  stop_token_ids: Sequence[int] = (), max_batch: int = 8, max_seq_len: int = 4096,
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
-                 prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
+                 prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
                  sampling_defaults: dict | None = None, logprobs_mode: str = "raw"):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
@@ -94,13 +94,17 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         cfg = target.config
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
-                            ("prefill_graph_tokens", prefill_graph_tokens)):
+                            ("prefill_budget", prefill_budget), ("prefill_graph_tokens", prefill_graph_tokens)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1 (prompt tokens prefilled per step while others decode), "
+                             f"got {prefill_budget}")
+        self.prefill_budget = prefill_budget
         if prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no prefill buckets or graphs), "
                              f"got {prefill_graph_tokens}")
@@ -142,6 +146,8 @@ class Engine:
 
         self.pool = SlotPool(max_batch)
         self._queue: deque[Request] = deque()
+        self._prefilling: list[Request] = []       # holding slots, prompt partly in the cache (arrival order)
+        self._followers: dict[int, list[Request]] = {}   # id(prefilling leader) -> the other samples of its prompt
         self._active: list[Request] = []
         self._live: dict[str, Request] = {}        # queued and active requests by id
         self._ids = itertools.count()
@@ -399,15 +405,17 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._active and self._inflight is None
+        return not self._queue and not self._prefilling and not self._active and self._inflight is None
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for a slot."""
         return len(self._queue)
 
     @property
     def num_running(self) -> int:
-        return len(self._active)
+        """Requests holding a slot: prefilling or decoding."""
+        return self.pool.in_use
 
     @property
     def dead(self) -> BaseException | None:
@@ -435,7 +443,7 @@ class Engine:
         engine; an interrupt (not an Exception) is re-raised after its requests are failed."""
         if is_device_error(error):
             self._dead = error
-            concerned = list(self._active) + list(self._queue)
+            concerned = list(self._live.values())
         for req in concerned:
             if not req.finished:
                 events.append(self._end(req, "error", error))
@@ -500,100 +508,129 @@ class Engine:
 
     def _expire(self, events: list[StreamEvent]) -> None:
         now = time.perf_counter()
-        for req in [r for r in (*self._queue, *self._active) if r.expired(now)]:
+        for req in [r for r in self._live.values() if r.expired(now)]:
             if req in self._queue:
                 self._queue.remove(req)
             events.append(self._end(req, "timeout"))
 
     def _admit(self, events: list[StreamEvent]) -> None:
-        batch: list[Request] = []
+        """Give queued requests free slots (first come, first served; the samples of one prompt
+        together, as they share its prefill), then run this step's prefill (:meth:`_prefill_step`)."""
         while self._queue and self.pool.n_free:
             head = self._queue[0]
-            # the samples of one prompt are admitted together: they share its prefill
             members = [head] if head.group is None else [r for r in self._queue if r.group == head.group]
             if len(members) > self.pool.n_free:
-                break                        # first come, first served: wait for enough slots
+                break                        # wait for enough slots
             for req in members:
                 self._queue.remove(req)
                 req.slot = self.pool.acquire()
-                batch.append(req)
-        if not batch:
-            return
-        try:
-            first, first_logprobs = self._prefill(batch)
-        except BaseException as e:          # the prefill wrote only these requests' slots
-            self._contain(e, batch, events)
-            return
-        now = time.perf_counter()
-        for req, token in zip(batch, first):
-            req.first_token_at = now
-            self._active.append(req)
-            events.append(self._emit(req, [token], first_logprobs.get(id(req))))
+                self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
+            self._prefilling.append(members[0])
+            if len(members) > 1:
+                self._followers[id(members[0])] = members[1:]
+        if self._prefilling:
+            self._prefill_step(events)
 
-    def _prefill(self, batch: list[Request]) -> tuple[list[int], dict[int, list[TokenLogprobs]]]:
-        """Prefill the batch; the first token of each request, and the logprobs of those of requests
-        that ask for them (by ``id(request)``). Of several samples of one prompt only the first is
-        prefilled: the others get a copy of its caches and state (:meth:`_share_prefill`) and draw
-        their first token from its logits with their own seeds."""
-        for req in batch:
-            self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
-        sampling = any(r.params.needs_distribution for r in batch)
-        leaders: list[Request] = []
-        followers: dict[int, list[Request]] = {}
-        for req in batch:
-            lead = next((r for r in leaders if req.group is not None and r.group == req.group), None)
-            if lead is None:
-                leaders.append(req)
-            else:
-                followers.setdefault(id(lead), []).append(req)
-        lengths = [len(r.prompt_ids) for r in leaders]
-        first: dict[int, torch.Tensor] = {}
-        scored: list[tuple[Request, torch.Tensor, torch.Tensor]] = []    # (request, scores [V], token) for logprobs
+    def _prefill_step(self, events: list[StreamEvent]) -> None:
+        """Prefill what this step may: while requests are decoding, one forward of at most
+        ``prefill_budget`` prompt tokens (the prefilling requests in arrival order, each at most
+        ``prefill_chunk`` of its prompt), so that an arrival delays the decoding streams by one such
+        chunk per round, however long its prompt; with nothing decoding, every prompt to its end
+        (nobody waits on a round: the chunks run back to back, for the shortest time to first token).
+        Requests whose prompt is complete get their first token and decode from the next round on.
+        A failure here ends the requests of the failing forward (and their samples) only."""
+        finished: list[tuple[Request, torch.Tensor, torch.Tensor]] = []   # (request, first token, its scores [V])
+        while self._prefilling:
+            budget = self.prefill_budget if self._active else None
+            rows, chunks = [], []
+            for req in self._prefilling:
+                take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
+                if budget is not None:
+                    take = min(take, budget - sum(len(c) for c in chunks))
+                if take <= 0:
+                    break
+                rows.append(req)
+                chunks.append(req.prompt_ids[req.prefilled:req.prefilled + take])
+            if not rows:
+                break
+            try:
+                finished += self._prefill_forward(rows, chunks)
+            except BaseException as e:          # the forward wrote only these requests' slots
+                concerned = [r for lead in rows for r in (lead, *self._followers.pop(id(lead), []))]
+                self._prefilling = [r for r in self._prefilling if r not in rows]
+                self._contain(e, concerned, events)
+                break
+            if budget is not None:
+                break                            # one budgeted forward per step
+        if finished:
+            self._start_decoding(finished, events)
+
+    def _prefill_forward(self, rows: list[Request], chunks: list[list[int]]
+                         ) -> list[tuple[Request, torch.Tensor, torch.Tensor]]:
+        """One prefill forward of ``chunks[i]`` for ``rows[i]`` (from where its prompt stands), and the
+        first token of each row whose prompt it completes (picked on the device: nothing waits for it
+        here). Returns ``(request, token, scores)`` for those rows and the samples sharing their prompt."""
+        starts = [r.prefilled for r in rows]
+        logits = self._prefill_chunk(rows, chunks, starts)
+        for req, chunk in zip(rows, chunks):
+            req.prefilled += len(chunk)
+        done = [i for i, r in enumerate(rows) if r.prefilled == len(r.prompt_ids)]
+        if not done:
+            return []
+        self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt_ids)]
+        sampling = any(r.params.needs_distribution for i in done
+                       for r in (rows[i], *self._followers.get(id(rows[i]), [])))
         t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-        for c0 in range(0, max(lengths), self.prefill_chunk):
-            rows = [i for i, n in enumerate(lengths) if n > c0]
-            chunks = [leaders[i].prompt_ids[c0:c0 + self.prefill_chunk] for i in rows]
-            slots = [leaders[i].slot for i in rows]
-            logits = self._prefill_chunk([leaders[i] for i in rows], chunks, c0)
-            picked, scores = self.steps.prefill_pick(logits, t(slots), t([c0 + len(c) for c in chunks]), sampling)
-            for j, i in enumerate(rows):
-                lead = leaders[i]
-                if lengths[i] > c0 + self.prefill_chunk:
-                    continue                 # its prompt goes on in the next chunk
-                first[id(lead)] = picked[j]
-                scored.append((lead, scores[j], picked[j]))
-                for req, token, row_scores in self._share_prefill(lead, followers.get(id(lead), []), logits[j],
-                                                                  sampling):
-                    first[id(req)] = token
-                    scored.append((req, row_scores, token))
-                    req.prompt_logprobs = lead.prompt_logprobs
-        want = [(req, sc, tok) for req, sc, tok in scored if req.params.logprobs is not None]
+        index = t(done)
+        picked, scores = self.steps.prefill_pick(logits.index_select(0, index), t([rows[i].slot for i in done]),
+                                                 t([len(rows[i].prompt_ids) for i in done]), sampling)
+        out = []
+        for j, i in enumerate(done):
+            lead = rows[i]
+            out.append((lead, picked[j], scores[j]))
+            others = self._followers.pop(id(lead), [])
+            for req, token, row_scores in self._share_prefill(lead, others, logits[i], sampling):
+                req.prompt_logprobs = lead.prompt_logprobs
+                out.append((req, token, row_scores))
+        return out
+
+    def _start_decoding(self, started: list[tuple[Request, torch.Tensor, torch.Tensor]],
+                        events: list[StreamEvent]) -> None:
+        """``started``: ``(request, first token, its scores)``. Hand each request whose prefill finished its first token (one host sync for them all) and
+        its logprobs, and make it active: the next round advances it."""
+        want = [(req, tok, sc) for req, tok, sc in started if req.params.logprobs is not None]
         lp = None
         if want:
-            lp = token_logprobs(torch.stack([sc for _, sc, _ in want]), torch.stack([tok for _, _, tok in want]),
+            lp = token_logprobs(torch.stack([sc for _, _, sc in want]), torch.stack([tok for _, tok, _ in want]),
                                 max(req.params.logprobs for req, _, _ in want)).to_host()
-        # one host sync for the batch, after which the logprobs' host copies (queued before) are complete too
-        tokens = torch.stack([first[id(r)] for r in batch]).tolist()
-        records = {id(req): lp.records([first_token], j, 1, req.params.logprobs)
-                   for j, (req, first_token) in enumerate((req, tokens[batch.index(req)]) for req, _, _ in want)}
-        return tokens, records
+        # one host sync, after which the logprobs' host copies (queued before it) are complete too
+        tokens = torch.stack([tok for _, tok, _ in started]).tolist()
+        first_token = {id(req): token for (req, _, _), token in zip(started, tokens)}
+        records = {id(req): lp.records([first_token[id(req)]], j, 1, req.params.logprobs)
+                   for j, (req, _, _) in enumerate(want)}
+        now = time.perf_counter()
+        for req, _, _ in started:
+            req.first_token_at = now
+            self._active.append(req)
+            events.append(self._emit(req, [first_token[id(req)]], records.get(id(req))))
 
-    def _prefill_chunk(self, rows: list[Request], chunks: list[list[int]], start: int) -> torch.Tensor:
-        """Run one chunk of each row's prompt (from position ``start``); the logits ``[len(rows), V]`` of
-        each chunk's last token. Rows that ask for prompt logprobs run eagerly with every position's
-        logits (they are rare, and no graph holds logits of every position), the others from the
-        prefill runner's buckets."""
+    def _prefill_chunk(self, rows: list[Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run one chunk of each row's prompt (row ``i`` from position ``starts[i]``); the logits
+        ``[len(rows), V]`` of each chunk's last token. Rows that ask for prompt logprobs run eagerly
+        with every position's logits (they are rare, and no graph holds logits of every position),
+        the others from the prefill runner's buckets."""
         plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None]
         if len(plain) == len(rows):
-            return self.prefill_runner.run(chunks, [r.slot for r in rows], start)
+            return self.prefill_runner.run(chunks, [r.slot for r in rows], starts)
         out: list[torch.Tensor | None] = [None] * len(rows)
         if plain:
-            logits = self.prefill_runner.run([chunks[i] for i in plain], [rows[i].slot for i in plain], start)
+            logits = self.prefill_runner.run([chunks[i] for i in plain], [rows[i].slot for i in plain],
+                                             [starts[i] for i in plain])
             for j, i in enumerate(plain):
                 out[i] = logits[j]
         for i, req in enumerate(rows):
             if out[i] is None:
-                out[i] = self._prefill_with_prompt_logprobs(req, chunks[i], start)
+                out[i] = self._prefill_with_prompt_logprobs(req, chunks[i], starts[i])
         return torch.stack(out)
 
     def _prefill_with_prompt_logprobs(self, req: Request, chunk: list[int], start: int) -> torch.Tensor:
@@ -773,6 +810,7 @@ class Engine:
             req.slot = None
         if req in self._active:
             self._active.remove(req)
+        self._leave_prefill(req)
         self._live.pop(req.request_id, None)
         stats = RequestStats(accept_lengths=req.accept_lengths, block_size=self.block_size,
                              imposed_acceptance=self.imposed_acceptance is not None,
@@ -786,6 +824,23 @@ class Engine:
                                 stop_reason=req.stop_reason, sample=req.sample,
                                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                                 prompt_logprobs=req.prompt_logprobs)
+
+    def _leave_prefill(self, req: Request) -> None:
+        """Take a finishing request out of the prefill: a leader's first waiting sample takes its place,
+        prefilling its own slot from the start."""
+        for followers in self._followers.values():
+            if req in followers:
+                followers.remove(req)
+        if req not in self._prefilling:
+            return
+        i = self._prefilling.index(req)
+        others = self._followers.pop(id(req), [])
+        if others:
+            self._prefilling[i] = others[0]
+            if others[1:]:
+                self._followers[id(others[0])] = others[1:]
+        else:
+            del self._prefilling[i]
 
     def _cancel(self, requests: list[Request], reason: str = "cancelled") -> None:
         for req in requests:

@@ -67,6 +67,7 @@ class Request:
     submitted: float              # time.perf_counter()
     sink: Callable[[StreamEvent], None] | None = None     # where its events go
     slot: int | None = None
+    prefilled: int = 0                  # prompt tokens in the cache (prefill runs in chunks across steps)
     output: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -51,6 +51,7 @@ class ServeBenchConfig:
     max_concurrency: int | None = None
     max_batch: int = 64
     cuda_graph_sizes: list[int] | None = None      # the batch sizes captured (None: the engine's default)
+    prefill_budget: int = 256                      # Engine(prefill_budget=...)
     temperature: float = 0.0
     imposed_acceptance: list[float] | None = None
     device: str = "cpu"
@@ -188,7 +189,7 @@ def _build(cfg: ServeBenchConfig, speculative: bool) -> Engine:
     from .bench import _dtype
 
     kw = dict(dtype=_dtype(cfg.dtype), device=cfg.device, max_batch=cfg.max_batch,
-              max_seq_len=_seq_len(cfg), batch_sizes=cfg.cuda_graph_sizes)
+              max_seq_len=_seq_len(cfg), batch_sizes=cfg.cuda_graph_sizes, prefill_budget=cfg.prefill_budget)
     if speculative and cfg.imposed_acceptance is not None:
         kw["imposed_acceptance"] = cfg.imposed_acceptance
     if cfg.target_dir:

@@ -102,12 +102,12 @@ def test_packed_chunk_inputs_are_16_byte_aligned_views_that_round_trip(shape):
     contiguous, and holds what was packed (padding rows: slot -1, length 0; padding tokens 0)."""
     R, W = shape
     chunks = [[r * 10 + t + 1 for t in range(W - r)] for r in range(R - 1)]
-    flat = PrefillRunner._pack(chunks, list(range(R - 1)), 37, shape)
+    flat = PrefillRunner._pack(chunks, list(range(R - 1)), [37] * (R - 1), shape)
     ids, slots, start, lens = PrefillRunner._unpack(flat, shape)
     for t in (ids, slots, start, lens):
         assert t.is_contiguous() and t.storage_offset() * t.element_size() % 16 == 0
     assert ids.shape == shape and slots.shape == start.shape == lens.shape == (R,)
-    assert slots.tolist() == list(range(R - 1)) + [-1] and start.tolist() == [37] * R
+    assert slots.tolist() == list(range(R - 1)) + [-1] and start.tolist() == [37] * (R - 1) + [0]
     assert lens.tolist() == [W - r for r in range(R - 1)] + [0]
     for r, chunk in enumerate(chunks):
         assert ids[r].tolist() == chunk + [0] * r
@@ -121,7 +121,7 @@ def test_warmup_inputs_are_all_padding_rows_over_every_column(shape):
     R, W = shape
     runner = PrefillRunner(lambda *a: None, torch.device("cpu"), [shape], max_seq_len=1024)
     flat, (ids, slots, start, lens) = runner.padding_inputs(shape)
-    assert flat.shape == PrefillRunner._pack([[1]], [0], 0, shape).shape
+    assert flat.shape == PrefillRunner._pack([[1]], [0], [0], shape).shape
     assert ids.shape == shape and not ids.any()
     assert slots.tolist() == [-1] * R and start.tolist() == [0] * R and lens.tolist() == [W] * R
     for t in (ids, slots, start, lens):

@@ -43,7 +43,7 @@ def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
     slots, shape = [2, 0, 1], (4, 128)
 
     def eager(start: int) -> torch.Tensor:
-        return runner.forward(*runner._unpack(runner._pack(chunks, slots, start, shape).cuda(), shape))[:3]
+        return runner.forward(*runner._unpack(runner._pack(chunks, slots, [start] * 3, shape).cuda(), shape))[:3]
 
     for t in _cache_tensors(engine).values():
         t.zero_()
@@ -53,7 +53,7 @@ def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
         expected_caches = _snapshot(engine)
         _restore(engine, before)
         assert runner.bucket(3, 70, start) == shape
-        replayed = runner.run(chunks, slots, start).clone()
+        replayed = runner.run(chunks, slots, [start] * 3).clone()
         torch.cuda.synchronize()
         assert torch.equal(replayed, expected)
         for name, t in _cache_tensors(engine).items():
