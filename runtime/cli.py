@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=_positive, default=64, help="engine slots (serve mode)")
     sv.add_argument("--cuda-graph-sizes", type=_int_list, help="batch sizes captured (serve mode; default: the "
                     "engine's, every size to 8 then coarser)")
+    sv.add_argument("--capacity-fraction", type=float, help="measure each engine's capacity (the trace all at "
+                    "once), then serve the trace with Poisson arrivals at this fraction of it (e.g. 0.7)")
     sv.add_argument("--prefill-budget", type=_positive, default=256, help="prompt tokens prefilled per step while "
                     "requests decode (Engine(prefill_budget=...))")
 
@@ -215,6 +217,7 @@ def _bench_serve(args) -> int:
                            range_ratio=args.range_ratio, dataset=args.dataset, request_rate=args.request_rate,
                            max_concurrency=args.max_concurrency, max_batch=args.max_batch,
                            cuda_graph_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget,
+                           capacity_fraction=args.capacity_fraction,
                            temperature=args.temperature, imposed_acceptance=rates, device=device,
                            dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
                            seed=args.seed, json_path=args.json)

@@ -52,6 +52,9 @@ class ServeBenchConfig:
     max_batch: int = 64
     cuda_graph_sizes: list[int] | None = None      # the batch sizes captured (None: the engine's default)
     prefill_budget: int = 256                      # Engine(prefill_budget=...)
+    # set: each engine first serves the trace all at once (its capacity, requests per second at
+    # saturation), then again with Poisson arrivals at this fraction of that capacity
+    capacity_fraction: float | None = None
     temperature: float = 0.0
     imposed_acceptance: list[float] | None = None
     device: str = "cpu"
@@ -106,12 +109,17 @@ def make_trace(cfg: ServeBenchConfig, vocab: int) -> _Trace:
     else:
         prompts = [[rng.randrange(1, vocab) for _ in range(length(cfg.input_len))] for _ in range(cfg.num_prompts)]
         output_lens = [length(cfg.output_len) for _ in prompts]
+    return _Trace(prompts, output_lens, poisson_arrivals(len(prompts), cfg.request_rate, rng))
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival times (seconds from the start) of ``n`` requests at ``rate`` per second (inf: all at 0)."""
     t, arrivals = 0.0, []
-    for _ in prompts:
+    for _ in range(n):
         arrivals.append(t)
-        if math.isfinite(cfg.request_rate):
-            t += rng.expovariate(cfg.request_rate)
-    return _Trace(prompts, output_lens, arrivals)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    return arrivals
 
 
 async def _drive(engine: AsyncEngine, trace: _Trace, cfg: ServeBenchConfig) -> tuple[list[_Result], float]:
@@ -206,6 +214,8 @@ def _seq_len(cfg: ServeBenchConfig) -> int:
 
 def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     """Both engines on one trace; the report (also written to ``cfg.json_path``)."""
+    if cfg.capacity_fraction is not None and not 0 < cfg.capacity_fraction <= 1:
+        raise ValueError(f"capacity_fraction must be in (0, 1], got {cfg.capacity_fraction}")
     kinds = ["target_only"]
     if cfg.draft_dir or (not cfg.target_dir and cfg.draft_preset):
         kinds.append("speculative")
@@ -223,9 +233,23 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             torch.cuda.reset_peak_memory_stats(engine.device)
         log.info("%s: %d requests, rate %s/s", kind, len(trace.prompts), cfg.request_rate)
 
-        results, duration = asyncio.run(_serve_trace(engine, trace, cfg))
+        served = trace
+        if cfg.capacity_fraction is not None:
+            at_once = _Trace(trace.prompts, trace.output_lens, [0.0] * len(trace.prompts))
+            results, duration = asyncio.run(_serve_trace(engine, at_once, cfg))
+            saturation = _summarise(results, duration, None, warmup_s)
+            report["results"][f"{kind}_saturation"] = saturation
+            rate = cfg.capacity_fraction * saturation["request_throughput"]
+            served = _Trace(trace.prompts, trace.output_lens,
+                            poisson_arrivals(len(trace.prompts), rate, random.Random(cfg.seed + 1)))
+            log.info("%s: capacity %.2f req/s; serving at %.2f req/s", kind, saturation["request_throughput"], rate)
+            if engine.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(engine.device)
+        results, duration = asyncio.run(_serve_trace(engine, served, cfg))
         peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
         report["results"][kind] = _summarise(results, duration, peak, warmup_s)
+        if cfg.capacity_fraction is not None:
+            report["results"][kind]["request_rate"] = rate
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -238,8 +262,10 @@ def format_report(report: dict) -> str:
     """vLLM's ``bench serve`` block, once per engine."""
     lines = []
     for kind, r in report["results"].items():
-        lines += [f"{' Serving Benchmark Result: ' + kind + ' ':=^60}",
-                  f"{'Successful requests:':<44}{r['successful_requests']}",
+        lines += [f"{' Serving Benchmark Result: ' + kind + ' ':=^60}"]
+        if "request_rate" in r:
+            lines.append(f"{'Request rate (req/s):':<44}{r['request_rate']:.2f}")
+        lines += [f"{'Successful requests:':<44}{r['successful_requests']}",
                   f"{'Failed requests:':<44}{r['failed_requests']}",
                   f"{'Benchmark duration (s):':<44}{r['duration_s']:.2f}",
                   f"{'Total input tokens:':<44}{r['total_input_tokens']}",

@@ -93,10 +93,11 @@ for step in $STEPS; do
       timeout ${T_SERVE:-420} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} --json $RUN/serve_probe.json \
         --server-log $RUN/serve.log 2>&1 | tail -6 ;;
     servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
+                 # (SERVE_ARGS="--capacity-fraction 0.7": at 70% of each engine's measured capacity)
       timeout ${T_SERVEBENCH:-480} lfmspark bench serve --preset ${SERVE_PRESET:-lfm2.5-1.2b} --max-batch ${SERVE_BATCH:-64} \
         --cuda-graph-sizes ${SERVE_SIZES:-1,8,16,32,64} \
         --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
-        --imposed-acceptance 0.8 --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
+        --imposed-acceptance 0.8 ${SERVE_ARGS:-} --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
     sampling)  # model-card sampling against greedy and target-only (scripts/sampling_probe.py)
       timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py ${SAMPLING_ARGS:---profile 30} 2>&1 \
         | grep -E "^(speculative|target-only|profile|  |\{)" | tee $RUN/sampling_probe.log ;;

@@ -39,6 +39,21 @@ def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
     assert "Serving Benchmark Result: speculative" in text and "Median TTFT (ms):" in text
 
 
+def test_a_fraction_of_the_measured_capacity(tmp_path):
+    """--capacity-fraction: each engine serves the trace all at once (its capacity), then at the given
+    fraction of that rate; both runs reported, the rate with them."""
+    cfg = ServeBenchConfig(preset="tiny", draft_preset=None, num_prompts=8, input_len=10, output_len=6,
+                           max_batch=4, capacity_fraction=0.5)
+    results = run_serve_bench(cfg)["results"]
+    assert set(results) == {"target_only_saturation", "target_only"}
+    saturation, served = results["target_only_saturation"], results["target_only"]
+    assert saturation["successful_requests"] == served["successful_requests"] == 8
+    assert served["request_rate"] == pytest.approx(0.5 * saturation["request_throughput"])
+    assert "Request rate (req/s):" in format_report({"results": results})
+    with pytest.raises(ValueError, match="capacity_fraction"):
+        run_serve_bench(ServeBenchConfig(preset="tiny", capacity_fraction=1.5))
+
+
 def test_arrivals_are_poisson_at_the_rate_or_all_at_once():
     cfg = ServeBenchConfig(num_prompts=4000, input_len=4, output_len=4, request_rate=20.0)
     arrivals = make_trace(cfg, vocab=64).arrivals
