@@ -533,8 +533,8 @@ class Engine:
 
     def _prefill_step(self, events: list[StreamEvent]) -> None:
         """Prefill what this step may: while requests are decoding, one forward of at most
-        ``prefill_budget`` prompt tokens (the prefilling requests in arrival order, each at most
-        ``prefill_chunk`` of its prompt), so that an arrival delays the decoding streams by one such
+        ``prefill_budget`` prompt tokens, padding included (the prefilling requests in arrival order,
+        each at most ``prefill_chunk`` of its prompt: :meth:`_next_chunks`), so that an arrival delays the decoding streams by one such
         chunk per round, however long its prompt; with nothing decoding, every prompt to its end
         (nobody waits on a round: the chunks run back to back, for the shortest time to first token).
         Requests whose prompt is complete get their first token and decode from the next round on.
@@ -542,15 +542,7 @@ class Engine:
         finished: list[tuple[Request, torch.Tensor, torch.Tensor]] = []   # (request, first token, its scores [V])
         while self._prefilling:
             budget = self.prefill_budget if self._active else None
-            rows, chunks = [], []
-            for req in self._prefilling:
-                take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
-                if budget is not None:
-                    take = min(take, budget - sum(len(c) for c in chunks))
-                if take <= 0:
-                    break
-                rows.append(req)
-                chunks.append(req.prompt_ids[req.prefilled:req.prefilled + take])
+            rows, chunks = self._next_chunks(budget)
             if not rows:
                 break
             try:
@@ -564,6 +556,26 @@ class Engine:
                 break                            # one budgeted forward per step
         if finished:
             self._start_decoding(finished, events)
+
+    def _next_chunks(self, budget: int | None) -> tuple[list[Request], list[list[int]]]:
+        """The prefilling requests and prompt chunks of the next forward. Unbudgeted: every one, each
+        up to ``prefill_chunk``. With a budget, the forward's padded size stays within it: a forward
+        runs ``rows x width`` tokens (shorter rows are padded, and the prefill buckets round the rows
+        up to a power of two), so the ``n``-th row may take at most ``budget / next_pow2(n)`` tokens,
+        and is not added once the rows taken are already wider than that. The first arrival takes the
+        whole budget; a second joins only when the first's prompt is nearly in."""
+        rows, chunks, width = [], [], 0
+        for req in self._prefilling:
+            take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
+            if budget is not None:
+                cap = budget // (1 << len(rows).bit_length())     # rows 1, 2, 3-4, 5-8, ...: budget / that
+                if width > cap or cap == 0:
+                    break
+                take = min(take, cap)
+            rows.append(req)
+            chunks.append(req.prompt_ids[req.prefilled:req.prefilled + take])
+            width = max(width, take)
+        return rows, chunks
 
     def _prefill_forward(self, rows: list[Request], chunks: list[list[int]]
                          ) -> list[tuple[Request, torch.Tensor, torch.Tensor]]:

@@ -77,7 +77,7 @@ for step in $STEPS; do
       for tree in ${OLD_TREE:-.devrun/old} .; do
         name=$([ "$tree" = . ] && echo new || echo old)
         python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_$name.log 2>&1 || { tail $RUN/install_$name.log; continue; }
-        for preset in lfm2.5-1.2b:1,8 lfm2-8b-a1b:1; do
+        for preset in ${OLDNEW_PRESETS:-lfm2.5-1.2b:1,8 lfm2-8b-a1b:1}; do
           p=${preset%%:*}; b=${preset#*:}
           echo "--- $name $p $b"
           (cd $tree && LFMSPARK_CACHE_DIR=/tmp/oldnew_$name TORCHINDUCTOR_CACHE_DIR=/tmp/oldnew_$name timeout ${T_OLDNEW:-240} \

@@ -32,10 +32,15 @@ class PrefillLog:
 
     def __init__(self, engine: Engine):
         self.calls: list[tuple[int, int]] = []
+        self.padded: list[int] = []         # rows (to a power of two, as the buckets) x the widest chunk
+        self.rows: list[int] = []
         real = engine.prefill_runner.run
 
         def run(chunks, slots, starts):
             self.calls.append((sum(len(c) for c in chunks), len(engine._active)))
+            if engine._active:
+                self.padded.append((1 << (len(chunks) - 1).bit_length()) * max(len(c) for c in chunks))
+                self.rows.append(len(chunks))
             return real(chunks, slots, starts)
         engine.prefill_runner.run = run
 
@@ -73,21 +78,24 @@ def test_an_arrival_changes_no_ones_tokens_and_waits_its_chunks(target, draft, s
 
 
 def test_several_arrivals_share_the_budget_in_arrival_order(target, draft):
-    e = make(target, draft, True, prefill_chunk=3)
+    """b (5 tokens) takes the whole budget of 4, then its last token leaves room for c's first two:
+    a forward's rows x widest chunk stays within the budget; everyone's tokens are their own."""
+    e = make(target, draft, True, prefill_chunk=8)
     log = PrefillLog(e)
     e.add_request(RUNNING, params(False, 0, 40), request_id="a")
     e.step()
-    e.add_request(ARRIVAL[:7], params(False, 0, 4), request_id="b")
-    e.add_request(ARRIVAL[7:12], params(False, 0, 4), request_id="c")
+    e.add_request(ARRIVAL[:5], params(False, 0, 4), request_id="b")
+    e.add_request(ARRIVAL[5:12], params(False, 0, 4), request_id="c")
     outs = {}
     while not e.idle:
         for ev in e.step():
             if ev.finished:
                 outs[ev.request_id] = ev.output.token_ids
-    assert all(n <= 4 for n, active in log.calls if active)
-    assert sum(n for n, _ in log.calls) == len(RUNNING) + 7 + 5     # every prompt token prefilled once
-    assert outs["b"] == alone(target, draft, True, ARRIVAL[:7], params(False, 0, 4))
-    assert outs["c"] == alone(target, draft, True, ARRIVAL[7:12], params(False, 0, 4))
+    assert [n for n, active in log.calls if active] == [4, 1 + 2, 4, 1]
+    assert log.rows == [1, 2, 1, 1] and max(log.padded) <= 4      # padding counted too
+    assert sum(n for n, _ in log.calls) == len(RUNNING) + 5 + 7     # every prompt token prefilled once
+    assert outs["b"] == alone(target, draft, True, ARRIVAL[:5], params(False, 0, 4))
+    assert outs["c"] == alone(target, draft, True, ARRIVAL[5:12], params(False, 0, 4))
 
 
 def test_with_nothing_decoding_a_prompt_is_prefilled_whole_in_its_first_step(target, draft):
