@@ -1,6 +1,6 @@
 """CUDA graph capture of the step functions, one graph per batch size (DESIGN §5).
 
-Each step (``decode`` or the speculative ``round``, greedy and sampling variants) runs its regions
+Each step (``decode`` or the speculative ``round``, a variant per sampling mode: runtime/distributions.py) runs its regions
 compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own
 cudagraphs; graphs/compile.py says which regions). It runs on a side stream to warm up
 (compilation, Triton autotuning, cuBLAS handles happen there, never during capture), then is
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..runtime.distributions import SamplingMode
 from .compile import compile_regions
 from .runner import StepKind, WarmupEntry, WarmupReport
 
@@ -58,23 +59,23 @@ class CudaGraphRunner:
         self._last: dict[int, list[int]] = {b: [-1] * b for b in self.batch_sizes}
         self._staging = [torch.empty(self.batch_sizes[-1], dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._flip = 0
-        self._graphs: dict[tuple[StepKind, bool, int], _Captured] = {}
+        self._graphs: dict[tuple[StepKind, SamplingMode, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
         # every warm-up run and capture of the steps runs here; the engine captures its prefill graphs here
         # too (graphs/prefill.py says why it avoids other side streams)
         self.capture_stream = torch.cuda.Stream(device)
 
     # step bodies returning plain tensors (what a graph can hold)
-    def _decode(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.steps.decode(slots, sampling)
+    def _decode(self, slots: torch.Tensor, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.steps.decode(slots, mode)
         return out.tokens, out.n_new, out.scores
 
-    def _round(self, slots: torch.Tensor, sampling: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.steps.spec_round(slots, sampling)
+    def _round(self, slots: torch.Tensor, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.steps.spec_round(slots, mode)
         return out.tokens, out.n_new, out.scores
 
     # -- capture ----------------------------------------------------------------------------
-    def _capture(self, kind: StepKind, sampling: bool, bs: int) -> WarmupEntry:
+    def _capture(self, kind: StepKind, mode: SamplingMode, bs: int) -> WarmupEntry:
         fn, slots = self._fns[kind], self._slots[bs]
         slots.fill_(-1)
         self._last[bs] = [-1] * bs
@@ -82,7 +83,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         with torch.cuda.stream(self.capture_stream):
             for _ in range(2):                  # the first call compiles; the second is a clean warm run
-                fn(slots, sampling)
+                fn(slots, mode)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         # the pool's growth: release cached blocks first, or the capture may recycle them and the
@@ -91,29 +92,29 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream):
-            outputs = fn(slots, sampling)
+            outputs = fn(slots, mode)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        self._graphs[(kind, sampling, bs)] = _Captured(graph, outputs)
-        return WarmupEntry(kind.value, sampling, bs, compile_s=t1 - t0, capture_s=t2 - t1,
+        self._graphs[(kind, mode, bs)] = _Captured(graph, outputs)
+        return WarmupEntry(kind.value, mode.value, bs, compile_s=t1 - t0, capture_s=t2 - t1,
                            graph_bytes=torch.cuda.memory_reserved(self.device) - before)
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
-               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:
+               modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport:
         from torch._dynamo.utils import counters
 
         report = WarmupReport(mode="cuda-graphs")
         cache_before = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         t_all = time.perf_counter()
-        todo = [(k, s, b) for k in kinds for s in sampling_modes for b in reversed(self.batch_sizes)]
-        for i, (kind, sampling, bs) in enumerate(todo):
-            if (kind, sampling, bs) in self._graphs:
+        todo = [(k, m, b) for k in kinds for m in modes for b in reversed(self.batch_sizes)]
+        for i, (kind, mode, bs) in enumerate(todo):
+            if (kind, mode, bs) in self._graphs:
                 continue
-            entry = self._capture(kind, sampling, bs)
+            entry = self._capture(kind, mode, bs)
             report.entries.append(entry)
             if progress:
                 log.info("[%d/%d] %s %s bs=%d: compile %.2fs, capture %.3fs, %.1f MiB", i + 1, len(todo), kind.value,
-                         "sample" if sampling else "greedy", bs, entry.compile_s, entry.capture_s,
+                         mode.value, bs, entry.compile_s, entry.capture_s,
                          entry.graph_bytes / 2**20)
         report.total_s = time.perf_counter() - t_all
         if progress:       # the counters are per process: report this warm-up's share
@@ -122,16 +123,16 @@ class CudaGraphRunner:
         return report
 
     # -- replay -----------------------------------------------------------------------------
-    def run(self, kind: StepKind, slots: list[int], sampling: bool):
+    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode):
         i = bisect.bisect_left(self.batch_sizes, len(slots))
         if i == len(self.batch_sizes):
             raise ValueError(f"batch of {len(slots)} rows exceeds the largest captured size {self.batch_sizes[-1]}")
         bs = self.batch_sizes[i]
-        key = (kind, sampling, bs)
+        key = (kind, mode, bs)
         if key not in self._graphs:
             log.warning("capturing %s %s bs=%d on first use: call Engine.warmup() before taking traffic",
-                        kind.value, "sample" if sampling else "greedy", bs)
-            self._capture(kind, sampling, bs)
+                        kind.value, mode.value, bs)
+            self._capture(kind, mode, bs)
         padded = list(slots) + [-1] * (bs - len(slots))
         if padded != self._last[bs]:
             self._flip ^= 1

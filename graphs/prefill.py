@@ -187,7 +187,7 @@ class PrefillRunner:
             self.forward(*inputs)
             torch.cuda.synchronize(self.device)
             t1 = time.perf_counter()
-            entry = WarmupEntry(f"prefill {R}x{W}", False, R, compile_s=t1 - t0)
+            entry = WarmupEntry(f"prefill {R}x{W}", "any", R, compile_s=t1 - t0)
             if capture:
                 torch.cuda.empty_cache()     # as graphs/capture.py: so the pool's growth is not negative
                 before = torch.cuda.memory_reserved(self.device)

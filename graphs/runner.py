@@ -11,11 +11,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from ..runtime.distributions import SamplingMode
 from .compile import compile_regions
 
 log = logging.getLogger("lfmspark")
@@ -41,7 +43,7 @@ class StepKind(enum.Enum):
 @dataclass
 class WarmupEntry:
     kind: str
-    sampling: bool
+    mode: str                             # SamplingMode.value ("any": a prefill graph, logits only)
     batch_size: int
     compile_s: float
     capture_s: float = 0.0
@@ -62,16 +64,16 @@ class WarmupReport:
     def table(self) -> str:
         from tabulate import tabulate
 
-        rows = [[e.kind, "sample" if e.sampling else "greedy", e.batch_size, f"{e.compile_s:.2f}", f"{e.capture_s:.3f}",
+        rows = [[e.kind, e.mode, e.batch_size, f"{e.compile_s:.2f}", f"{e.capture_s:.3f}",
                  f"{e.graph_bytes / 2**20:.1f}"] for e in self.entries]
         return tabulate(rows, headers=["step", "mode", "batch", "compile s", "capture s", "graph MiB"])
 
 
 class StepRunner(Protocol):
-    def run(self, kind: StepKind, slots: list[int], sampling: bool): ...
+    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode): ...
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
-               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport: ...
+               modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport: ...
 
 
 class EagerRunner:
@@ -88,18 +90,18 @@ class EagerRunner:
             compile_regions(steps, len(self.buckets))
         self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
 
-    def run(self, kind: StepKind, slots: list[int], sampling: bool):
+    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode):
         if self.buckets:
             size = next(b for b in self.buckets if b >= len(slots))
             slots = list(slots) + [-1] * (size - len(slots))
         slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.compiled:
-            return self._fns[kind](slots_t, sampling)
+            return self._fns[kind](slots_t, mode)
         with _below_autograd():
-            return self._fns[kind](slots_t, sampling)
+            return self._fns[kind](slots_t, mode)
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
-               sampling_modes: tuple[bool, ...] = (False, True)) -> WarmupReport:
+               modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport:
         """Nothing to capture; when compiling, compile batch size 1 of each step up front
         (with every row a padding row, so no slot state changes)."""
         report = WarmupReport(mode="compiled" if self.compiled else "eager")
@@ -107,11 +109,11 @@ class EagerRunner:
             return report
         t_all = time.perf_counter()
         for kind in kinds:
-            for sampling in sampling_modes:
+            for mode in modes:
                 t0 = time.perf_counter()
-                self.run(kind, [-1], sampling)
-                report.entries.append(WarmupEntry(kind.value, sampling, 1, time.perf_counter() - t0))
+                self.run(kind, [-1], mode)
+                report.entries.append(WarmupEntry(kind.value, mode.value, 1, time.perf_counter() - t0))
                 if progress:
-                    log.info("compiled %s (%s)", kind.value, "sample" if sampling else "greedy")
+                    log.info("compiled %s (%s)", kind.value, mode.value)
         report.total_s = time.perf_counter() - t_all
         return report

@@ -31,6 +31,7 @@ from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
+from .distributions import SamplingMode, sampling_mode
 from .engine import Engine
 from .sampling import SamplingParams
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
@@ -134,7 +135,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> float:
+def bench_mode(temperature: float, engine: Engine) -> SamplingMode:
+    """The sampling mode the benchmark's requests (``temperature``, no other parameter) run in."""
+    return sampling_mode([SamplingParams(temperature=temperature)], engine.config.vocab_size)
+
+
+def time_replays(engine: Engine, batch: int, iters: int, mode: SamplingMode) -> float:
     """Median seconds of one step (decode or round) for ``batch`` real rows, graph-replayed on a GPU.
     Runs on the slots the measured requests used (now free); their lengths are restored after."""
     slots = list(range(batch))
@@ -143,7 +149,7 @@ def time_replays(engine: Engine, batch: int, iters: int, sampling: bool) -> floa
     for _ in range(iters):
         _sync(engine.device)
         t0 = time.perf_counter()
-        engine.runner.run(engine.step_kind, slots, sampling)
+        engine.runner.run(engine.step_kind, slots, mode)
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
     engine.state.seq_len.copy_(saved[0])
@@ -177,13 +183,13 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     saved = engine.state.seq_len.clone(), engine.state.anchor.clone()   # each commit advances the rows
 
     def draft_phase():
-        inp = steps.round_inputs(slots, False)
+        inp = steps.round_inputs(slots, SamplingMode.GREEDY)
         return steps.round_draft(inp).tokens
 
     tokens = draft_phase()
 
     def verify_phase():
-        v = steps.round_verify(steps.round_inputs(slots, False), tokens)
+        v = steps.round_verify(steps.round_inputs(slots, SamplingMode.GREEDY), tokens)
         steps.join_injection()   # the verify forked the draft's context injection: timed here
         return v.hidden, v.delta, v.aux, v.rows, v.injected
 
@@ -193,7 +199,7 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
         from .steps import Drafted, Verified
 
         # round_commit: with the injection's fork where the verify did not fork it (injected False)
-        out = steps.round_commit(steps.round_inputs(slots, False), Drafted(tokens, None),
+        out = steps.round_commit(steps.round_inputs(slots, SamplingMode.GREEDY), Drafted(tokens, None),
                                  Verified(hidden, delta, aux, rows, injected))
         return out.tokens, out.n_new
 
@@ -233,13 +239,13 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
 
     slots = list(range(batch))
     saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
-    engine.runner.run(engine.step_kind, slots, False)
+    engine.runner.run(engine.step_kind, slots, SamplingMode.GREEDY)
     _sync(engine.device)
     # the device's kernels; on CPU (tests) the host ops, which leave every table empty
     activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(iters):
-            engine.runner.run(engine.step_kind, slots, False)
+            engine.runner.run(engine.step_kind, slots, SamplingMode.GREEDY)
         _sync(engine.device)
     engine.state.seq_len.copy_(saved[0])
     engine.state.anchor.copy_(saved[1])
@@ -308,7 +314,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                 imposed = o.stats.imposed_acceptance
     passes, walks = (now - before for now, before in zip(jacobi_pass_counts(), passes_before))
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
-    step_s = time_replays(engine, batch, iters=20, sampling=cfg.temperature > 0)
+    step_s = time_replays(engine, batch, iters=20, mode=bench_mode(cfg.temperature, engine))
     prefill_s, bucket = time_prefill(engine, batch, cfg.prompt_len, iters=10)
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
@@ -435,7 +441,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 engines[kind] = Engine(target, None, **kw)
             engines[kind].steps.count_walk_passes = True   # walk_passes; read when the graphs are traced
             t0 = time.perf_counter()
-            rep = engines[kind].warmup(progress=True, sampling=cfg.temperature > 0)
+            rep = engines[kind].warmup(progress=True, sampling=[bench_mode(cfg.temperature, engines[kind])])
             warmups[kind] = {"seconds": time.perf_counter() - t0, **rep.as_dict()}
         return engines[kind]
 

@@ -46,6 +46,7 @@ from .prefill_warmup import prefill_variants, prefill_warm_shapes
 from .prompts import Prompt, PromptError, default_stop_ids, encode_prompt, generation_defaults, load_tokenizer
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, describe, is_device_error,
                        pair_prompts)
+from .distributions import SamplingMode, sampling_mode
 from .sampling import SamplingError, SamplingParams
 from .state import SlotPool, SlotState
 from .steps import Steps
@@ -234,13 +235,14 @@ class Engine:
         return EagerRunner(self.steps, self.device, compile=bool(compile), max_batch=self.max_batch)
 
     # -- public API -------------------------------------------------------------------------
-    def warmup(self, progress: bool = True, sampling: bool = True) -> WarmupReport:
+    def warmup(self, progress: bool = True, sampling: bool | Sequence[SamplingMode] = True) -> WarmupReport:
         """Compile and capture everything the engine will replay. First the prefill: the eager path at
         the shapes that compile every prefill kernel variant (:meth:`prefill_warm_shapes`), and a
         graph for every bucket shape (graphs/prefill.py; with ``cuda_graphs``, else each bucket runs
-        once eagerly); then its step (decode or speculative round) for every captured batch size,
-        greedy and, unless ``sampling=False`` (a greedy-only service), sampling. Call once before
-        taking traffic; progress goes to the ``lfmspark`` logger.
+        once eagerly); then its step (decode or speculative round) for every captured batch size in
+        each sampling mode (runtime/distributions.py ``SamplingMode``: greedy, top-k, full), or only
+        greedy with ``sampling=False`` (a greedy-only service), or the modes ``sampling`` lists.
+        Call once before taking traffic; progress goes to the ``lfmspark`` logger.
 
         Why the prefill comes first: on the H200, bucket graphs captured after the step graphs left
         every later batch-1 decode step ~20 us slower (0.731 -> 0.752 ms), captured before them they
@@ -248,15 +250,18 @@ class Engine:
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
                                "state slots as scratch; call it right after constructing the engine")
-        modes = (False, True) if sampling else (False,)
+        if isinstance(sampling, bool):
+            modes = tuple(SamplingMode) if sampling else (SamplingMode.GREEDY,)
+        else:
+            modes = tuple(sampling)
         t0 = time.perf_counter()
-        self._warm_prefill(sampling)
+        self._warm_prefill(modes)
         prefill_entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
                                                      capture_stream=getattr(self.runner, "capture_stream", None))
         prefill_s = time.perf_counter() - t0
         if progress:
             log.info("prefill warm-up %.2fs (%d bucket graphs)", prefill_s, len(self.prefill_runner.captured))
-        report = self.runner.warmup([self.step_kind], progress=progress, sampling_modes=modes)
+        report = self.runner.warmup([self.step_kind], progress=progress, modes=modes)
         report.entries += prefill_entries
         report.prefill_s = prefill_s
         return report
@@ -270,15 +275,15 @@ class Engine:
         variants = prefill_variants(self.config, self.tcache.max_seq_len, self.dtype.itemsize, sms)
         return prefill_warm_shapes(self.max_batch, min(self.prefill_chunk, self.max_seq_len), variants)
 
-    def _warm_prefill(self, sampling: bool) -> None:
-        """Run :meth:`prefill_warm_shapes` on free slots (greedy, and the first shape sampling too
-        when the engine serves sampling). Admission prefills a slot from position 0, which resets
+    def _warm_prefill(self, modes: Sequence[SamplingMode]) -> None:
+        """Run :meth:`prefill_warm_shapes` on free slots (greedy, and the first shape in each of
+        ``modes`` too). Admission prefills a slot from position 0, which resets
         the conv state and overwrites the K/V this leaves behind (positions past a row's length
         are never attended)."""
         for i, (rows, length) in enumerate(self.prefill_warm_shapes()):
             ids = torch.zeros(rows, length, dtype=torch.int64, device=self.device)
             slots = torch.arange(rows, device=self.device)
-            for mode in ((False, True) if sampling and i == 0 else (False,)):
+            for mode in {SamplingMode.GREEDY, *modes} if i == 0 else (SamplingMode.GREEDY,):
                 self.steps.prefill(ids, slots, torch.zeros_like(slots), torch.full_like(slots, length), mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -590,18 +595,18 @@ class Engine:
         if not done:
             return []
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt_ids)]
-        sampling = any(r.params.needs_distribution for i in done
-                       for r in (rows[i], *self._followers.get(id(rows[i]), [])))
+        mode = sampling_mode((r.params for i in done for r in (rows[i], *self._followers.get(id(rows[i]), []))),
+                             self.config.vocab_size)
         t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         index = t(done)
         picked, scores = self.steps.prefill_pick(logits.index_select(0, index), t([rows[i].slot for i in done]),
-                                                 t([len(rows[i].prompt_ids) for i in done]), sampling)
+                                                 t([len(rows[i].prompt_ids) for i in done]), mode)
         out = []
         for j, i in enumerate(done):
             lead = rows[i]
             out.append((lead, picked[j], scores[j]))
             others = self._followers.pop(id(lead), [])
-            for req, token, row_scores in self._share_prefill(lead, others, logits[i], sampling):
+            for req, token, row_scores in self._share_prefill(lead, others, logits[i], mode):
                 req.prompt_logprobs = lead.prompt_logprobs
                 out.append((req, token, row_scores))
         return out
@@ -664,7 +669,7 @@ class Engine:
             req.prompt_logprobs += lp.records(following, 0, len(following), req.params.prompt_logprobs)
         return logits[len(chunk) - 1]
 
-    def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, sampling: bool
+    def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, mode: SamplingMode
                        ) -> list[tuple[Request, torch.Tensor, torch.Tensor]]:
         """Give ``others`` (samples of ``lead``'s prompt) its prefilled caches, then pick each one's
         first token from ``logits [V]`` (the prompt's last) with its own sampling state; returns
@@ -678,7 +683,7 @@ class Engine:
             self.dcache.copy_prefix(lead.slot, dst, n)
         slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
         picked, scores = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n),
-                                                 sampling)
+                                                 mode)
         return [(req, picked[j], scores[j]) for j, req in enumerate(others)]
 
     # -- rounds -----------------------------------------------------------------------------
@@ -686,8 +691,8 @@ class Engine:
         rows = [r for r in self._active if not r.finished]
         if not rows:
             return None
-        sampling = any(r.params.needs_distribution for r in rows)
-        out = self.runner.run(self.step_kind, [r.slot for r in rows], sampling)
+        out = self.runner.run(self.step_kind, [r.slot for r in rows], sampling_mode((r.params for r in rows),
+                                                                                  self.config.vocab_size))
         n = len(rows)
         tokens_host, n_new_host = self._host_buffer()
         tokens_host = tokens_host[:n, :out.tokens.shape[1]]

@@ -1,32 +1,19 @@
-"""Sampling parameters and graph-safe, device-side sampling.
+"""Sampling parameters, validated, and the per-row logit transforms (bias, penalties, min_tokens)
+with the output history they read, stored per slot on the device.
 
-Randomness is counter-based: a uniform is a hash of ``(request seed, sequence position, stream,
-vocabulary index)`` computed with integer tensor ops (no generator state, no ``multinomial``, no
-host sync), so a sampling round can live inside a CUDA graph and a seeded request draws the same
-numbers whatever batch it shares. Each draw has its own stream so the draft proposal, the
-acceptance test and the correction/bonus draw at one position are independent. Reusing a
-position's numbers in a later round is harmless: draws that did not decide a committed token are
-never looked at again (rejection sampling stays exact).
-
-Sampling picks ``argmax(p / E)`` with ``E = -log(u)`` exponential noise, which draws from ``p``
-(the exponential-race form of the Gumbel-max trick, as in gpt-fast).
+The random numbers are runtime/randomness.py's; the distributions a row draws from (temperature,
+top-k, top-p, min-p) and how it draws are runtime/distributions.py's.
 """
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
-
-# random streams: one per kind of draw at a position
-STREAM_DRAFT = 1      # the draft's Markov walk samples x_k
-STREAM_ACCEPT = 2     # acceptance test of x_k
-STREAM_TOKEN = 3      # the token the target commits itself (correction, bonus, plain decode, first token)
-STREAM_IMPOSED = 4    # benchmark mode: imposed acceptance draws
+from .distributions import Filtered, SamplingMode, filter_rows
 
 
 class SamplingError(ValueError):
@@ -201,110 +188,6 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-# ---------------------------------------------------------------------------------------------
-# counter-based uniforms
-
-def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2^32`` for ``0 <= x < 2^32`` without int64 overflow (two 16-bit halves of c)."""
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (hi + x * (c & 0xFFFF)) & _MASK32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (Chris Wellons' integer hash search): a well-mixed bijection on 32-bit values."""
-    x = x ^ (x >> 16)
-    x = _mulmod32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mulmod32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def draw_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """A 32-bit key per draw (int64 tensor) from the request seed, the sequence position and the stream."""
-    k = _hash32(seed & _MASK32)
-    k = _hash32((k + (position & _MASK32)) & _MASK32)
-    return _hash32((k + stream * 0x3C6EF372) & _MASK32)
-
-
-def uniforms(key: torch.Tensor, n: int) -> torch.Tensor:
-    """``[*key.shape, n]`` fp32 uniforms in (0, 1), element ``i`` hashed from ``(key, i)``."""
-    idx = torch.arange(n, device=key.device, dtype=torch.int64)
-    x = _hash32((key[..., None] + _mulmod32(idx, 0x9E3779B9)) & _MASK32)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-def uniform(key: torch.Tensor) -> torch.Tensor:
-    """One uniform per key."""
-    return uniforms(key, 1)[..., 0]
-
-
-def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Draw an index from each row of ``probs [..., V]`` (unnormalised is fine) with its key."""
-    noise = -torch.log(uniforms(key, probs.shape[-1]))
-    return torch.argmax(probs / noise, dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# distributions
-
-def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """``logits [N, V]`` (fp32) at per-row temperature with what top-k, top-p and min-p filter out
-    (HF order) at ``-inf``: the log-space form of the distribution a sampled row draws from. Rows
-    with temperature 0 (greedy) come back unscaled and unfiltered (their argmax is what counts)."""
-    V = logits.shape[-1]
-    greedy = temperature <= 0
-    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    sorted_x, _ = torch.sort(x, dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    kth = sorted_x.gather(1, (k - 1)[:, None])
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    sorted_p = torch.softmax(sorted_x, dim=-1)
-    mass_before = row_prefix_sums(sorted_p) - sorted_p
-    keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)        # the first token is always kept
-    # top_p == 1 keeps everything: the fp32 cumsum reaches 1.0 before the end of a large vocabulary
-    keep = torch.where(top_p >= 1.0, V, keep)
-    threshold = torch.maximum(sorted_x.gather(1, (keep - 1)[:, None]), kth)
-    if min_p is not None:       # p_i >= min_p * p_max, i.e. x_i >= x_max + log(min_p) (min_p 0: -inf)
-        threshold = torch.maximum(threshold, sorted_x[:, :1] + torch.log(min_p)[:, None])
-    threshold = torch.where(greedy[:, None], float("-inf"), threshold)
-    return x.masked_fill(x < threshold, float("-inf"))
-
-
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax`` of :func:`filtered_logits`; rows with temperature 0 get the one-hot of their
-    argmax, so greedy and sampled rows share one acceptance rule."""
-    return probs_of(filtered_logits(logits, temperature, top_k, top_p, min_p), temperature)
-
-
-def probs_of(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """The sampling distribution of :func:`filtered_logits` ``scores [N, V]``: their softmax, or the
-    one-hot of the argmax for greedy rows."""
-    one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1]).to(torch.float32)
-    return torch.where((temperature <= 0)[:, None], one_hot, torch.softmax(scores, dim=-1))
-
-
-_SCAN_BLOCK = 256
-
-
-def row_prefix_sums(x: torch.Tensor) -> torch.Tensor:
-    """Inclusive prefix sums along the last dim of ``x [N, V]``, as ``x.cumsum(-1)``, computed in two
-    levels: within blocks of 256 columns, then over the block totals.
-
-    Why not ``cumsum``: over a whole 65536-entry vocabulary with few rows, Inductor (torch 2.11) emits
-    a split scan (one scan spread over several programs) and fails to generate it once the sampling
-    tail's pointwise ops are fused in (``TypeError`` in ``TritonSymbols.get_block_shape``: the split
-    scan's row range has no tensor dimension); every scan here is 256 long, which Inductor keeps in
-    one program. The two-level sum also rounds less than one sequential fp32 sum."""
-    n, v = x.shape
-    pad = -v % _SCAN_BLOCK
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(n, -1, _SCAN_BLOCK).cumsum(dim=-1)
-    totals = blocks[..., -1]
-    before_block = totals.cumsum(dim=-1) - totals
-    return (blocks + before_block[..., None]).view(n, -1)[:, :v]
-
-
 def block_history(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """Per block position, the counts of the block's own earlier tokens: ``[B, T + 1, V]`` from
     ``tokens [B, T]``, row ``i`` counting ``tokens[:, :i]`` (what position ``i`` has in its history
@@ -343,39 +226,19 @@ class RowSampling:
         early = (position < self.min_len[:, None])[..., None] & self.stops[:, None]
         return x.masked_fill(early, float("-inf"))
 
-    def scores(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """The transformed, filtered logits (:meth:`transform`, then :func:`filtered_logits`) of fp32
-        ``logits [B, W, V]`` (or ``[B, V]``, with ``position [B]``) predicting ``position``: the
-        log-space distribution each row draws from (the "processed" logprobs)."""
-        flat = logits.dim() == 2
-        if flat:
+    def filtered(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None,
+                 mode: SamplingMode) -> Filtered:
+        """The distributions each row draws from (:meth:`transform`, then temperature, top-k, top-p
+        and min-p: runtime/distributions.py) for fp32 ``logits [B, W, V]`` (or ``[B, V]``, with
+        ``position [B]``) predicting ``position``, as ``B * W`` rows (row ``b * W + j``), their
+        thresholds found as ``mode`` says."""
+        if logits.dim() == 2:
             logits, position = logits[:, None], position[:, None]
             extra = None if extra is None else extra[:, None]
         B, W, V = logits.shape
-        x = self.transform(logits, position, extra)
-        rep = lambda t: t.repeat_interleave(W)  # noqa: E731
-        out = filtered_logits(x.reshape(-1, V), rep(self.temperature), rep(self.top_k), rep(self.top_p),
-                              rep(self.min_p)).view(B, W, V)
-        return out[:, 0] if flat else out
-
-    def probs_of(self, scores: torch.Tensor) -> torch.Tensor:
-        """The distributions of :meth:`scores` ``[B, W, V]`` or ``[B, V]`` (greedy rows: one-hot)."""
-        shape = scores.shape
-        temperature = self.temperature.repeat_interleave(shape[1]) if scores.dim() == 3 else self.temperature
-        return probs_of(scores.reshape(-1, shape[-1]), temperature).view(shape)
-
-    def probs(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        """Transformed, filtered distributions for fp32 ``logits [B, W, V]`` (or ``[B, V]``, with
-        ``position [B]``) predicting ``position``."""
-        return self.probs_of(self.scores(logits, position, extra))
-
-    def pick(self, logits: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-        """Sample (or argmax, for greedy rows) one token per row from ``logits [B, V]`` predicting
-        ``position [B]``."""
-        key = draw_key(self.seed, position, stream)
-        return sample(self.probs(logits, position), key)
+        x = self.transform(logits, position, extra).reshape(-1, V)
+        rep = lambda t: t.repeat_interleave(W) if W > 1 else t  # noqa: E731
+        return filter_rows(x, rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p), mode)
 
 
 @dataclass
@@ -421,7 +284,7 @@ class SlotSampling:
         self.top_k[slot] = min(int(params.top_k), 2 ** 31 - 1)
         self.top_p[slot] = float(params.top_p)
         self.min_p[slot] = float(params.min_p)
-        self.seed[slot] = seed & _MASK32
+        self.seed[slot] = seed % 2**32         # the counter-based randomness keys on 32 bits
         self.repetition[slot] = float(params.repetition_penalty)
         self.presence[slot] = float(params.presence_penalty)
         self.frequency[slot] = float(params.frequency_penalty)

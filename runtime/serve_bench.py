@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .async_engine import AsyncEngine
+from .bench import bench_mode
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -227,7 +228,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         engine = _build(cfg, kind == "speculative")
         trace = trace or make_trace(cfg, engine.config.vocab_size)
         t0 = time.perf_counter()
-        engine.warmup(progress=False, sampling=cfg.temperature > 0)   # the trace's mode only
+        engine.warmup(progress=False, sampling=[bench_mode(cfg.temperature, engine)])   # the trace's mode only
         warmup_s = time.perf_counter() - t0
         if engine.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(engine.device)

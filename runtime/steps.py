@@ -41,8 +41,9 @@ from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
-from .sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, RowSampling, block_history, draw_key,
-                       sample, uniform)
+from .distributions import Filtered, SamplingMode
+from .randomness import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, draw_key, sample, uniform
+from .sampling import RowSampling, block_history
 from .state import SlotState
 
 
@@ -64,7 +65,7 @@ class RoundInputs:
     ``s``, anchor ``x0``, sampling parameters) from the slots themselves (see the module doc)."""
 
     slots: torch.Tensor
-    sampling: bool                # False: a greedy round
+    mode: SamplingMode
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RowState:
 @dataclass
 class Drafted:
     tokens: torch.Tensor          # [B, gamma] d_1..d_gamma
-    probs: torch.Tensor | None    # [B, gamma, V] the filtered q each was drawn from (sampling rounds)
+    q: Filtered | None            # B * gamma rows (row b * gamma + k): the q each was drawn from (sampling rounds)
 
 
 @dataclass
@@ -144,12 +145,12 @@ class Steps:
     # -- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
-                sampling: bool) -> torch.Tensor:
+                mode: SamplingMode) -> torch.Tensor:
         """Run a chunk of prompts ``ids [B, T]`` (first ``lens[b]`` real) from position ``start[b]``,
         inject the draft context for it, and pick each row's next token, which becomes the anchor.
         Returns the picked tokens ``[B]`` (meaningful after a row's last chunk)."""
         logits = self.prefill_logits(ids, slots, start, lens)
-        return self.prefill_pick(logits, slots, start + lens, sampling)[0]
+        return self.prefill_pick(logits, slots, start + lens, mode)[0]
 
     @torch.no_grad()
     def prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
@@ -166,20 +167,20 @@ class Steps:
 
     @torch.no_grad()
     def prefill_pick(self, logits: torch.Tensor, slots: torch.Tensor, end: torch.Tensor,
-                     sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick each row's next token from its last prompt logits ``[B, V]`` (``end[b]`` tokens now in
         the cache), store it as the row's anchor and ``end`` as its committed length. Returns the
         tokens ``[B]`` and their scores ``[B, V]`` (as :attr:`StepOutput.scores`)."""
         st = self.state
         w = st.scatter_index(slots)
         scores = logits
-        if sampling:                      # the greedy argmax reads the logits as they are (exact in fp32)
+        if mode.sampling:                 # the greedy argmax reads the logits as they are (exact in fp32)
             rows = st.sampling.rows(st.gather_index(slots))
-            processed = rows.scores(logits.float(), end)
-            token = sample(rows.probs_of(processed), draw_key(rows.seed, end, STREAM_TOKEN))
+            p = rows.filtered(logits.float(), end, None, mode)
+            token = p.sample(draw_key(rows.seed, end, STREAM_TOKEN))
             st.sampling.record(w, token[:, None])
             if self.logprobs_mode == "processed":
-                scores = processed
+                scores = p.scores()
         else:
             token = argmax_last(logits)
         st.seq_len[w] = end
@@ -188,11 +189,11 @@ class Steps:
 
     # -- target-only decode -----------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
+    def decode(self, slots: torch.Tensor, mode: SamplingMode) -> StepOutput:
         caches = self.tcache.layer_caches(self.target.config)
         fwd = self.decode_head(slots, caches[0])
         fwd = self.target.advance(fwd, caches[1:], ForwardMode.DECODE, self.later_target_layers)
-        return self.finish_decode(fwd.h, fwd.delta, slots, sampling)
+        return self.finish_decode(fwd.h, fwd.delta, slots, mode)
 
     @region()
     def decode_head(self, slots: torch.Tensor, first_cache: LayerCache) -> PartialForward:
@@ -203,20 +204,20 @@ class Steps:
         return self.target.advance(fwd, [first_cache], ForwardMode.DECODE, self.target.model.layers[:1])
 
     @region()
-    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, sampling: bool
+    def finish_decode(self, h: torch.Tensor, delta: torch.Tensor, slots: torch.Tensor, mode: SamplingMode
                       ) -> StepOutput:
         """Final norm of ``h + delta`` (the last layer's output, see ``Lfm2ForCausalLM.hidden_states``),
         LM head, pick the next token, advance the rows' state."""
-        st, row = self.state, self.read_rows(slots, sampling)
+        st, row = self.state, self.read_rows(slots, mode.sampling)
         logits = self.target.compute_logits(h[:, 0], delta[:, 0])
         scores = logits
         w = st.scatter_index(slots)
-        if sampling:
-            processed = row.rows.scores(logits.float(), row.s + 1)
-            nxt = sample(row.rows.probs_of(processed), draw_key(row.rows.seed, row.s + 1, STREAM_TOKEN))
+        if mode.sampling:
+            p = row.rows.filtered(logits.float(), row.s + 1, None, mode)
+            nxt = p.sample(draw_key(row.rows.seed, row.s + 1, STREAM_TOKEN))
             st.sampling.record(w, nxt[:, None])
             if self.logprobs_mode == "processed":
-                scores = processed
+                scores = p.scores()
         else:
             nxt = argmax_last(logits)
         st.seq_len[w] = row.s + 1
@@ -225,15 +226,15 @@ class Steps:
 
     # -- speculative round ------------------------------------------------------------------
     @torch.no_grad()
-    def spec_round(self, slots: torch.Tensor, sampling: bool) -> StepOutput:
-        inputs = self.round_inputs(slots, sampling)
+    def spec_round(self, slots: torch.Tensor, mode: SamplingMode) -> StepOutput:
+        inputs = self.round_inputs(slots, mode)
         drafted = self.round_draft(inputs)
         verified = self.round_verify(inputs, drafted.tokens)
         return self.round_commit(inputs, drafted, verified)
 
     # The round's phases are separate methods so the benchmark can time them one by one.
-    def round_inputs(self, slots: torch.Tensor, sampling: bool) -> RoundInputs:
-        return RoundInputs(slots, sampling)
+    def round_inputs(self, slots: torch.Tensor, mode: SamplingMode) -> RoundInputs:
+        return RoundInputs(slots, mode)
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
         """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
@@ -260,23 +261,23 @@ class Steps:
     @region(draft=True)
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
-        row = self.read_rows(inp.slots, inp.sampling)
+        row = self.read_rows(inp.slots, inp.mode.sampling)
         rows, s = row.rows, row.s
-        draft_probs: list[torch.Tensor] = []
+        draft_q: list[Filtered] = []
         drawn: list[torch.Tensor] = []
 
         def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
             # the block's earlier drafts are in this position's history, as in the verify's p
             extra = block_history(torch.stack(drawn, dim=1), logits_k.shape[-1])[:, -1] if drawn else None
-            probs = rows.probs(logits_k, s + k + 1, extra)
-            draft_probs.append(probs)
-            token = sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
+            q = rows.filtered(logits_k, s + k + 1, extra, inp.mode)
+            draft_q.append(q)
+            token = q.sample(draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
             drawn.append(token)
             return token
 
         proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
                                             self.count_walk_passes)
-        return Drafted(proposal.tokens, torch.stack(draft_probs, dim=1) if draft_probs else None)
+        return Drafted(proposal.tokens, Filtered.interleave(draft_q) if draft_q else None)
 
     def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
         """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
@@ -377,9 +378,11 @@ class Steps:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
         x0, d_1..d_a (the conv state from the tape; the draft context is :meth:`round_inject`'s)."""
         st, gamma = self.state, self.gamma
-        row = self.read_rows(inp.slots, inp.sampling)
+        row = self.read_rows(inp.slots, inp.mode.sampling)
         rows, s = row.rows, row.s
         d = drafted.tokens
+        B, W = d.shape[0], gamma + 1
+        d_ext = torch.cat([d, d[:, :1]], dim=1)                                # a token id for the bonus column too
         positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
         if rows is None:   # [B, W], no fp32 copy
             logits, target_pick = self.target.compute_greedy(verified.hidden, verified.delta)
@@ -388,12 +391,11 @@ class Steps:
         else:
             logits = self.target.compute_logits(verified.hidden, verified.delta)
             window = s[:, None] + torch.arange(1, gamma + 2, device=s.device)[None, :]   # predicted positions
-            processed = rows.scores(logits.float(), window, block_history(d, logits.shape[-1]))
-            scores = processed if self.logprobs_mode == "processed" else logits
-            p = rows.probs_of(processed)                                       # [B, W, V]
-            q = drafted.probs                                                  # [B, gamma, V]
-            p_d = p[:, :-1].gather(-1, d[..., None])[..., 0]
-            q_d = q.gather(-1, d[..., None])[..., 0]
+            p = rows.filtered(logits.float(), window, block_history(d, logits.shape[-1]), inp.mode)   # B * W rows
+            q = drafted.q                                                      # B * gamma rows
+            scores = p.scores().view(B, W, -1) if self.logprobs_mode == "processed" else logits
+            p_d = p.prob(d_ext.reshape(-1, 1)).view(B, W)[:, :gamma]
+            q_d = q.prob(d.reshape(-1, 1)).view(B, gamma)
             u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
             accepted = u * q_d < p_d                                           # u < min(1, p/q)
         if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
@@ -403,11 +405,12 @@ class Steps:
         if rows is None:
             final = target_pick.gather(1, a[:, None])[:, 0]
         else:
-            p_a = p.gather(1, a[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]
-            q_a = q.gather(1, a.clamp(max=gamma - 1)[:, None, None].expand(-1, 1, q.shape[-1]))[:, 0]
-            q_a = q_a * (a < gamma)[:, None]                                   # after a full block: bonus from p
-            residual = (p_a - q_a).clamp(min=0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a)
+            b = torch.arange(B, device=s.device)
+            p_a = p.rows(b * W + a)                                            # position s + a + 1's p
+            q_a = q.rows(b * gamma + a.clamp(max=gamma - 1)).probs() * (a < gamma)[:, None]   # full block: bonus from p
+            residual = (p_a.probs() - q_a).clamp(min=0)
+            # where q covers p (within rounding), the residual is p itself
+            residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a.probs())
             final = sample(residual, draw_key(rows.seed, s + a + 1, STREAM_TOKEN))
 
         commit = a + 1
@@ -417,7 +420,6 @@ class Steps:
         st.anchor[w] = final
 
         cols = torch.arange(gamma + 1, device=s.device)[None, :]
-        d_ext = torch.cat([d, d[:, :1]], dim=1)
         tokens = torch.where(cols < a[:, None], d_ext, final[:, None])         # [d_1..d_a, final, ...]
         if rows is not None:
             st.sampling.record(w, tokens, cols < commit[:, None])

@@ -3,6 +3,7 @@
 # kernel microbenchmarks. Each step has its own time limit so one slow step cannot starve the rest.
 #   STEPS="bench12 tests kernels bench8" BATCH_SIZES=1,4,16 bash scripts/device_run.sh
 #   STEPS="serve servebench sampling" bash scripts/device_run.sh     # serving and sampling figures (carry .whl)
+#   STEPS="sampling_old sampling" bash scripts/device_run.sh           # the sampling probe, old tree (.devrun/old) vs this
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -99,8 +100,16 @@ for step in $STEPS; do
         --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
         --imposed-acceptance 0.8 ${SERVE_ARGS:-} --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
     sampling)  # model-card sampling against greedy and target-only (scripts/sampling_probe.py)
-      timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py ${SAMPLING_ARGS:---profile 30} 2>&1 \
-        | grep -E "^(speculative|target-only|profile|  |\{)" | tee $RUN/sampling_probe.log ;;
+      timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py ${SAMPLING_ARGS:---profile 30} > $RUN/sampling_probe_full.log 2>&1 \
+        || tail -15 $RUN/sampling_probe_full.log
+      grep -E "^(speculative|target-only|profile|  |\{)" $RUN/sampling_probe_full.log | tee $RUN/sampling_probe.log ;;
+    sampling_old)  # scripts/sampling_probe.py on another checkout (OLD_TREE, carried), installed for the probe only
+      tree=${OLD_TREE:-.devrun/old}
+      python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_old.log 2>&1 || tail -5 $RUN/install_old.log
+      (cd $tree && LFMSPARK_CACHE_DIR=/tmp/sampling_old TORCHINDUCTOR_CACHE_DIR=/tmp/sampling_old timeout ${T_SAMPLING:-330} \
+        python3 scripts/sampling_probe.py > $RUN/sampling_probe_old_full.log 2>&1) || tail -15 $RUN/sampling_probe_old_full.log
+      grep -E "^(speculative|target-only|\{)" $RUN/sampling_probe_old_full.log | tee $RUN/sampling_probe_old.log
+      python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac

@@ -1,5 +1,6 @@
 """Speculative TPOT with the LFM2.5 model card's sampling settings (temperature 0.1, top_k 50, top_p 0.1,
-repetition_penalty 1.05) against greedy, and against target-only (issue 34's figure; GPU).
+repetition_penalty 1.05: the sort-free TOP_K mode) against greedy, against OpenAI-style top-p sampling
+(temperature 0.7, top_p 0.9, no top_k: the FULL mode's sort) and against target-only (issue 34's figure; GPU).
 
     python scripts/sampling_probe.py          # LFM2.5-1.2B preset + draft, imposed acceptance 0.8
     python scripts/sampling_probe.py --profile 30   # also the 30 costliest kernels of a batch-1 card-sampling run
@@ -26,6 +27,8 @@ PRESET = "lfm2.5-1.2b"
 def params(name: str, seed: int) -> SamplingParams:
     if name == "greedy":
         return SamplingParams(max_new_tokens=256, ignore_eos=True)
+    if name == "top-p":
+        return SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.7, top_p=0.9, seed=seed)
     return SamplingParams(max_new_tokens=256, ignore_eos=True, temperature=0.1, top_k=50, top_p=0.1,
                           repetition_penalty=1.05, seed=seed)
 
@@ -74,7 +77,7 @@ def main() -> None:
         engine.warmup(progress=False)
         print(kind, "warm-up", round(time.perf_counter() - t0, 1), "s", flush=True)
         for batch in (1, 8) if kind == "speculative" else (1,):
-            for name in ("greedy", "card"):
+            for name in ("greedy", "card", "top-p") if kind == "speculative" and batch == 1 else ("greedy", "card"):
                 key = f"{kind} b{batch} {name}"
                 results[key] = round(tpot_ms(engine, prompt, batch, name), 4)
                 print(key, results[key], "ms", flush=True)

@@ -14,6 +14,7 @@ import torch
 
 from lfmspark.graphs.runner import StepKind
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.distributions import SamplingMode
 from spec_fixtures import TapsNeverReadyEarly, random_tiny_draft, random_tiny_target
 
 GAMMA = 4
@@ -62,8 +63,8 @@ def _record_injections(engine: Engine) -> list[int]:
     return calls
 
 
-def _admit(engine: Engine, sampling: bool) -> list[int]:
-    params = [SamplingParams(max_new_tokens=60, temperature=0.9 if sampling else 0.0, top_k=20, seed=i)
+def _admit(engine: Engine, mode: SamplingMode) -> list[int]:
+    params = [SamplingParams(max_new_tokens=60, temperature=0.9 if mode.sampling else 0.0, top_k=20, seed=i)
               for i in range(len(PROMPTS))]
     reqs = [r for p, q in zip(PROMPTS, params) for r in engine.prepare(p, q)]
     engine.submit(reqs)
@@ -71,10 +72,10 @@ def _admit(engine: Engine, sampling: bool) -> list[int]:
     return [r.slot for r in reqs]
 
 
-def _rounds(engine: Engine, slots: list[int], sampling: bool, n: int) -> list[list[list[int]]]:
+def _rounds(engine: Engine, slots: list[int], mode: SamplingMode, n: int) -> list[list[list[int]]]:
     out = []
     for _ in range(n):
-        step = engine.runner.run(StepKind.ROUND, slots, sampling)
+        step = engine.runner.run(StepKind.ROUND, slots, mode)
         out.append([step.tokens[i, :int(step.n_new[i])].tolist() for i in range(len(slots))])
     return out
 
@@ -89,13 +90,13 @@ def _check_same_state(on: Engine, off: Engine, slots: list[int]) -> None:
             assert torch.equal(a[:, i, :committed], b[:, i, :committed])
 
 
-@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_early_injection_matches_the_injection_at_the_commit(models, sampling):
+@pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)
+def test_early_injection_matches_the_injection_at_the_commit(models, mode):
     early, late = _engine(models), _engine(models, early=False)
     injected_early, injected_late = _record_injections(early), _record_injections(late)
-    slots = _admit(early, sampling)
-    assert slots == _admit(late, sampling)
-    got, want = _rounds(early, slots, sampling, 8), _rounds(late, slots, sampling, 8)
+    slots = _admit(early, mode)
+    assert slots == _admit(late, mode)
+    got, want = _rounds(early, slots, mode, 8), _rounds(late, slots, mode, 8)
     assert got == want
     # early: after the verify's layer 3 (the one that records tap 2), before layer 4 (3 of the 4 layers
     # after the head's); at the commit, after all of them
@@ -111,7 +112,7 @@ def test_early_injection_waits_for_the_last_tap():
     target, draft = random_tiny_target(seed=5), random_tiny_draft(block=GAMMA, seed=6, taps=(0, 2, 3))
     engine = _engine((target, draft))
     injected = _record_injections(engine)
-    _rounds(engine, _admit(engine, False), False, 2)
+    _rounds(engine, _admit(engine, SamplingMode.GREEDY), SamplingMode.GREEDY, 2)
     assert injected == [4, 4]
 
 
@@ -120,13 +121,13 @@ def test_early_injection_matches_compiled(models):
     """The same with the regions compiled: the injection is a region of its own (graphs/compile.py)."""
     early, late = _engine(models, compile=True), _engine(models, early=False, compile=True)
     assert "round_inject" in vars(early.steps)  # compiled wrapper
-    slots = _admit(early, False)
-    assert slots == _admit(late, False)
-    want = _rounds(late, slots, False, 6)
-    assert _rounds(early, slots, False, 1) == want[:1]           # compiles
+    slots = _admit(early, SamplingMode.GREEDY)
+    assert slots == _admit(late, SamplingMode.GREEDY)
+    want = _rounds(late, slots, SamplingMode.GREEDY, 6)
+    assert _rounds(early, slots, SamplingMode.GREEDY, 1) == want[:1]           # compiles
     torch._dynamo.config.error_on_recompile = True
     try:
-        assert _rounds(early, slots, False, 5) == want[1:]
+        assert _rounds(early, slots, SamplingMode.GREEDY, 5) == want[1:]
     finally:
         torch._dynamo.config.error_on_recompile = False
     _check_same_state(early, late, slots)
@@ -144,7 +145,7 @@ def test_bench_phase_split_runs_with_the_injection(models):
 
     engine = _engine(models)
     calls = _record_injections(engine)
-    _admit(engine, False)
+    _admit(engine, SamplingMode.GREEDY)
     phases = time_round_phases(engine, len(PROMPTS), iters=2)
     assert set(phases) == {"draft_ms", "verify_ms", "commit_ms"} and calls
     assert calls == [3] * len(calls)     # one injection per verify; each phase runs once before its timed calls

@@ -15,6 +15,7 @@ from lfmspark.graphs.runner import EagerRunner, StepKind
 from lfmspark.models.config import ATTENTION, CONV, DraftConfig, TargetConfig
 from lfmspark.models.presets import random_draft, random_target
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.distributions import SamplingMode
 from env_vars import set_env
 from spec_fixtures import TapsNeverReadyEarly
 
@@ -45,9 +46,9 @@ def small_models(moe: bool = False, dtype=torch.float32, taps: tuple[int, ...] =
     return target, draft
 
 
-def prefill_rows(engine: Engine, n: int, sampling: bool) -> list[int]:
+def prefill_rows(engine: Engine, n: int, mode: SamplingMode) -> list[int]:
     """Admit ``n`` requests through the engine's own prefill; returns their slots."""
-    params = [SamplingParams(max_new_tokens=64, temperature=0.8 if sampling else 0.0, top_k=50, seed=i)
+    params = [SamplingParams(max_new_tokens=64, temperature=0.8 if mode.sampling else 0.0, top_k=50, seed=i)
               for i in range(n)]
     reqs = [r for i, p in enumerate(params) for r in engine.prepare([7 + i, 3, 9 + 2 * i, 11] * (i + 1), p)]
     engine.submit(reqs)
@@ -55,12 +56,12 @@ def prefill_rows(engine: Engine, n: int, sampling: bool) -> list[int]:
     return [r.slot for r in reqs]
 
 
-def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], sampling: bool, rounds: int) -> None:
+def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mode: SamplingMode, rounds: int) -> None:
     """Run ``rounds`` speculative rounds on both engines; each round commits the same tokens."""
     n = len(a_slots)
     for _ in range(rounds):
-        x = a.runner.run(StepKind.ROUND, a_slots, sampling)
-        y = b.runner.run(StepKind.ROUND, b_slots, sampling)
+        x = a.runner.run(StepKind.ROUND, a_slots, mode)
+        y = b.runner.run(StepKind.ROUND, b_slots, mode)
         assert torch.equal(x.n_new[:n], y.n_new[:n])
         for i in range(n):
             k = int(y.n_new[i])
@@ -75,20 +76,20 @@ def snapshot(engine: Engine, slots: list[int]) -> dict:
             "dv": engine.dcache.v[:, slots].clone()}
 
 
-@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_graph_replay_equals_eager_round(moe, sampling):
+def test_graph_replay_equals_eager_round(moe, mode):
     target, draft = small_models(moe)
     graph_engine = Engine(target, draft, max_batch=8, max_seq_len=256, batch_sizes=BATCH_SIZES)
     eager_engine = Engine(target, draft, max_batch=8, max_seq_len=256, cuda_graphs=False)
     graph_engine.warmup(progress=False)
     for n in (1, 2, 3, 5, 8):                                   # 3 and 5 run padded (bs 4 and 8)
-        g_slots = prefill_rows(graph_engine, n, sampling)
-        e_slots = prefill_rows(eager_engine, n, sampling)
+        g_slots = prefill_rows(graph_engine, n, mode)
+        e_slots = prefill_rows(eager_engine, n, mode)
         assert g_slots == e_slots
         spare = [s for s in range(8) if s not in g_slots]
         before_spare = snapshot(graph_engine, spare) if spare else None
-        same_rounds(graph_engine, eager_engine, g_slots, e_slots, sampling, rounds=4)
+        same_rounds(graph_engine, eager_engine, g_slots, e_slots, mode, rounds=4)
         gs, es = snapshot(graph_engine, g_slots), snapshot(eager_engine, e_slots)
         assert torch.equal(gs["seq_len"], es["seq_len"]) and torch.equal(gs["anchor"], es["anchor"])
         torch.testing.assert_close(gs["conv"], es["conv"], rtol=1e-4, atol=1e-4)
@@ -120,10 +121,10 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
     graph_engine.warmup(progress=False, sampling=False)
     eager_engine = Engine(target, draft, max_batch=2, max_seq_len=256, cuda_graphs=False, markov_walk="steps")
     for n in (1, 2):
-        g_slots = prefill_rows(graph_engine, n, False)
-        e_slots = prefill_rows(eager_engine, n, False)
+        g_slots = prefill_rows(graph_engine, n, SamplingMode.GREEDY)
+        e_slots = prefill_rows(eager_engine, n, SamplingMode.GREEDY)
         before = jacobi_pass_counts()
-        same_rounds(graph_engine, eager_engine, g_slots, e_slots, False, rounds=8)
+        same_rounds(graph_engine, eager_engine, g_slots, e_slots, SamplingMode.GREEDY, rounds=8)
         passes, walks = (a - b for a, b in zip(jacobi_pass_counts(), before))
         assert walks == 8 and passes > walks, (passes, walks)
         for engine in (graph_engine, eager_engine):
@@ -131,8 +132,8 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
                 engine._finish(r, "cancelled")
 
 
-@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
-def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, sampling):
+@pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)
+def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, mode):
     """runtime/steps.py: the captured round forks the draft's context injection onto a side stream
     after the verify's last tapped layer (4 of 6: before layer 5, the norm carry's sum being the tap)
     and joins it at the commit. Replayed, it gives the tokens, state and committed caches of graphs
@@ -154,7 +155,7 @@ def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, s
             engines[early].steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
         else:
             engines[early].steps.target = TapsNeverReadyEarly(target)
-        engines[early].warmup(progress=False, sampling=sampling)
+        engines[early].warmup(progress=False, sampling=[mode])
     on, off = engines[True], engines[False]
     assert on.steps.side_stream is not None and off.steps.side_stream is not None
     # early forks where the last tap is a tensor already: the norm carry's sum, at the skinny products'
@@ -162,9 +163,9 @@ def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, s
     # until the next layer runs, which is the last one here, so the fork waits for the commit
     assert True in early_forks and False in early_forks
     for n in (1, 3):                                                       # 3 runs padded (bs 4)
-        slots = prefill_rows(on, n, sampling)
-        assert prefill_rows(off, n, sampling) == slots
-        same_rounds(on, off, slots, slots, sampling, rounds=6)
+        slots = prefill_rows(on, n, mode)
+        assert prefill_rows(off, n, mode) == slots
+        same_rounds(on, off, slots, slots, mode, rounds=6)
         gs, es = snapshot(on, slots), snapshot(off, slots)
         for key in ("seq_len", "anchor", "conv"):
             assert torch.equal(gs[key], es[key]), key
@@ -183,7 +184,7 @@ def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
     graph_engine = Engine(target, draft, max_batch=8, max_seq_len=256, batch_sizes=BATCH_SIZES)
     report = graph_engine.warmup(progress=False)
     steps = [e for e in report.entries if not e.kind.startswith("prefill")]
-    assert {(e.batch_size, e.sampling) for e in steps} == {(b, s) for b in BATCH_SIZES for s in (False, True)}
+    assert {(e.batch_size, e.mode) for e in steps} == {(b, m.value) for b in BATCH_SIZES for m in SamplingMode}
     assert all(e.capture_s > 0 for e in report.entries)
     eager = Engine(target, draft, max_batch=8, max_seq_len=256, cuda_graphs=False).generate(prompts, params)
 
@@ -191,11 +192,11 @@ def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
     run = graph_engine.runner.run
     calls = []
 
-    def strict_run(kind, slots, sampling):
+    def strict_run(kind, slots, mode):
         torch.cuda.set_sync_debug_mode("error")          # any synchronizing call inside a round raises
         try:
             calls.append(len(slots))
-            return run(kind, slots, sampling)
+            return run(kind, slots, mode)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -10,6 +10,7 @@ import torch
 from lfmspark.models.cache import DraftCache, TargetCache
 from lfmspark.models.lfm2 import ForwardMode
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.distributions import SamplingMode
 from spec_fixtures import (bigram_target, derangement_of, mix_permutations, oracle_draft, permutation,
                            random_tiny_draft, random_tiny_target)
 
@@ -150,10 +151,10 @@ def test_state_after_every_round_equals_target_only_decoding(moe):
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = torch.tensor(p)
     untouched = engine.tcache.conv_state[:, 1].clone()
-    first = steps.prefill(ids, slots, torch.zeros(4, dtype=torch.int64), lens, sampling=False)
+    first = steps.prefill(ids, slots, torch.zeros(4, dtype=torch.int64), lens, SamplingMode.GREEDY)
     seqs = [p + [int(first[i])] for i, p in enumerate(prompts)]     # committed tokens + the anchor
     for _ in range(5):
-        out = steps.spec_round(slots, sampling=False)
+        out = steps.spec_round(slots, SamplingMode.GREEDY)
         for i in range(3):
             n = int(out.n_new[i])
             seqs[i] += out.tokens[i, :n].tolist()

@@ -3,7 +3,7 @@ warmed with sampling on, then serving a sampled batch from the captured graphs.
 
 The small models of test_graphs_gpu.py do not reach the compiler paths of a 65536-entry vocabulary
 at several rows: there the sampling tail once failed to compile (issue 32, runtime/sampling.py
-``row_prefix_sums``). Slow: each engine compiles and captures its step for every batch size twice.
+``row_prefix_sums``). Slow: each engine compiles and captures its step for every batch size in each mode.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch
 
 from lfmspark.graphs.capture import default_batch_sizes
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.distributions import SamplingMode, filter_rows
+from lfmspark.runtime.randomness import draw_key
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +25,8 @@ def test_default_engine_warms_and_samples_at_every_batch_size(preset: str, specu
     engine = Engine.from_preset(preset, **({} if speculative else {"draft": None}))
     report = engine.warmup(progress=False)
     sizes = default_batch_sizes(engine.max_batch)
-    warmed = {(e.sampling, e.batch_size) for e in report.entries if not e.kind.startswith("prefill")}
-    assert warmed >= {(mode, b) for mode in (False, True) for b in sizes}, warmed
+    warmed = {(e.mode, e.batch_size) for e in report.entries if not e.kind.startswith("prefill")}
+    assert warmed >= {(mode.value, b) for mode in SamplingMode for b in sizes}, warmed
 
     vocab = engine.config.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(5 + i)] for i in range(engine.max_batch)]
@@ -38,14 +40,13 @@ def test_default_engine_warms_and_samples_at_every_batch_size(preset: str, specu
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("mode", [SamplingMode.TOP_K, SamplingMode.FULL], ids=lambda m: m.value)
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_compiled_sampling_tail_at_a_full_vocabulary_equals_eager(rows: int):
+def test_compiled_sampling_tail_at_a_full_vocabulary_equals_eager(rows: int, mode: SamplingMode):
     """The tail that failed to compile, alone: LM head, filtering and the draw over 65536 entries."""
-    from lfmspark.runtime.sampling import draw_key, filtered_probs, sample
-
     def tail(h, w, temperature, top_k, top_p, seed, position):
-        probs = filtered_probs((h @ w.t()).float(), temperature, top_k, top_p)
-        return sample(probs, draw_key(seed, position, stream=3))
+        p = filter_rows((h @ w.t()).float(), temperature, top_k, top_p, torch.zeros_like(top_p), mode)
+        return p.sample(draw_key(seed, position, stream=3))
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     w = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02

@@ -1,11 +1,16 @@
-"""Device-side sampling pieces: counter-based uniforms, the exponential-race sampler, filtering."""
+"""Device-side sampling pieces: counter-based uniforms, the exponential-race sampler, filtering in
+both threshold modes, and which mode a batch runs in."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from lfmspark.runtime.sampling import draw_key, filtered_probs, row_prefix_sums, sample, uniforms
+from lfmspark.runtime import SamplingParams
+from lfmspark.runtime import distributions
+from lfmspark.runtime.distributions import SamplingMode, filter_rows, filtered_probs, row_prefix_sums, sampling_mode
+from lfmspark.runtime.randomness import draw_key, sample, uniforms
 from test_lossless_sampling import filtered as reference_filtered
 
 
@@ -67,3 +72,102 @@ def test_top_p_one_keeps_the_whole_large_vocabulary():
     got = filtered_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2))
     assert (got > 0).all()
     torch.testing.assert_close(got, torch.softmax(logits, dim=-1))
+
+
+def reference_kept(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The kept tokens of scaled logits ``x`` (float64), ties kept whole at every threshold: top-k
+    keeps what is at least the k-th largest value; top-p walks the kept values largest first and
+    keeps each value (with all its ties) while the mass before it is below top_p; min-p keeps
+    ``p >= min_p * p_max``."""
+    kept = x >= np.sort(x)[::-1][(top_k or len(x)) - 1]
+    if top_p < 1:
+        p = np.exp(x - x.max()) * kept
+        p /= p.sum()
+        before, walk = 0.0, np.zeros_like(kept)
+        for value in np.unique(x[kept])[::-1]:
+            if before >= top_p:
+                break
+            for i in np.flatnonzero(x == value):      # the sorted order walks a tie's tokens one by one
+                if before < top_p:
+                    walk |= x == value
+                before += p[i]
+        kept &= walk
+    return kept & (np.exp(x - x.max()) >= min_p)
+
+
+def _rows(n: int, v: int, seed: int, grid: float | None) -> torch.Tensor:
+    """Random logits; on a coarse ``grid`` many of them tie (as bf16 logits do)."""
+    x = torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 3
+    return x if grid is None else (x / grid).round() * grid
+
+
+CASES = [(1, 1.0, 0.0), (5, 1.0, 0.0), (20, 0.8, 0.0), (50, 0.1, 0.0), (64, 0.95, 0.05), (7, 1.0, 0.3),
+         (3, 0.5, 0.2), (64, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("mode", [SamplingMode.TOP_K, SamplingMode.FULL], ids=lambda m: m.value)
+@pytest.mark.parametrize("grid", [None, 0.5], ids=["continuous", "ties"])
+def test_both_threshold_modes_keep_what_the_reference_keeps(mode, grid):
+    """Every row of a 300-token vocabulary (CANDIDATES = 64 < V, so TOP_K works from candidates):
+    the kept set and the normalised probabilities equal the float64 reference, ties included."""
+    n = len(CASES)
+    logits = _rows(n, 300, seed=2, grid=grid)
+    temperature = torch.linspace(0.6, 1.4, n)
+    top_k = torch.tensor([c[0] for c in CASES])
+    top_p = torch.tensor([c[1] for c in CASES])
+    min_p = torch.tensor([c[2] for c in CASES])
+    f = filter_rows(logits, temperature, top_k, top_p, min_p, mode)
+    probs = f.probs()
+    for r, (k, p, m) in enumerate(CASES):
+        x = logits[r].double().numpy() / float(temperature[r])
+        kept = reference_kept(x, k, float(top_p[r]), float(min_p[r]))
+        assert np.array_equal(probs[r].numpy() > 0, kept), (r, mode)
+        want = np.exp(x - x.max()) * kept
+        np.testing.assert_allclose(probs[r].numpy(), want / want.sum(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("grid", [None, 0.5, 2.0], ids=["continuous", "ties", "many-ties"])
+def test_top_k_mode_equals_the_sort_with_ties_beyond_the_candidates(monkeypatch, grid):
+    """With 4 candidates on a 40-token vocabulary (coarse grids put ties at the k-th value and past the
+    4th candidate), the candidate thresholds, masses and draws equal the full sort's."""
+    monkeypatch.setattr(distributions, "CANDIDATES", 4)
+    n = 24
+    logits = _rows(n, 40, seed=5, grid=grid)
+    temperature = torch.full((n,), 0.9)
+    top_k = torch.tensor([1, 2, 3, 4] * 6)
+    top_p = torch.tensor([1.0, 0.3, 0.6, 0.9, 0.99, 0.05] * 4)
+    min_p = torch.tensor([0.0] * 12 + [0.1, 0.5] * 6)
+    a = filter_rows(logits, temperature, top_k, top_p, min_p, SamplingMode.TOP_K)
+    b = filter_rows(logits, temperature, top_k, top_p, min_p, SamplingMode.FULL)
+    assert torch.equal(a.threshold, b.threshold) and torch.equal(a.top, b.top)
+    torch.testing.assert_close(a.z, b.z, rtol=1e-6, atol=0)
+    keys = draw_key(torch.arange(n), torch.full((n,), 9), stream=3)
+    assert torch.equal(a.sample(keys), b.sample(keys))
+
+
+def test_filtered_rows_agree_in_every_form():
+    """prob(ids) reads probs(); scores() is log-space of the same set; greedy rows are their argmax."""
+    logits = _rows(4, 100, seed=7, grid=None)
+    f = filter_rows(logits, torch.tensor([0.8, 0.0, 1.2, 0.5]), torch.tensor([10, 0, 0, 3]),
+                    torch.tensor([0.9, 1.0, 0.7, 1.0]), torch.tensor([0.0, 0.0, 0.1, 0.0]), SamplingMode.FULL)
+    probs = f.probs()
+    ids = torch.randint(0, 100, (4, 6), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(f.prob(ids), probs.gather(1, ids))
+    scores = f.scores()
+    sampled = [0, 2, 3]
+    torch.testing.assert_close(torch.softmax(scores[sampled], dim=-1), probs[sampled])
+    assert torch.equal(probs[1], torch.nn.functional.one_hot(logits[1].argmax(), 100).float())
+    assert f.sample(draw_key(torch.arange(4), torch.zeros(4, dtype=torch.int64), 1))[1] == logits[1].argmax()
+    both = distributions.Filtered.interleave([f.rows(torch.tensor([0, 1])), f.rows(torch.tensor([2, 3]))])
+    assert torch.equal(both.probs(), probs[[0, 2, 1, 3]])       # row b * G + g from part g
+
+
+def test_a_batch_runs_top_k_only_when_every_sampled_row_fits_the_candidates():
+    greedy, card = SamplingParams(), SamplingParams(temperature=0.1, top_k=50, top_p=0.1, repetition_penalty=1.05)
+    openai_style = SamplingParams(temperature=0.7, top_p=0.9)                  # top_k off
+    penalised_greedy = SamplingParams(repetition_penalty=1.2)                 # greedy: top_k is not read
+    assert sampling_mode([greedy, greedy], 65536) is SamplingMode.GREEDY
+    assert sampling_mode([greedy, card, penalised_greedy], 65536) is SamplingMode.TOP_K
+    assert sampling_mode([card, openai_style], 65536) is SamplingMode.FULL
+    assert sampling_mode([SamplingParams(temperature=1.0, top_k=65)], 65536) is SamplingMode.FULL
+    assert sampling_mode([openai_style], 64) is SamplingMode.TOP_K             # the whole vocabulary is the candidates

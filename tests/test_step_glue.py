@@ -16,6 +16,7 @@ import torch
 
 from eager_ops import eager_ops
 from lfmspark.runtime import Engine
+from lfmspark.runtime.distributions import SamplingMode
 
 # Eager compute ops a compiled step may run between its regions, with the reason for each. Empty:
 # the per-layer cache slices taken between regions are views (``aten.slice`` / ``aten.select``),
@@ -31,11 +32,11 @@ def engine() -> Engine:
                               compile=True)
 
 
-def _count(step, sampling: bool = False):
+def _count(step):
     slots = torch.tensor([-1])                 # a padding row: the step changes no request's state
     with torch.no_grad():
-        step(slots, sampling)                  # compiles (outside the recorder)
-    return eager_ops(step, slots, sampling)
+        step(slots, SamplingMode.GREEDY)       # compiles (outside the recorder)
+    return eager_ops(step, slots, SamplingMode.GREEDY)
 
 
 @pytest.mark.parametrize("step", ["decode", "spec_round"])
@@ -63,7 +64,7 @@ def test_recorder_counts_glue_of_an_uncompiled_step():
     """The recorder is not blind: run uncompiled, the decode step's every op is eager (the
     embedding lookup, the per-slot gathers, the layers' GEMMs and lfmspark ops)."""
     plain = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
-    ops = eager_ops(plain.steps.decode, torch.tensor([-1]), False)
+    ops = eager_ops(plain.steps.decode, torch.tensor([-1]), SamplingMode.GREEDY)
     assert not ops.inside
     attention = "qkv_window_attention"
     for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", f"lfmspark.{attention}.default"):
