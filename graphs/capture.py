@@ -4,7 +4,8 @@ Each step (``decode`` or the speculative ``round``, a variant per sampling mode:
 compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own
 cudagraphs; graphs/compile.py says which regions). It runs on a side stream to warm up
 (compilation, Triton autotuning, cuBLAS handles happen there, never during capture), then is
-captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared memory pool. Warm-up
+captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared memory pool (the
+smallest size is compiled before them: graphs/compile.py compiles one graph for every batch size). Warm-up
 and capture run with every row a padding row (slot ``-1``), so they change no state. At run time a
 batch is padded with ``-1`` rows up to the next captured size, the slots are copied into that
 size's static input buffer (only when they changed), and the graph replays: no allocation, no host
@@ -101,15 +102,23 @@ class CudaGraphRunner:
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
                modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport:
+        """Compile and capture each step kind in each sampling mode at every batch size. The smallest
+        size is compiled first and the largest captured next (graphs/compile.py: the batch dimension
+        turns symbolic at the second size compiled, with that size as its hint), then the rest,
+        largest first, so the smaller graphs reuse the shared pool's memory."""
         from torch._dynamo.utils import counters
 
         report = WarmupReport(mode="cuda-graphs")
-        cache_before = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+        watched = ("fxgraph_cache_hit", "fxgraph_cache_miss")
+        before = {k: counters["inductor"][k] for k in watched}
+        graphs_before = counters["stats"]["unique_graphs"]
         t_all = time.perf_counter()
         todo = [(k, m, b) for k in kinds for m in modes for b in reversed(self.batch_sizes)]
         for i, (kind, mode, bs) in enumerate(todo):
             if (kind, mode, bs) in self._graphs:
                 continue
+            if bs == self.batch_sizes[-1] and self.compiled:
+                self._compile_smallest(kind, mode)
             entry = self._capture(kind, mode, bs)
             report.entries.append(entry)
             if progress:
@@ -117,10 +126,25 @@ class CudaGraphRunner:
                          mode.value, bs, entry.compile_s, entry.capture_s,
                          entry.graph_bytes / 2**20)
         report.total_s = time.perf_counter() - t_all
-        if progress:       # the counters are per process: report this warm-up's share
-            hits, misses = (counters["inductor"][k] - v for k, v in cache_before.items())
-            log.info("warm-up %.1fs; Inductor FX graph cache: %d hits, %d misses", report.total_s, hits, misses)
+        # the counters are per process: this warm-up's share
+        report.graphs_compiled = counters["stats"]["unique_graphs"] - graphs_before
+        report.cache_hits, report.cache_misses = (counters["inductor"][k] - before[k] for k in watched)
+        if progress:
+            log.info("warm-up %.1fs: %d graphs captured, %d region graphs compiled (Inductor FX graph cache: "
+                     "%d hits, %d misses)", report.total_s, len(report.entries), report.graphs_compiled,
+                     report.cache_hits, report.cache_misses)
         return report
+
+    def _compile_smallest(self, kind: StepKind, mode: SamplingMode) -> None:
+        """Run ``kind`` in ``mode`` once at the smallest captured size, all padding rows (it changes no
+        state), so that the regions' batch-1 graphs come first and the largest size compiles next."""
+        slots = self._slots[self.batch_sizes[0]]
+        slots.fill_(-1)
+        self._last[self.batch_sizes[0]] = [-1] * self.batch_sizes[0]
+        self.capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.capture_stream):
+            self._fns[kind](slots, mode)
+        torch.cuda.synchronize()
 
     # -- replay -----------------------------------------------------------------------------
     def run(self, kind: StepKind, slots: list[int], mode: SamplingMode):

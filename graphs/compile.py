@@ -37,9 +37,18 @@ cache slices as inputs (models/cache.py), so nothing in a compiled layer depends
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
 ``LFMSPARK_CACHE_DIR`` (lfmspark/environment.py; default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
 from cache instead of recompiling (set at import, so it also holds for other ``torch.compile``
-calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins). Each region is compiled once
-per static shape (batch size) and, for the tails, sampling mode, so Dynamo's recompile limits are
-raised to cover them.
+calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins).
+
+**One compile for every batch size.** The batch dimension is dynamic: a region is compiled at
+the first batch size it sees, and at the second its batch dimension becomes symbolic (Dynamo's
+automatic dynamic shapes), so one graph then serves every larger size, as vLLM compiles once and
+captures a CUDA graph per size. Batch 1 keeps a graph of its own (Dynamo specialises sizes 0 and
+1; its products and norms take other kernels anyway, ops/routing.py), and where a kernel choice
+depends on the rows (1-16 rows on the weight-streaming products, the Markov walk's lanes) Dynamo
+guards on it and compiles once per side of the threshold. The warm-up therefore compiles batch 1
+first and then the largest size (graphs/capture.py), which gives the symbolic graph a large size
+as its hint. Everything else (weights, caches, vocabulary) stays static. The tails are compiled
+once per sampling mode too, so Dynamo's recompile limits are raised to cover these variants.
 """
 
 from __future__ import annotations
@@ -59,14 +68,18 @@ from ..environment import cache_dir, environment
 log = logging.getLogger(__name__)
 
 
-COMPILE_OPTIONS = dict(fullgraph=True, dynamic=False)
+# dynamic=None: static until a dimension changes between calls, then symbolic (see the module doc)
+COMPILE_OPTIONS = dict(fullgraph=True, dynamic=None)
 
 
 def compile_regions(steps, n_batch_sizes: int) -> None:
     """Swap a :class:`~lfmspark.runtime.steps.Steps`' regions for compiled versions (see the module
     doc). Only that object changes: the models stay plain, and prefill runs their layers directly."""
-    # each region is compiled per batch size and, for the tails, sampling mode; a later target layer
-    # per batch size, kind and mode (decode, verify): up to 4 kinds (ShortConv / attention x dense / MoE)
+    # each region is compiled per batch-size range (batch 1, then each side of a kernel threshold) and,
+    # for the tails, sampling mode; a later target layer per range, kind and mode (decode, verify): up to
+    # 4 kinds (ShortConv / attention x dense / MoE). The limits allow a compile per size: should a size
+    # ever be specialised, the warm-up gets slower (its report counts the graphs) but never falls back
+    # to running a region uncompiled.
     configure_compile(n_variants=10 * n_batch_sizes)
 
     def compiled(fn):
@@ -97,6 +110,7 @@ def configure_compile(n_variants: int) -> None:
     # often (tests/test_graphs_gpu.py: 1 of 8 sequences identical).
     inductor.emulate_precision_casts = True
     dynamo = torch._dynamo.config
+    dynamo.automatic_dynamic_shapes = True     # the batch dimension (module doc)
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_variants + 8)
     if hasattr(dynamo, "accumulated_recompile_limit"):
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * n_variants + 64)

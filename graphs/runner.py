@@ -56,10 +56,14 @@ class WarmupReport:
     total_s: float = 0.0
     mode: str = "eager"                   # "eager", "compiled" or "cuda-graphs"
     prefill_s: float = 0.0                # the engine's prefill warm-up (runtime/engine.py)
+    graphs_compiled: int = 0              # Dynamo graphs compiled for the steps' regions (graphs/compile.py)
+    cache_hits: int = 0                   # Inductor FX graph cache hits and misses of those compiles
+    cache_misses: int = 0
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "total_s": self.total_s, "prefill_s": self.prefill_s,
-                "entries": [e.__dict__ for e in self.entries]}
+                "graphs_compiled": self.graphs_compiled, "cache_hits": self.cache_hits,
+                "cache_misses": self.cache_misses, "entries": [e.__dict__ for e in self.entries]}
 
     def table(self) -> str:
         from tabulate import tabulate

@@ -4,6 +4,7 @@
 #   STEPS="bench12 tests kernels bench8" BATCH_SIZES=1,4,16 bash scripts/device_run.sh
 #   STEPS="serve servebench sampling" bash scripts/device_run.sh     # serving and sampling figures (carry .whl)
 #   STEPS="sampling_old sampling" bash scripts/device_run.sh           # the sampling probe, old tree (.devrun/old) vs this
+#   OLD_TREE=".devrun/a .devrun/b" STEPS=sampling_old bash scripts/device_run.sh   # the probe on two carried trees
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -103,12 +104,17 @@ for step in $STEPS; do
       timeout ${T_SAMPLING:-330} python3 scripts/sampling_probe.py ${SAMPLING_ARGS:---profile 30} > $RUN/sampling_probe_full.log 2>&1 \
         || tail -15 $RUN/sampling_probe_full.log
       grep -E "^(speculative|target-only|profile|  |\{)" $RUN/sampling_probe_full.log | tee $RUN/sampling_probe.log ;;
-    sampling_old)  # scripts/sampling_probe.py on another checkout (OLD_TREE, carried), installed for the probe only
-      tree=${OLD_TREE:-.devrun/old}
-      python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_old.log 2>&1 || tail -5 $RUN/install_old.log
-      (cd $tree && LFMSPARK_CACHE_DIR=/tmp/sampling_old TORCHINDUCTOR_CACHE_DIR=/tmp/sampling_old timeout ${T_SAMPLING:-330} \
-        python3 scripts/sampling_probe.py > $RUN/sampling_probe_old_full.log 2>&1) || tail -15 $RUN/sampling_probe_old_full.log
-      grep -E "^(speculative|target-only|\{)" $RUN/sampling_probe_old_full.log | tee $RUN/sampling_probe_old.log
+    sampling_old)  # scripts/sampling_probe.py on other checkouts (OLD_TREE: one or more carried trees, each installed
+                   # for its probe alone; logs named after the tree's folder)
+      for tree in ${OLD_TREE:-.devrun/old}; do
+        name=$(basename $tree); echo "--- $tree"
+        python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_$name.log 2>&1 || tail -5 $RUN/install_$name.log
+        (cd $tree && LFMSPARK_CACHE_DIR=/tmp/sampling_$name TORCHINDUCTOR_CACHE_DIR=/tmp/sampling_$name timeout ${T_SAMPLING:-330} \
+          python3 scripts/sampling_probe.py ${SAMPLING_ARGS:-} > $RUN/sampling_probe_${name}_full.log 2>&1) \
+          || tail -15 $RUN/sampling_probe_${name}_full.log
+        grep -E "^(speculative|target-only|profile|  |\{)" $RUN/sampling_probe_${name}_full.log | tee $RUN/sampling_probe_$name.log
+        tar czf $OUT/results.tgz -C $OUT run
+      done
       python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;

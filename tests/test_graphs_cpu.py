@@ -167,3 +167,36 @@ def test_inductor_cache_key_keeps_a_pass_the_process_installed():
     assert wrapped.uuid() not in (None, first)
     assert CacheKeyOfOps(Counting(None)).uuid() is None
     assert CacheKeyOfOps(lambda graph: None).uuid() is None
+
+
+
+@pytest.mark.slow
+def test_one_compile_serves_every_batch_size_and_matches_the_per_size_compile(monkeypatch):
+    """graphs/compile.py compiles a region at batch 1 and once more for every larger size (the batch
+    dimension symbolic from the second size on): a speculative engine run at batch 1, 3 and 2 compiles
+    two graphs per region (batch 1's and the symbolic one) and nothing at the third size, and at
+    sizes 3 and 2 emits the tokens and log-probabilities of a compile specialised to each size
+    (``dynamic=False``, one compile per size, as before)."""
+    import lfmspark.graphs.compile as compile_module
+    from torch._dynamo.utils import counters
+
+    def run(dynamic: bool, sizes: tuple[int, ...]) -> tuple[dict, list[int]]:
+        monkeypatch.setattr(compile_module, "COMPILE_OPTIONS", dict(fullgraph=True, dynamic=None if dynamic else False))
+        torch._dynamo.reset()
+        counters.clear()
+        engine = Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=3,
+                                    max_seq_len=96, compile=True)
+        outputs, graphs = {}, []
+        for n in sizes:
+            prompts = [[7 * i + 1, 2, 30 + i, 4, 5 + i] for i in range(n)]
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True))
+            outputs[n] = [(o.token_ids, [(t.logprob, t.top) for t in o.logprobs]) for o in outs]
+            graphs.append(counters["stats"]["unique_graphs"])
+        return outputs, graphs
+
+    dynamic, dynamic_graphs = run(True, (1, 3, 2))
+    static, static_graphs = run(False, (3, 2))
+    per_size = dynamic_graphs[0]
+    assert dynamic_graphs == [per_size, 2 * per_size, 2 * per_size]       # size 2 compiled nothing
+    assert static_graphs == [per_size, 2 * per_size]                      # the per-size compile did
+    assert dynamic[3] == static[3] and dynamic[2] == static[2]
