@@ -5,6 +5,7 @@
 #   STEPS="serve servebench sampling" bash scripts/device_run.sh     # serving and sampling figures (carry .whl)
 #   STEPS="sampling_old sampling" bash scripts/device_run.sh           # the sampling probe, old tree (.devrun/old) vs this
 #   OLD_TREE=".devrun/a .devrun/b" STEPS=sampling_old bash scripts/device_run.sh   # the probe on two carried trees
+#   WARMUP_OLD_TREE=.devrun/old STEPS=warmup bash scripts/device_run.sh  # warm-up cold/warm at every size, TPOT vs an old tree
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -116,6 +117,33 @@ for step in $STEPS; do
         tar czf $OUT/results.tgz -C $OUT run
       done
       python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log ;;
+    warmup)  # issue 35's warm-up figure: every default size to max_batch 64, cold (a fresh cache dir) then warm (the
+             # same dir, a new process), speculative and target-only; then the per-size compile of a carried older
+             # tree (WARMUP_OLD_TREE) at the TPOT sizes only, for the TPOT comparison in the same call
+             # (WARMUP_KINDS / WARMUP_CACHES narrow the new runs; WARMUP_CACHES=none skips them)
+      for kind in ${WARMUP_KINDS:-speculative target-only}; do
+        for cache in ${WARMUP_CACHES:-cold warm}; do
+          [ $cache = none ] && continue
+          echo "--- new $kind $cache"
+          LFMSPARK_CACHE_DIR=/tmp/warmup_$kind TORCHINDUCTOR_CACHE_DIR=/tmp/warmup_$kind timeout ${T_WARMUP:-240} \
+            python3 scripts/warmup_probe.py --kind $kind ${WARMUP_ARGS:-} $([ $cache = warm ] && echo --tpot-sizes 1) \
+            --json $RUN/warmup_new_${kind}_$cache.json > $RUN/warmup_new_${kind}_$cache.log 2>&1 || tail -5 $RUN/warmup_new_${kind}_$cache.log
+          grep -E "^(speculative|target-only)" $RUN/warmup_new_${kind}_$cache.log
+        done
+      done
+      tar czf $OUT/results.tgz -C $OUT run
+      if [ -n "${WARMUP_OLD_TREE:-}" ]; then
+        probe=$PWD/scripts/warmup_probe.py
+        python3 -m pip install -q --no-deps --no-build-isolation -e $WARMUP_OLD_TREE > $RUN/install_old.log 2>&1 || tail -5 $RUN/install_old.log
+        for kind in speculative target-only; do
+          echo "--- old $kind"
+          (cd $WARMUP_OLD_TREE && LFMSPARK_CACHE_DIR=/tmp/warmup_old TORCHINDUCTOR_CACHE_DIR=/tmp/warmup_old timeout ${T_WARMUP:-240} \
+            python3 $probe --kind $kind --greedy-only --batch-sizes 1,8,32,64 --json $RUN/warmup_old_$kind.json \
+            > $RUN/warmup_old_$kind.log 2>&1) || tail -5 $RUN/warmup_old_$kind.log
+          grep -E "^(speculative|target-only)" $RUN/warmup_old_$kind.log
+        done
+        python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log
+      fi ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
