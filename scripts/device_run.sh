@@ -135,7 +135,7 @@ for step in $STEPS; do
       if [ -n "${WARMUP_OLD_TREE:-}" ]; then
         probe=$PWD/scripts/warmup_probe.py
         python3 -m pip install -q --no-deps --no-build-isolation -e $WARMUP_OLD_TREE > $RUN/install_old.log 2>&1 || tail -5 $RUN/install_old.log
-        for kind in speculative target-only; do
+        for kind in ${WARMUP_OLD_KINDS:-speculative target-only}; do
           echo "--- old $kind"
           (cd $WARMUP_OLD_TREE && LFMSPARK_CACHE_DIR=/tmp/warmup_old TORCHINDUCTOR_CACHE_DIR=/tmp/warmup_old timeout ${T_WARMUP:-240} \
             python3 $probe --kind $kind --greedy-only --batch-sizes 1,8,32,64 --json $RUN/warmup_old_$kind.json \
