@@ -8,6 +8,7 @@ through ``torch.compile``; :class:`lfmspark.graphs.capture.CudaGraphRunner` repl
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -48,6 +49,7 @@ class WarmupEntry:
     compile_s: float
     capture_s: float = 0.0
     graph_bytes: int = 0
+    width: int = 0                        # a round's verify width (0: a decode step or prefill graph)
 
 
 @dataclass
@@ -59,22 +61,28 @@ class WarmupReport:
     graphs_compiled: int = 0              # Dynamo graphs compiled for the steps' regions (graphs/compile.py)
     cache_hits: int = 0                   # Inductor FX graph cache hits and misses of those compiles
     cache_misses: int = 0
+    profile_s: float = 0.0                # measuring the rounds' costs for the scheduler (graphs/capture.py)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "total_s": self.total_s, "prefill_s": self.prefill_s,
                 "graphs_compiled": self.graphs_compiled, "cache_hits": self.cache_hits,
-                "cache_misses": self.cache_misses, "entries": [e.__dict__ for e in self.entries]}
+                "cache_misses": self.cache_misses, "profile_s": self.profile_s,
+                "entries": [e.__dict__ for e in self.entries]}
 
     def table(self) -> str:
         from tabulate import tabulate
 
-        rows = [[e.kind, e.mode, e.batch_size, f"{e.compile_s:.2f}", f"{e.capture_s:.3f}",
+        rows = [[e.kind, e.mode, e.batch_size, e.width or "", f"{e.compile_s:.2f}", f"{e.capture_s:.3f}",
                  f"{e.graph_bytes / 2**20:.1f}"] for e in self.entries]
-        return tabulate(rows, headers=["step", "mode", "batch", "compile s", "capture s", "graph MiB"])
+        return tabulate(rows, headers=["step", "mode", "batch", "width", "compile s", "capture s", "graph MiB"])
 
 
 class StepRunner(Protocol):
-    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode): ...
+    costs: dict[tuple[SamplingMode, int, int], float]     # seconds per round (mode, batch size, width), if measured
+
+    def padded_size(self, n: int) -> int: ...
+
+    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode, width: int | None = None): ...
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
                modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport: ...
@@ -85,39 +93,45 @@ class EagerRunner:
     compiled batches are padded with ``-1`` rows to the next bucket so the number of compiled
     variants stays bounded (one per bucket and sampling mode)."""
 
-    def __init__(self, steps, device: torch.device, compile: bool = False, max_batch: int = 1):
+    def __init__(self, steps, device: torch.device, compile: bool = False, max_batch: int = 1,
+                 widths: Sequence[int] = (0,)):
         from .capture import default_batch_sizes
 
         self.steps, self.device, self.compiled = steps, device, compile
+        self.widths = tuple(widths)            # a round's verify widths (decode: (0,), unused)
         self.buckets = default_batch_sizes(max_batch) if compile else []
         if compile:
             compile_regions(steps, len(self.buckets))
-        self._fns = {StepKind.DECODE: steps.decode, StepKind.ROUND: steps.spec_round}
+        self.costs: dict[tuple[SamplingMode, int, int], float] = {}   # nothing measured (graphs/capture.py does)
 
-    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode):
-        if self.buckets:
-            size = next(b for b in self.buckets if b >= len(slots))
-            slots = list(slots) + [-1] * (size - len(slots))
+    def padded_size(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n) if self.buckets else n
+
+    def run(self, kind: StepKind, slots: list[int], mode: SamplingMode, width: int | None = None):
+        size = self.padded_size(len(slots))
+        slots = list(slots) + [-1] * (size - len(slots))
         slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        if self.compiled:
-            return self._fns[kind](slots_t, mode)
-        with _below_autograd():
-            return self._fns[kind](slots_t, mode)
+        with contextlib.nullcontext() if self.compiled else _below_autograd():
+            if kind is StepKind.ROUND:
+                return self.steps.spec_round(slots_t, mode, width)
+            return self.steps.decode(slots_t, mode)
 
     def warmup(self, kinds: list[StepKind], progress: bool = True,
                modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport:
-        """Nothing to capture; when compiling, compile batch size 1 of each step up front
-        (with every row a padding row, so no slot state changes)."""
+        """Nothing to capture; when compiling, compile batch size 1 of each step (a round at each
+        verify width) up front (with every row a padding row, so no slot state changes)."""
         report = WarmupReport(mode="compiled" if self.compiled else "eager")
         if not self.compiled:
             return report
         t_all = time.perf_counter()
         for kind in kinds:
             for mode in modes:
-                t0 = time.perf_counter()
-                self.run(kind, [-1], mode)
-                report.entries.append(WarmupEntry(kind.value, mode.value, 1, time.perf_counter() - t0))
-                if progress:
-                    log.info("compiled %s (%s)", kind.value, mode.value)
+                for width in self.widths if kind is StepKind.ROUND else (0,):
+                    t0 = time.perf_counter()
+                    self.run(kind, [-1], mode, width or None)
+                    report.entries.append(WarmupEntry(kind.value, mode.value, 1, time.perf_counter() - t0,
+                                                      width=width))
+                    if progress:
+                        log.info("compiled %s (%s%s)", kind.value, mode.value, f", width {width}" if width else "")
         report.total_s = time.perf_counter() - t_all
         return report

@@ -322,6 +322,9 @@ class DraftConfig:
     num_target_layers: int | None = None
     target_hidden_size: int | None = None   # width of each tapped target feature (defaults to hidden_size)
     max_position_embeddings: int | None = None
+    # the confidence head's Sequential Temperature Scaling (reference/dspark.md §4.4): c_k = sigmoid(z_k / T_k),
+    # one temperature per block slot; None: uncalibrated (every T_k = 1). `lfmspark calibrate` fits them.
+    sts_temperatures: tuple[float, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -377,11 +380,22 @@ class DraftConfig:
             raise ConfigError("draft config has no 'rope_is_neox_style': the RoPE pairing of a draft cannot be "
                               "guessed (LFM2 DSpark drafts are interleaved, false; Qwen3 drafts are neox, true). "
                               "Add the field to config.json")
+        block = _positive_int(cfg, "block_size")
+        sts = cfg.get("sts_temperatures")
+        if sts is not None:
+            if not confidence:
+                raise ConfigError("draft config has 'sts_temperatures' but no confidence head "
+                                  "('enable_confidence_head' is false): there is nothing to calibrate")
+            if (not isinstance(sts, list) or len(sts) != block
+                    or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in sts)):
+                raise ConfigError(f"draft config field 'sts_temperatures' must be a list of {block} positive numbers "
+                                  f"(one per block slot), got {sts!r}")
+            sts = tuple(float(t) for t in sts)
         known = {f for f in cls.__dataclass_fields__}
         return cls(
             hidden_size=hidden, intermediate_size=_positive_int(cfg, "intermediate_size"),
             num_hidden_layers=_positive_int(cfg, "num_hidden_layers"), num_attention_heads=n_heads,
-            num_key_value_heads=n_kv, head_dim=int(head_dim), block_size=_positive_int(cfg, "block_size"),
+            num_key_value_heads=n_kv, head_dim=int(head_dim), block_size=block,
             target_layer_ids=tuple(ids), mask_token_id=int(cfg["mask_token_id"]),
             vocab_size=cfg.get("vocab_size"), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(cfg), rope_is_neox_style=bool(neox), markov_rank=markov_rank,
@@ -389,7 +403,7 @@ class DraftConfig:
             confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)) and confidence,
             num_target_layers=cfg.get("num_target_layers"),
             target_hidden_size=cfg.get("target_hidden_size"),
-            max_position_embeddings=cfg.get("max_position_embeddings"),
+            max_position_embeddings=cfg.get("max_position_embeddings"), sts_temperatures=sts,
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 

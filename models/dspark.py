@@ -186,15 +186,28 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
+    """``c_k = sigmoid(proj([h_k ; W1[x_{k-1}]]) / T_k)`` (reference/dspark.md §4.1, §4.4): the chance that
+    draft ``k`` survives verification given that drafts ``1..k-1`` did. It reads ``x_{k-1}``, never
+    ``x_k``, which is what lets a scheduler use it without looking at the token it admits."""
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.with_markov = cfg.confidence_head_with_markov
         width = cfg.hidden_size + (cfg.markov_rank if self.with_markov else 0)
         self.proj = nn.Linear(width, 1, bias=True)
+        # STS temperatures per block slot (DraftConfig.sts_temperatures; None: uncalibrated). Plain floats,
+        # not a buffer: the checkpoint does not hold them, and a module built on the meta device keeps
+        # its buffers there
+        self.temperatures = cfg.sts_temperatures
 
     def forward(self, h: torch.Tensor, e_prev: torch.Tensor | None) -> torch.Tensor:
+        """``h [B, G, H]`` (the block's normed states) and ``e_prev [B, G, r]`` (``W1`` of each slot's
+        previous token) -> fp32 ``[B, G]``."""
         features = torch.cat([h, e_prev], dim=-1) if self.with_markov else h
-        return torch.sigmoid(self.proj(features).float().squeeze(-1))
+        logit = self.proj(features).float().squeeze(-1)
+        if self.temperatures is not None:
+            logit = logit / logit.new_tensor(self.temperatures[:h.shape[1]])
+        return torch.sigmoid(logit)
 
 
 @dataclass
@@ -202,8 +215,7 @@ class DraftProposal:
     tokens: torch.Tensor            # [B, gamma] int64: x_1 .. x_gamma
     logits: torch.Tensor | None      # [B, gamma, V] fp32 Markov-corrected logits (q = softmax(logits / T))
     confidence: torch.Tensor | None  # [B, gamma] conditional acceptance estimates c_k (None: no confidence head)
-    # the fused greedy walk (pick = greedy_pick, see DSparkDraft.walk) gives tokens only: logits and
-    # confidence are None there
+    # the fused greedy walk (pick = greedy_pick, see DSparkDraft.walk) gives no logits
 
 
 class DSparkDraft(nn.Module):
@@ -300,16 +312,34 @@ class DSparkDraft(nn.Module):
         return self.head_and_walk(x, delta, anchor, pick)
 
     def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker,
-                      walk: str = "jacobi", count_passes: bool = False) -> DraftProposal:
+                      walk: str = "jacobi", count_passes: bool = False, confidence: bool = True) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
-        :meth:`block_hidden`), then the Markov walk (``walk``, ``count_passes``: :meth:`walk`). With
-        a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
+        :meth:`block_hidden`), then the Markov walk (``walk``, ``count_passes``: :meth:`walk`), then
+        the confidences of the drafted tokens (:meth:`confidences`; with ``confidence`` and a head).
+        With a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
         takes the LM head's product of the carry; every other walk runs the norm on ``x``, as it
         also reads the normed states."""
+        want_confidence = confidence and self.confidence_head is not None
         if isinstance(delta, NormedCarry) and self._fused_walk(pick):
-            return self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick, walk, count_passes)
-        h = self.norm(completed(x, delta))
-        return self.walk(self.lm_head(h), h, anchor, pick, walk, count_passes)
+            proposal = self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick, walk,
+                                 count_passes)
+            h = self.norm(completed(x, delta)) if want_confidence else None
+        else:
+            h = self.norm(completed(x, delta))
+            proposal = self.walk(self.lm_head(h), h, anchor, pick, walk, count_passes)
+        if want_confidence:
+            proposal.confidence = self.confidences(h, anchor, proposal.tokens)
+        return proposal
+
+    def confidences(self, h: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The confidence head over the whole block at once: ``h [B, G, H]`` the normed states, the
+        anchor ``[B]`` and the drafted ``tokens [B, G]`` (slot ``k``'s previous token is ``x_{k-1}``, the
+        anchor for slot 0) -> fp32 ``[B, G]``."""
+        e_prev = None
+        if self.confidence_head.with_markov:
+            prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+            e_prev = self.markov_head.markov_w1(prev)
+        return self.confidence_head(h, e_prev)
 
     def _fused_walk(self, pick: TokenPicker) -> bool:
         """Whether :meth:`walk` takes the fused greedy path (tokens only; the normed states unread)."""
@@ -323,8 +353,9 @@ class DSparkDraft(nn.Module):
         (``logits`` and ``confidence`` None), in one launch at batch 1 on the kernel family ``walk``
         names (ops/routing.py ``WALKS``; ``count_passes``: the Jacobi kernel tallies its passes for
         the benchmark). Otherwise slot by slot, keeping each slot's corrected logits (``h``, the
-        normed states ``[B, G, H]``, is read there only)."""
-        head, conf_head = self.markov_head, self.confidence_head
+        normed states ``[B, G, H]``, is read there only). ``confidence`` is left None here:
+        :meth:`head_and_walk` adds it."""
+        head = self.markov_head
         B, G, _ = base.shape
         if pick is greedy_pick and head is None:
             return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
@@ -334,18 +365,13 @@ class DSparkDraft(nn.Module):
             return DraftProposal(tokens=tokens, logits=None, confidence=None)
         prev = anchor
         state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None
-        tokens, logits, confidence = [], [], []
+        tokens, logits = [], []
         for k in range(G):
             logits_k = base[:, k].float()
-            e_prev = None
             if head is not None:
-                e_prev = head.markov_w1(prev)
-                bias, state = head.step(e_prev, h[:, k], state)
+                bias, state = head.step(head.markov_w1(prev), h[:, k], state)
                 logits_k = logits_k + bias.float()
-            if conf_head is not None:
-                confidence.append(conf_head(h[:, k], e_prev))
             prev = pick(k, logits_k)
             tokens.append(prev)
             logits.append(logits_k)
-        return DraftProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits, dim=1),
-                             confidence=torch.stack(confidence, dim=1) if confidence else None)
+        return DraftProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits, dim=1), confidence=None)

@@ -48,7 +48,8 @@ from .requests import (EngineDeadError, Request, RequestError, RequestFailedErro
                        pair_prompts)
 from .distributions import SamplingMode, sampling_mode
 from .sampling import SamplingError, SamplingParams
-from .state import SlotPool, SlotState
+from .speculation import VerifyScheduler, default_verify_widths, survival
+from .state import NO_DRAFT_LIMIT, SlotPool, SlotState
 from .steps import Steps
 
 log = logging.getLogger("lfmspark")
@@ -60,6 +61,8 @@ class _InFlight:
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
+    width: int = 1                # the round's verify width (1 for a decode step)
+    confidence: torch.Tensor | None = None      # host copy [n, gamma] when the scheduler reads it
     logprobs: LogprobTensors | None = None      # host copies, W entries per row that asked (logprob_rows)
     logprob_rows: dict[int, int] | None = None  # row -> its block in ``logprobs``
 
@@ -79,6 +82,12 @@ class Engine:
     ``logprobs_mode`` says which distribution ``SamplingParams.logprobs`` are of: ``"raw"`` (the
     target's logits as the model produced them) or ``"processed"`` (after the request's transforms,
     temperature and filters: what each token was drawn from); runtime/logprobs.py.
+
+    ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
+    anchor and that many drafts less one); each round the scheduler picks the one with the most
+    expected tokens per second from the measured round costs (runtime/speculation.py). Default:
+    1 (no draft: target-only speed), 3, 5 and the whole block; ``[block_size + 1]`` verifies the
+    whole block every round.
     """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
@@ -86,7 +95,8 @@ class Engine:
                  imposed_acceptance: Sequence[float] | None = None, cuda_graphs: bool | None = None,
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
                  prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
-                 sampling_defaults: dict | None = None, logprobs_mode: str = "raw"):
+                 sampling_defaults: dict | None = None, logprobs_mode: str = "raw",
+                 verify_widths: Sequence[int] | None = None):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -136,6 +146,15 @@ class Engine:
         self.state = SlotState(max_batch, cfg.vocab_size, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk,
                            logprobs_mode)
+        self.scheduler: VerifyScheduler | None = None
+        if draft is not None:
+            widths = self._verify_widths(verify_widths)
+            confidences = draft.confidence_head is not None or self.imposed_acceptance is not None
+            self.scheduler = VerifyScheduler(widths, self.block_size, confidences)
+            # rounds compute confidences only where a choice reads them
+            self.steps.want_confidence = len(widths) > 1 and confidences
+        elif verify_widths is not None:
+            raise ValueError("verify_widths needs a draft: target-only decoding verifies nothing")
         self.runner = self._make_runner(cuda_graphs, compile, batch_sizes)
         self.cuda_graphs = not isinstance(self.runner, EagerRunner)
         # prefill_graph_tokens > 0 (the default): prompts run at bucket shapes (graphs/prefill.py),
@@ -157,6 +176,9 @@ class Engine:
         self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._flip = 0
         self._rng = random.Random()
+        # called for every request row of every round that verified drafts, with (request id, drafts
+        # verified, drafts accepted, the round's confidences or None): what `lfmspark calibrate` records
+        self.round_observer: Callable[[str, int, int, list[float] | None], None] | None = None
         # one scheduling step at a time: streams iterated from several threads take turns, each
         # step advancing every active request (their events go to their own streams)
         self._lock = threading.RLock()
@@ -231,8 +253,31 @@ class Engine:
             from ..graphs.capture import CudaGraphRunner
 
             return CudaGraphRunner(self.steps, self.device, self.max_batch, batch_sizes,
-                                   compile=True if compile is None else compile)
-        return EagerRunner(self.steps, self.device, compile=bool(compile), max_batch=self.max_batch)
+                                   compile=True if compile is None else compile, widths=self.verify_widths)
+        return EagerRunner(self.steps, self.device, compile=bool(compile), max_batch=self.max_batch,
+                           widths=self.verify_widths)
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The verify widths rounds are captured at (``(0,)`` for a target-only engine: no rounds)."""
+        return self.scheduler.widths if self.scheduler is not None else (0,)
+
+    def _verify_widths(self, widths: Sequence[int] | None) -> tuple[int, ...]:
+        full = self.block_size + 1
+        if widths is None:
+            return default_verify_widths(self.block_size)
+        widths = list(widths)
+        if not widths or not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= full for w in widths):
+            raise ValueError(f"verify_widths must be a non-empty list of integers in [1, {full}] (a window of the "
+                             f"anchor and up to {self.block_size} drafts), got {widths!r}")
+        return tuple(sorted(set(widths)))
+
+    @property
+    def speculation_stats(self) -> dict:
+        """Engine-wide speculation counters (runtime/speculation.py ``SpeculationStats``): rounds per
+        verify width, fallback rounds (width 1), probes, draft tokens verified and accepted, the
+        acceptance per position; empty for a target-only engine."""
+        return self.scheduler.stats.as_dict() if self.scheduler is not None else {}
 
     # -- public API -------------------------------------------------------------------------
     def warmup(self, progress: bool = True, sampling: bool | Sequence[SamplingMode] = True) -> WarmupReport:
@@ -530,6 +575,8 @@ class Engine:
                 self._queue.remove(req)
                 req.slot = self.pool.acquire()
                 self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
+                cap = req.params.max_speculative_tokens
+                self.state.draft_limit[req.slot] = NO_DRAFT_LIMIT if cap is None else cap
             self._prefilling.append(members[0])
             if len(members) > 1:
                 self._followers[id(members[0])] = members[1:]
@@ -691,8 +738,9 @@ class Engine:
         rows = [r for r in self._active if not r.finished]
         if not rows:
             return None
-        out = self.runner.run(self.step_kind, [r.slot for r in rows], sampling_mode((r.params for r in rows),
-                                                                                  self.config.vocab_size))
+        mode = sampling_mode((r.params for r in rows), self.config.vocab_size)
+        width = self._choose_width(rows, mode)
+        out = self.runner.run(self.step_kind, [r.slot for r in rows], mode, width)
         n = len(rows)
         tokens_host, n_new_host = self._host_buffer()
         tokens_host = tokens_host[:n, :out.tokens.shape[1]]
@@ -700,11 +748,27 @@ class Engine:
         tokens_host.copy_(out.tokens[:n], non_blocking=True)
         n_new_host.copy_(out.n_new[:n], non_blocking=True)
         logprobs, logprob_rows = self._round_logprobs(rows, out)
+        confidence = None
+        if self.steps.want_confidence and width > 1:
+            confidence = out.confidence[:n].to("cpu", non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _InFlight(rows, tokens_host, n_new_host, done, logprobs, logprob_rows)
+        return _InFlight(rows, tokens_host, n_new_host, done, width=width or 1, confidence=confidence, logprobs=logprobs,
+                         logprob_rows=logprob_rows)
+
+    def _choose_width(self, rows: list[Request], mode: SamplingMode) -> int | None:
+        """The next round's verify width (None for a decode step): from what earlier rounds returned
+        only, never from this round's drafts (runtime/speculation.py says why that keeps it lossless)."""
+        if self.scheduler is None:
+            return None
+        limits = [self.block_size if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens
+                  for r in rows]
+        width = self.scheduler.choose([r.survival for r in rows], limits, self.runner.padded_size(len(rows)), mode,
+                                      self.runner.costs)
+        self.scheduler.count_round(width)
+        return width
 
     @staticmethod
     def _round_logprobs(rows: list[Request], out) -> tuple[LogprobTensors | None, dict[int, int] | None]:
@@ -737,11 +801,12 @@ class Engine:
         events = []
         tokens, n_new = inflight.tokens.tolist(), inflight.n_new.tolist()
         width = inflight.tokens.shape[1]
+        confidence = inflight.confidence.tolist() if inflight.confidence is not None else None
         for i, req in enumerate(inflight.requests):
             if req.finished:
                 continue          # finished in an earlier round; this round's result is dropped
-            if self.draft is not None:
-                req.accept_lengths.append(n_new[i])
+            if self.scheduler is not None:
+                self._observe_round(req, inflight.width, n_new[i], confidence[i] if confidence is not None else None)
             new = tokens[i][:n_new[i]]
             logprobs = None
             if inflight.logprob_rows is not None and i in inflight.logprob_rows:
@@ -749,6 +814,21 @@ class Engine:
                                                      req.params.logprobs)
             events.append(self._emit(req, new, logprobs))
         return events
+
+    def _observe_round(self, req: Request, width: int, committed: int, confidence: list[float] | None) -> None:
+        """Book one round of ``req``: its statistics, the scheduler's estimates (its confidences, when
+        the round computed them), and the round observer's record."""
+        cap = req.params.max_speculative_tokens
+        verified = min(width - 1, self.block_size if cap is None else cap)
+        req.accept_lengths.append(committed)
+        req.drafts_verified.append(verified)
+        if confidence is not None and any(c != c for c in confidence):      # NaN: none computed for this row
+            confidence = None
+        if confidence is not None:
+            req.survival = survival(confidence)
+        self.scheduler.observe(width, verified, committed - 1, confidence)
+        if self.round_observer is not None and verified:
+            self.round_observer(req.request_id, verified, committed - 1, confidence)
 
     # -- events and finishing ---------------------------------------------------------------
     def _emit(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None
@@ -829,7 +909,8 @@ class Engine:
             self._active.remove(req)
         self._leave_prefill(req)
         self._live.pop(req.request_id, None)
-        stats = RequestStats(accept_lengths=req.accept_lengths, block_size=self.block_size,
+        stats = RequestStats(accept_lengths=req.accept_lengths, drafts_verified=req.drafts_verified,
+                             block_size=self.block_size,
                              imposed_acceptance=self.imposed_acceptance is not None,
                              prompt_tokens=len(req.prompt_ids),
                              ttft_s=(req.first_token_at - req.submitted) if req.first_token_at else 0.0,

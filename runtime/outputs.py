@@ -13,11 +13,15 @@ class RequestStats:
 
     ``accept_lengths`` holds one entry per speculative round: the tokens that round committed,
     the correction/bonus token included (the DSpark paper's convention), so ``tau`` is their mean.
-    ``acceptance_per_position[k]`` is the conditional rate at which draft ``k+1`` was accepted in
-    rounds where drafts ``1..k`` were. Without a draft every list is empty and ``tau`` is 1.
+    ``drafts_verified`` holds, per round, the draft tokens the target verified for this request
+    (the round's width less one, capped by ``max_speculative_tokens``; 0: a round that drafted
+    nothing, runtime/speculation.py). ``acceptance_per_position[k]`` is the conditional rate at
+    which draft ``k+1`` was accepted in rounds that verified it after accepting drafts ``1..k``.
+    Without a draft every list is empty and ``tau`` is 1.
     """
 
     accept_lengths: list[int] = field(default_factory=list)
+    drafts_verified: list[int] = field(default_factory=list)
     block_size: int = 0
     imposed_acceptance: bool = False      # accept lengths were imposed (benchmark mode), not measured
     prompt_tokens: int = 0
@@ -35,14 +39,30 @@ class RequestStats:
     @property
     def acceptance_per_position(self) -> list[float]:
         rates = []
+        rounds = list(zip(self.accept_lengths, self.drafts_verified or [self.block_size] * self.rounds))
         for k in range(1, self.block_size + 1):
-            reached = sum(1 for n in self.accept_lengths if n >= k)       # drafts 1..k-1 accepted
-            passed = sum(1 for n in self.accept_lengths if n >= k + 1)    # draft k accepted too
+            reached = sum(1 for n, v in rounds if n >= k and v >= k)   # draft k offered, drafts 1..k-1 accepted
+            passed = sum(1 for n, v in rounds if n >= k + 1)           # draft k accepted too
             rates.append(passed / reached if reached else float("nan"))
         return rates
 
+    @property
+    def draft_tokens_verified(self) -> int:
+        return sum(self.drafts_verified)
+
+    @property
+    def draft_tokens_accepted(self) -> int:
+        return sum(n - 1 for n in self.accept_lengths)
+
+    @property
+    def rounds_without_draft(self) -> int:
+        """Rounds that verified no draft token for this request (width 1, or speculation off for it)."""
+        return sum(1 for v in self.drafts_verified if v == 0)
+
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "tau": self.tau, "accept_lengths": self.accept_lengths,
+                "drafts_verified": self.drafts_verified, "draft_tokens_verified": self.draft_tokens_verified,
+                "draft_tokens_accepted": self.draft_tokens_accepted, "rounds_without_draft": self.rounds_without_draft,
                 "acceptance_per_position": self.acceptance_per_position, "imposed_acceptance": self.imposed_acceptance,
                 "prompt_tokens": self.prompt_tokens, "ttft_s": self.ttft_s, "decode_s": self.decode_s}
 

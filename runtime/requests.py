@@ -69,7 +69,9 @@ class Request:
     slot: int | None = None
     prefilled: int = 0                  # prompt tokens in the cache (prefill runs in chunks across steps)
     output: list[int] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)   # tokens each round committed
+    drafts_verified: list[int] = field(default_factory=list)  # draft tokens each round offered the target
+    survival: list[float] | None = None  # its last drafted round's survival estimates (runtime/speculation.py)
     finish_reason: str | None = None
     error: BaseException | None = None
     first_token_at: float = 0.0

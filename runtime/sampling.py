@@ -47,6 +47,9 @@ class SamplingParams:
     for each prompt token after the first. Which distribution they are of is the engine's
     ``logprobs_mode`` (runtime/logprobs.py): by default the target's raw logits, as vLLM returns them;
     an accepted draft token's log-probability is the target's, never the draft's.
+    ``max_speculative_tokens``: the most draft tokens a round may accept for this request (``0``:
+    speculation off for it; ``None``: as the engine's scheduler decides, runtime/speculation.py).
+    Such a request shares its rounds with the others; its output does not depend on the setting.
     """
 
     temperature: float = 0.0
@@ -68,6 +71,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    max_speculative_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -170,6 +174,10 @@ class SamplingParams:
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise SamplingError(f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}]: how many of the "
                                     f"most likely tokens to return beside the chosen one, got {v!r}")
+        m = self.max_speculative_tokens
+        if m is not None and (not _is_int(m) or m < 0):
+            raise SamplingError(f"max_speculative_tokens must be None (the engine decides) or an integer >= 0 "
+                                f"(0: no speculation for this request), got {m!r}")
         t = self.timeout_s
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
             raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")

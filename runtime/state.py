@@ -2,7 +2,8 @@
 
 Per slot, on the device: the committed length ``s`` (tokens whose target KV, conv state and draft
 context are stored), the anchor token ``x0`` (the last token produced, not yet in any cache) and
-the request's sampling parameters. Every per-slot tensor has one extra **trash** entry at index
+the request's sampling parameters and the most drafts a round may accept for it
+(``SamplingParams.max_speculative_tokens``). Every per-slot tensor has one extra **trash** entry at index
 ``n_slots``: padding rows (slot ``-1``) scatter their results there, so a step never needs a
 host-side branch to skip them.
 """
@@ -13,12 +14,16 @@ import torch
 
 from .sampling import SlotSampling
 
+NO_DRAFT_LIMIT = 1 << 30
+
 
 class SlotState:
     def __init__(self, n_slots: int, vocab: int, device: torch.device | str):
         self.n_slots = n_slots
         self.seq_len = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
         self.anchor = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
+        # drafts a round may accept per slot (the request's cap; a large number: no cap)
+        self.draft_limit = torch.full((n_slots + 1,), NO_DRAFT_LIMIT, dtype=torch.int64, device=device)
         self.sampling = SlotSampling.allocate(n_slots + 1, vocab, device)
 
     @staticmethod

@@ -62,10 +62,13 @@ def region(draft: bool = False) -> Callable[[F], F]:
 @dataclass
 class RoundInputs:
     """What the round's phases share. Each phase's regions read the rows' state (committed length
-    ``s``, anchor ``x0``, sampling parameters) from the slots themselves (see the module doc)."""
+    ``s``, anchor ``x0``, sampling parameters) from the slots themselves (see the module doc).
+    ``width``: the verify window's columns, ``x0`` and the first ``width - 1`` drafts (1: no draft
+    runs, the round is a decode step that feeds the draft its context; runtime/speculation.py)."""
 
     slots: torch.Tensor
     mode: SamplingMode
+    width: int
 
 
 @dataclass
@@ -80,8 +83,9 @@ class RowState:
 
 @dataclass
 class Drafted:
-    tokens: torch.Tensor          # [B, gamma] d_1..d_gamma
+    tokens: torch.Tensor | None   # [B, gamma] d_1..d_gamma (None: a round of width 1 drafts nothing)
     q: Filtered | None            # B * gamma rows (row b * gamma + k): the q each was drawn from (sampling rounds)
+    confidence: torch.Tensor | None = None   # [B, gamma] fp32 c_k (the head's, or the imposed rates), if wanted
 
 
 @dataclass
@@ -101,6 +105,9 @@ class StepOutput:
     # (raw), or in a sampling step with logprobs_mode "processed" its transformed, filtered logits; a
     # tensor the step holds anyway, so returning it costs nothing
     scores: torch.Tensor
+    # [B, gamma] fp32: a round's confidences c_k for the scheduler of later rounds (runtime/speculation.py);
+    # NaN where none were computed (no confidence head, a round of width 1); [B, 0] for a decode step
+    confidence: torch.Tensor
 
 
 class Steps:
@@ -116,6 +123,8 @@ class Steps:
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
         self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
+        # whether rounds compute the draft's confidences (the engine sets it when its scheduler reads them)
+        self.want_confidence = False
         # the greedy Markov walk's kernel family (Engine(markov_walk=...)), and whether the Jacobi
         # kernel tallies its passes (the benchmark sets it before capturing: read at trace time)
         self.markov_walk = markov_walk
@@ -222,23 +231,30 @@ class Steps:
             nxt = argmax_last(logits)
         st.seq_len[w] = row.s + 1
         st.anchor[w] = nxt
-        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s), scores=scores[:, None])
+        return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s), scores=scores[:, None],
+                          confidence=logits.new_empty(logits.shape[0], 0, dtype=torch.float32))
 
     # -- speculative round ------------------------------------------------------------------
     @torch.no_grad()
-    def spec_round(self, slots: torch.Tensor, mode: SamplingMode) -> StepOutput:
-        inputs = self.round_inputs(slots, mode)
+    def spec_round(self, slots: torch.Tensor, mode: SamplingMode, width: int | None = None) -> StepOutput:
+        """One round verifying ``width`` columns (default: the whole block, ``gamma + 1``)."""
+        inputs = self.round_inputs(slots, mode, width)
         drafted = self.round_draft(inputs)
         verified = self.round_verify(inputs, drafted.tokens)
         return self.round_commit(inputs, drafted, verified)
 
     # The round's phases are separate methods so the benchmark can time them one by one.
-    def round_inputs(self, slots: torch.Tensor, mode: SamplingMode) -> RoundInputs:
-        return RoundInputs(slots, mode)
+    def round_inputs(self, slots: torch.Tensor, mode: SamplingMode, width: int | None = None) -> RoundInputs:
+        width = self.gamma + 1 if width is None else width
+        if not 1 <= width <= self.gamma + 1:
+            raise ValueError(f"verify width {width} outside 1..{self.gamma + 1}")
+        return RoundInputs(slots, mode, width)
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
         """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
-        distribution q, the exact one its token was drawn from."""
+        distribution q, the exact one its token was drawn from. A round of width 1 drafts nothing."""
+        if inp.width == 1:
+            return Drafted(None, None)
         draft, cache = self.draft, self.dcache
         caches = draft.layer_caches(cache)
         x, delta, s, lens = self.draft_head(inp.slots, caches[0])
@@ -276,16 +292,19 @@ class Steps:
             return token
 
         proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
-                                            self.count_walk_passes)
-        return Drafted(proposal.tokens, Filtered.interleave(draft_q) if draft_q else None)
+                                            self.count_walk_passes, self.want_confidence and self.imposed is None)
+        confidence = proposal.confidence
+        if self.want_confidence and self.imposed is not None:   # imposed rates impose the confidences too
+            confidence = self.imposed[None, :].expand(proposal.tokens.shape[0], -1)
+        return Drafted(proposal.tokens, Filtered.interleave(draft_q) if draft_q else None, confidence)
 
-    def round_verify(self, inp: RoundInputs, d: torch.Tensor) -> Verified:
-        """Target over [x0, d_1..d_gamma] at s..s+gamma (conv tape recorded, K/V written);
+    def round_verify(self, inp: RoundInputs, d: torch.Tensor | None) -> Verified:
+        """Target over [x0, d_1..d_{W-1}] at s..s+W-1 (``W`` the round's width; conv tape recorded, K/V written);
         column i predicts position s + i + 1. The draft context injection forks to the side stream
         as soon as every aux tap exists, before the layers after the last tapped one
         (:meth:`fork_injection`; :meth:`round_commit` joins it)."""
         caches = self.tcache.layer_caches(self.target.config)
-        fwd = self.verify_head(inp.slots, d, caches[0])
+        fwd = self.verify_head(inp.slots, d, inp.width, caches[0])
         injected = False
         for layer, cache in zip(self.later_target_layers, caches[1:]):
             if not injected and (taps := self.target.taps_ready(fwd)) is not None:
@@ -295,12 +314,13 @@ class Steps:
         return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows, injected)
 
     @region(draft=True)
-    def verify_head(self, slots: torch.Tensor, d: torch.Tensor, first_cache: LayerCache) -> PartialForward:
-        """The verify up to its second layer: the window ``[x0, d]``'s embeddings and lens, and the
-        first layer."""
+    def verify_head(self, slots: torch.Tensor, d: torch.Tensor | None, width: int, first_cache: LayerCache
+                    ) -> PartialForward:
+        """The verify up to its second layer: the window ``[x0, d_1..d_{width-1}]``'s embeddings and
+        lens, and the first layer."""
         row = self.read_rows(slots)
-        fwd = self.target.begin(torch.cat([row.x0[:, None], d], dim=1), self.tcache.rope, slots, row.s, None,
-                                self.taps)
+        window = row.x0[:, None] if width == 1 else torch.cat([row.x0[:, None], d[:, :width - 1]], dim=1)
+        fwd = self.target.begin(window, self.tcache.rope, slots, row.s, None, self.taps)
         return self.target.advance(fwd, [first_cache], ForwardMode.VERIFY, self.target.model.layers[:1])
 
     def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
@@ -376,41 +396,54 @@ class Steps:
     @region(draft=True)
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
-        x0, d_1..d_a (the conv state from the tape; the draft context is :meth:`round_inject`'s)."""
-        st, gamma = self.state, self.gamma
+        x0, d_1..d_a (the conv state from the tape; the draft context is :meth:`round_inject`'s).
+
+        The round verified ``g = width - 1`` drafts, and a row accepts at most its ``draft_limit``
+        (``SamplingParams.max_speculative_tokens``) of them. A row that accepted all it could
+        (``a == min(g, limit)``) takes its next token from ``p`` at that position (the bonus), as a
+        row does after a whole block: the drafts after it were never offered, not rejected."""
+        st, gamma, g = self.state, self.gamma, inp.width - 1
         row = self.read_rows(inp.slots, inp.mode.sampling)
         rows, s = row.rows, row.s
-        d = drafted.tokens
-        B, W = d.shape[0], gamma + 1
-        d_ext = torch.cat([d, d[:, :1]], dim=1)                                # a token id for the bonus column too
-        positions = s[:, None] + torch.arange(1, gamma + 1, device=s.device)[None, :]   # of d_1..d_gamma
+        B, W = inp.slots.shape[0], g + 1
+        d = drafted.tokens[:, :g] if g else s.new_zeros(B, 0)
+        d_ext = torch.cat([d, row.x0[:, None]], dim=1)                         # a token id for the bonus column too
+        positions = s[:, None] + torch.arange(1, g + 1, device=s.device)[None, :]   # of d_1..d_g
         if rows is None:   # [B, W], no fp32 copy
             logits, target_pick = self.target.compute_greedy(verified.hidden, verified.delta)
             scores = logits
             accepted = d == target_pick[:, :-1]
         else:
             logits = self.target.compute_logits(verified.hidden, verified.delta)
-            window = s[:, None] + torch.arange(1, gamma + 2, device=s.device)[None, :]   # predicted positions
+            window = s[:, None] + torch.arange(1, g + 2, device=s.device)[None, :]   # predicted positions
             p = rows.filtered(logits.float(), window, block_history(d, logits.shape[-1]), inp.mode)   # B * W rows
-            q = drafted.q                                                      # B * gamma rows
             scores = p.scores().view(B, W, -1) if self.logprobs_mode == "processed" else logits
-            p_d = p.prob(d_ext.reshape(-1, 1)).view(B, W)[:, :gamma]
-            q_d = q.prob(d.reshape(-1, 1)).view(B, gamma)
-            u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
-            accepted = u * q_d < p_d                                           # u < min(1, p/q)
+            accepted = torch.zeros_like(d, dtype=torch.bool)
+            if g:
+                q = drafted.q                                                  # B * gamma rows
+                p_d = p.prob(d_ext.reshape(-1, 1)).view(B, W)[:, :g]
+                q_d = q.prob(drafted.tokens.reshape(-1, 1)).view(B, gamma)[:, :g]
+                u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
+                accepted = u * q_d < p_d                                       # u < min(1, p/q)
         if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
             seed = st.sampling.seed[row.index]
-            accepted = uniform(draw_key(seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :]
-        a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..gamma
+            accepted = uniform(draw_key(seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :g]
+        limit = st.draft_limit[row.index].clamp(max=g)                         # [B] drafts each row may accept
+        cols = torch.arange(g + 1, device=s.device)[None, :]
+        accepted = accepted & (cols[:, :g] < limit[:, None])
+        a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..limit
         if rows is None:
             final = target_pick.gather(1, a[:, None])[:, 0]
         else:
             b = torch.arange(B, device=s.device)
             p_a = p.rows(b * W + a)                                            # position s + a + 1's p
-            q_a = q.rows(b * gamma + a.clamp(max=gamma - 1)).probs() * (a < gamma)[:, None]   # full block: bonus from p
-            residual = (p_a.probs() - q_a).clamp(min=0)
-            # where q covers p (within rounding), the residual is p itself
-            residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a.probs())
+            residual = p_a.probs()
+            if g:
+                offered = (a < limit)[:, None]                                 # d_{a+1} was offered and rejected
+                q_a = drafted.q.rows(b * gamma + a.clamp(max=gamma - 1)).probs() * offered
+                residual = (residual - q_a).clamp(min=0)
+                # where q covers p (within rounding), the residual is p itself
+                residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a.probs())
             final = sample(residual, draw_key(rows.seed, s + a + 1, STREAM_TOKEN))
 
         commit = a + 1
@@ -419,8 +452,10 @@ class Steps:
         st.seq_len[w] = s + commit
         st.anchor[w] = final
 
-        cols = torch.arange(gamma + 1, device=s.device)[None, :]
         tokens = torch.where(cols < a[:, None], d_ext, final[:, None])         # [d_1..d_a, final, ...]
         if rows is not None:
             st.sampling.record(w, tokens, cols < commit[:, None])
-        return StepOutput(tokens=tokens, n_new=commit, scores=scores)
+        confidence = drafted.confidence
+        if confidence is None:
+            confidence = torch.full((B, gamma), float("nan"), device=s.device)
+        return StepOutput(tokens=tokens, n_new=commit, scores=scores, confidence=confidence)
