@@ -132,13 +132,14 @@ class VerifyScheduler:
         est = [a if a is not None else fallback for a in survivals]
         width = choose_width(est, limits, self.widths, cost)
         if width == 1 and self.widths[1:]:
-            self._at_one += 1
             wider = choose_width(est, limits, self.widths[1:], cost)
-            interval = math.ceil((cost[wider] - cost[1]) / (PROBE_OVERHEAD * cost[1]))
+            # after `interval` rounds at width 1, one at `wider`: its extra cost is PROBE_OVERHEAD of theirs
+            interval = math.ceil(round((cost[wider] - cost[1]) / (PROBE_OVERHEAD * cost[1]), 6))
             if self._at_one >= max(interval, 1):
                 self._at_one = 0
                 self.stats.probes += 1
-                width = wider
+                return wider
+            self._at_one += 1
         else:
             self._at_one = 0
         return width
