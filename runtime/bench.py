@@ -65,6 +65,7 @@ class BenchConfig:
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
     prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
     markov_walk: str = "jacobi"        # Engine(markov_walk=...)
+    verify_widths: list[int] | None = None   # Engine(verify_widths=...): None, the scheduler's default set
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +293,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
                                           seed=cfg.seed))
     first_ttft = warm[0].stats.ttft_s
     passes_before = jacobi_pass_counts()
+    widths_before = dict(engine.speculation_stats.get("rounds_by_width", {}))
     for run in range(cfg.runs):
         prompts = torch.randint(0, vocab, (batch, cfg.prompt_len), generator=gen).tolist()
         # one seed per request: imposed acceptance draws are keyed by (seed, position), so shared
@@ -342,6 +344,9 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         row["imposed_acceptance"] = imposed
         if walks:  # the Jacobi walk ran (ops/markov_walk/jacobi.py): its w2 passes depend on the Markov weights
             row["walk_passes_mean"] = passes / walks
+        # the scheduler's choices over the measured runs (runtime/speculation.py): rounds per verify width
+        after = engine.speculation_stats["rounds_by_width"]
+        row["rounds_by_width"] = {w: n - widths_before.get(w, 0) for w, n in after.items() if n > widths_before.get(w, 0)}
     return row
 
 
@@ -436,7 +441,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             if device.type == "cuda":
                 kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
-                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, markov_walk=cfg.markov_walk, **kw)
+                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, markov_walk=cfg.markov_walk,
+                                       verify_widths=cfg.verify_widths, **kw)
             else:
                 engines[kind] = Engine(target, None, **kw)
             engines[kind].steps.count_walk_passes = True   # walk_passes; read when the graphs are traced
@@ -571,10 +577,18 @@ def table(report: dict) -> str:
         if "draft_ms" in r:
             rates = r.get("imposed_profile")
             tag = f" (imposed {rates[0]:g})" if rates and len(set(rates)) == 1 else ""
-            text += (f"\nround split at batch {r['batch']}{tag}: draft {r['draft_ms']:.3f} ms, "
+            text += (f"\nround split at batch {r['batch']}{tag} (whole block): draft {r['draft_ms']:.3f} ms, "
                      f"verify {r['verify_ms']:.3f} ms,"
                      f" accept+commit {r['commit_ms']:.3f} ms (round {r['step_ms']:.3f} ms replayed alone"
                      + (f", {r['loop_step_ms']:.3f} ms in the generation loop)" if "loop_step_ms" in r else ")"))
+        if r.get("rounds_by_width"):
+            rates = r.get("imposed_profile")
+            tag = f" (imposed {rates[0]:g})" if rates and len(set(rates)) == 1 else ""
+            counts = r["rounds_by_width"]
+            total = sum(counts.values())
+            text += (f"\nverify widths at batch {r['batch']}{tag}: "
+                     + ", ".join(f"{w}: {100 * n / total:.0f}%" for w, n in sorted(counts.items()))
+                     + " of rounds (width 1: no draft)")
         if "walk_passes_mean" in r:
             text += (f"\nMarkov walk at batch {r['batch']}: {r['walk_passes_mean']:.2f} biased passes over markov_w2 "
                      f"per round (Jacobi walk: 1 when the bias moved no guessed slot, at most the block size)")

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markov-walk", choices=WALKS, default="jacobi",
                    help="the draft's greedy Markov walk kernel (default jacobi; see Engine)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
+    b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1, 3, 5 "
+                   "and the whole block; the block size + 1 alone: the whole block every round)")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
     b.add_argument("--seed", type=int, default=0)
@@ -184,7 +186,8 @@ def _bench(args) -> int:
                       hf_compile_timeout_s=args.hf_compile_timeout, device=device,
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
                       phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
-                      prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk)
+                      prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk,
+                      verify_widths=args.verify_widths)
     report = run_bench(cfg)
     print(table(report))
     if args.json:
