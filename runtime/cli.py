@@ -1,10 +1,11 @@
-"""``lfmspark`` command line: ``bench`` (the latency benchmark), ``generate`` and ``serve``.
+"""``lfmspark`` command line: ``bench`` (the latency benchmark), ``generate``, ``serve`` and ``calibrate``.
 
     lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
     lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
     lfmspark bench serve --preset lfm2.5-1.2b --num-prompts 200 --request-rate 20 --prompt-len 512 --output-len 128
     lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
     lfmspark serve --target DIR [--draft DIR] [--port 8000]    # OpenAI-compatible server (the serve extra)
+    lfmspark calibrate --target DIR --draft DIR --prompts prompts.jsonl --write-config   # the draft's STS temperatures
 """
 
 from __future__ import annotations
@@ -158,8 +159,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--imposed-acceptance", type=_rates, help="per-position acceptance rates for a random-weight "
                    "draft (benchmarks)")
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
+    s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1, 3, "
+                   "5 and the whole block)")
     s.add_argument("--device")
     s.add_argument("--dtype", default=None)
+
+    c = sub.add_parser("calibrate", help="fit the draft's confidence temperatures (STS) from recorded rounds")
+    csrc = c.add_mutually_exclusive_group(required=True)
+    csrc.add_argument("--target", help="local HF checkpoint directory of the target")
+    csrc.add_argument("--preset", choices=sorted(TARGET_PRESETS), help="random weights (a smoke run of the command)")
+    c.add_argument("--draft", help="local DSpark draft directory (with --target)")
+    c.add_argument("--prompts", help="JSONL file, one {'prompt': text or token ids} per line (default: random "
+                   "token ids, which calibrate nothing real)")
+    c.add_argument("--num-prompts", type=_positive, default=64, help="random prompts without --prompts")
+    c.add_argument("--max-new-tokens", type=_positive, default=256)
+    c.add_argument("--temperature", type=float, default=0.0, help="the deployment temperature the confidences are "
+                   "calibrated for (reference/dspark.md §4.2)")
+    c.add_argument("--max-batch", type=_positive, default=16)
+    c.add_argument("--max-seq-len", type=_positive, default=4096)
+    c.add_argument("--out", help="write the fit (temperatures, ECE before and after) as JSON here")
+    c.add_argument("--write-config", action="store_true", help="store the temperatures in the draft's "
+                   "config.json as 'sts_temperatures' (where the engine reads them)")
+    c.add_argument("--device")
+    c.add_argument("--dtype", default=None)
     return parser
 
 
@@ -284,7 +306,8 @@ def _serve(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-              batch_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget)
+              batch_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget,
+              verify_widths=args.verify_widths)
     if args.imposed_acceptance is not None:
         kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     if args.target:
@@ -297,6 +320,82 @@ def _serve(args) -> int:
     run_server(engine, name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                warmup=not args.no_warmup, log_level="debug" if args.verbose else "info")
     return 0
+
+
+def _calibrate(args) -> int:
+    import torch
+
+    from .bench import _dtype
+    from .calibration import fit_sts, record_rounds
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    if args.target and not args.draft:
+        raise SystemExit("lfmspark calibrate: error: --target needs --draft (the draft to calibrate)")
+    if args.write_config and not args.draft:
+        raise SystemExit("lfmspark calibrate: error: --write-config needs --draft (a checkpoint directory)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    if args.target:
+        engine = Engine.from_pretrained(args.target, args.draft, **kw, verify_widths=[_block_size(args.draft) + 1])
+    else:
+        from ..models.presets import DEFAULT_DRAFT, draft_preset
+
+        name = DEFAULT_DRAFT.get(args.preset)
+        if name is None:
+            raise SystemExit(f"lfmspark calibrate: error: preset {args.preset} has no draft")
+        engine = Engine.from_preset(args.preset, **kw, verify_widths=[draft_preset(name).block_size + 1])
+    if engine.draft.confidence_head is None:
+        raise SystemExit("lfmspark calibrate: error: the draft has no confidence head ('enable_confidence_head')")
+    engine.draft.confidence_head.temperatures = None    # record the raw confidences
+    engine.steps.want_confidence = True                 # before warm-up: the rounds are traced with it
+    if engine.cuda_graphs:
+        engine.warmup(sampling=args.temperature > 0)
+    prompts = _calibration_prompts(args, engine)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=False)
+    z, accepted = record_rounds(engine, prompts, params)
+    fit = fit_sts(z, accepted)
+    print(json.dumps(fit.as_dict()))
+    print(f"{fit.rounds} rounds; ECE per position before: {[round(e, 4) for e in fit.ece_before]}, after: "
+          f"{[round(e, 4) for e in fit.ece_after]}", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(json.dumps(fit.as_dict(), indent=1) + "\n")
+    if args.write_config:
+        path = Path(args.draft) / "config.json"
+        config = json.loads(path.read_text())
+        config["sts_temperatures"] = fit.temperatures
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        print(f"sts_temperatures written to {path}", file=sys.stderr)
+    return 0
+
+
+def _block_size(draft_dir: str) -> int:
+    from ..models.config import DraftConfig, read_json_object
+
+    raw = read_json_object(Path(draft_dir) / "config.json")
+    raw.setdefault("rope_is_neox_style", False)        # the pairing does not matter for the block size
+    return DraftConfig.from_dict(raw).block_size
+
+
+def _calibration_prompts(args, engine) -> list:
+    if args.prompts:
+        prompts = []
+        with open(args.prompts) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "prompt" not in record:
+                        raise ValueError(f"{args.prompts} line {i}: expected an object with a 'prompt' field")
+                    prompts.append(record["prompt"])
+        if not prompts:
+            raise ValueError(f"{args.prompts} holds no prompts")
+        return prompts
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.config.vocab_size
+    return torch.randint(0, vocab, (args.num_prompts, 64), generator=gen).tolist()
 
 
 def _imposed_rates(rates: list[float], args) -> list[float]:
@@ -319,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        return {"bench": _bench, "generate": _generate, "serve": _serve}[args.command](args)
+        return {"bench": _bench, "generate": _generate, "serve": _serve, "calibrate": _calibrate}[args.command](args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"lfmspark {args.command}: error: {e}", file=sys.stderr)
         return 2
