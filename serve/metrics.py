@@ -48,10 +48,13 @@ class ServerMetrics:
                                buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
         self._e2e = Histogram("lfmspark:e2e_request_latency_seconds", "Submission to finish.", names,
                               buckets=_E2E_BUCKETS, registry=r).labels(**labels)
-        self._drafts = counter("lfmspark:spec_decode_num_drafts", "Speculative rounds (one draft block each).") \
+        self._drafts = counter("lfmspark:spec_decode_num_drafts", "Rounds that verified draft tokens, per request.") \
             .labels(**labels)
-        self._draft_tokens = counter("lfmspark:spec_decode_num_draft_tokens", "Draft tokens proposed.") \
+        self._draft_tokens = counter("lfmspark:spec_decode_num_draft_tokens", "Draft tokens verified by the target.") \
             .labels(**labels)
+        self._fallbacks = counter("lfmspark:spec_decode_num_rounds_without_draft",
+                                  "Rounds that verified no draft token, per request (the scheduler chose width 1, "
+                                  "or the request turned speculation off).").labels(**labels)
         self._accepted = counter("lfmspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.") \
             .labels(**labels)
         self._accepted_per_pos = counter("lfmspark:spec_decode_num_accepted_tokens_per_pos",
@@ -82,10 +85,11 @@ class ServerMetrics:
         if len(out.token_ids) > 1:
             self._tpot.observe(stats.decode_s / (len(out.token_ids) - 1))
         if self._block_size and stats.accept_lengths:
-            rounds = len(stats.accept_lengths)
-            self._drafts.inc(rounds)
-            self._draft_tokens.inc(rounds * self._block_size)
-            self._accepted.inc(sum(n - 1 for n in stats.accept_lengths))
+            without = stats.rounds_without_draft
+            self._drafts.inc(stats.rounds - without)
+            self._fallbacks.inc(without)
+            self._draft_tokens.inc(stats.draft_tokens_verified)
+            self._accepted.inc(stats.draft_tokens_accepted)
             for k in range(self._block_size):
                 accepted = sum(1 for n in stats.accept_lengths if n - 1 > k)
                 if accepted:

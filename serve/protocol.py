@@ -57,6 +57,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     timeout_s: float | None = None
     prompt_logprobs: int | None = None
+    max_speculative_tokens: int | None = None     # 0: no speculation for this request (runtime/speculation.py)
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -96,6 +97,7 @@ class _Common(BaseModel):
             n=1 if self.n is None else self.n,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            max_speculative_tokens=self.max_speculative_tokens,
         )
 
     @property

@@ -400,6 +400,22 @@ def test_metrics_count_what_was_sent(served):
     assert after[("lfmspark:num_requests_running", ())] == 0 and after[("lfmspark:num_requests_waiting", ())] == 0
 
 
+def test_a_request_can_turn_speculation_off_and_the_metrics_count_its_rounds_without_draft(served):
+    before = metric_values(served.url)
+    c = served.client()
+    off = c.completions.create(model=MODEL, prompt="w3 w9", max_tokens=6, temperature=0.0,
+                               extra_body={"ignore_eos": True, "max_speculative_tokens": 0})
+    on = c.completions.create(model=MODEL, prompt="w3 w9", max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    after = metric_values(served.url)
+    assert off.choices[0].text == on.choices[0].text
+    delta = lambda name: after.get((name, ()), 0.0) - before.get((name, ()), 0.0)  # noqa: E731
+    # the first token comes from the prefill, each later one from a round that verified no draft
+    assert delta("lfmspark:spec_decode_num_rounds_without_draft_total") == off.usage.completion_tokens - 1
+    bad = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "w3", "max_tokens": 2,
+                                                           "max_speculative_tokens": -1})
+    assert bad.status_code == 400 and "max_speculative_tokens" in bad.text
+
+
 def test_health_says_warming_up_until_the_engine_is_warm(ckpt):
     engine = load(ckpt, max_batch=2)
     release = threading.Event()
