@@ -56,12 +56,15 @@ def prefill_rows(engine: Engine, n: int, mode: SamplingMode) -> list[int]:
     return [r.slot for r in reqs]
 
 
-def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mode: SamplingMode, rounds: int) -> None:
-    """Run ``rounds`` speculative rounds on both engines; each round commits the same tokens."""
+def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mode: SamplingMode, rounds: int,
+                widths: tuple[int | None, ...] = (None,)) -> None:
+    """Run ``rounds`` speculative rounds on both engines, round ``r`` at ``widths[r % len(widths)]``
+    (None: the whole block); each round commits the same tokens."""
     n = len(a_slots)
-    for _ in range(rounds):
-        x = a.runner.run(StepKind.ROUND, a_slots, mode)
-        y = b.runner.run(StepKind.ROUND, b_slots, mode)
+    for r in range(rounds):
+        width = widths[r % len(widths)]
+        x = a.runner.run(StepKind.ROUND, a_slots, mode, width)
+        y = b.runner.run(StepKind.ROUND, b_slots, mode, width)
         assert torch.equal(x.n_new[:n], y.n_new[:n])
         for i in range(n):
             k = int(y.n_new[i])
@@ -89,7 +92,8 @@ def test_graph_replay_equals_eager_round(moe, mode):
         assert g_slots == e_slots
         spare = [s for s in range(8) if s not in g_slots]
         before_spare = snapshot(graph_engine, spare) if spare else None
-        same_rounds(graph_engine, eager_engine, g_slots, e_slots, mode, rounds=4)
+        # every captured verify width in turn (runtime/speculation.py): 1 (no draft), 3, 5, the whole block
+        same_rounds(graph_engine, eager_engine, g_slots, e_slots, mode, rounds=8, widths=graph_engine.verify_widths)
         gs, es = snapshot(graph_engine, g_slots), snapshot(eager_engine, e_slots)
         assert torch.equal(gs["seq_len"], es["seq_len"]) and torch.equal(gs["anchor"], es["anchor"])
         torch.testing.assert_close(gs["conv"], es["conv"], rtol=1e-4, atol=1e-4)
