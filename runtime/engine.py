@@ -48,6 +48,7 @@ from .requests import (EngineDeadError, Request, RequestError, RequestFailedErro
                        pair_prompts)
 from .distributions import SamplingMode, sampling_mode
 from .sampling import SamplingError, SamplingParams
+from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .speculation import VerifyScheduler, default_verify_widths, survival
 from .state import NO_DRAFT_LIMIT, SlotPool, SlotState
 from .steps import Steps
@@ -83,6 +84,12 @@ class Engine:
     target's logits as the model produced them) or ``"processed"`` (after the request's transforms,
     temperature and filters: what each token was drawn from); runtime/logprobs.py.
 
+    ``prefix_cache_tokens``: the prefix cache's budget in tokens (runtime/prefix_cache.py): a request
+    whose prompt starts with ``prefix_block``-token blocks an earlier request ran (its prompt or
+    output) starts its prefill after them, with the same outputs as without the cache. Default
+    (None): half the slots' worth, ``max_batch * max_seq_len // 2``; 0 turns it off. An engine whose
+    ``max_seq_len`` is shorter than a block keeps none.
+
     ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
     anchor and that many drafts less one); each round the scheduler picks the one with the most
     expected tokens per second from the measured round costs (runtime/speculation.py). Default:
@@ -96,7 +103,8 @@ class Engine:
                  compile: bool | None = None, batch_sizes: Sequence[int] | None = None, prefill_chunk: int = 2048,
                  prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
                  sampling_defaults: dict | None = None, logprobs_mode: str = "raw",
-                 verify_widths: Sequence[int] | None = None):
+                 verify_widths: Sequence[int] | None = None, prefix_cache_tokens: int | None = None,
+                 prefix_block: int = DEFAULT_BLOCK):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -105,7 +113,8 @@ class Engine:
         self.logprobs_mode = logprobs_mode
         cfg = target.config
         for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
-                            ("prefill_budget", prefill_budget), ("prefill_graph_tokens", prefill_graph_tokens)):
+                            ("prefill_budget", prefill_budget), ("prefill_graph_tokens", prefill_graph_tokens),
+                            ("prefix_block", prefix_block)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if max_batch < 1:
@@ -136,12 +145,16 @@ class Engine:
         target.requires_grad_(False)
         if draft is not None:
             draft.requires_grad_(False)
-        self.tcache = TargetCache.allocate(cfg, max_batch, max_seq_len, self.verify_width, self.dtype, self.device)
+        prefix_blocks = self._prefix_blocks(prefix_cache_tokens, prefix_block)
+        self.tcache = TargetCache.allocate(cfg, max_batch, max_seq_len, self.verify_width, self.dtype, self.device,
+                                           block=prefix_block if prefix_blocks else 0)
         self.dcache = None
         if draft is not None:
             check_draft_fits_target(draft.config, cfg)
             draft.attach_target(target.model.embed_tokens, target.lm_head)
             self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
+        self.prefix_cache = (PrefixCache(self.tcache, self.dcache, prefix_blocks, prefix_block)
+                             if prefix_blocks else None)
         self.imposed_acceptance = self._imposed(imposed_acceptance)
         self.state = SlotState(max_batch, cfg.vocab_size, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk,
@@ -256,6 +269,34 @@ class Engine:
                                    compile=True if compile is None else compile, widths=self.verify_widths)
         return EagerRunner(self.steps, self.device, compile=bool(compile), max_batch=self.max_batch,
                            widths=self.verify_widths)
+
+    def _prefix_blocks(self, tokens: int | None, block: int) -> int:
+        """The prefix cache's capacity in blocks (0: none)."""
+        if block < 1:
+            raise ValueError(f"prefix_block must be >= 1 (tokens per cached block), got {block}")
+        if tokens is None:
+            tokens = self.max_batch * self.max_seq_len // 2
+        elif isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be None (the default budget), 0 (off) or a number of "
+                             f"tokens >= 0, got {tokens!r}")
+        if block > self.max_seq_len:
+            return 0           # no prompt can fill a block
+        return tokens // block
+
+    @property
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache's counters (prompt tokens queried and found cached, blocks stored and
+        evicted, blocks held, its capacity); empty without a prefix cache."""
+        pc = self.prefix_cache
+        if pc is None:
+            return {}
+        return {**pc.stats.as_dict(), "cached_blocks": pc.cached_blocks, "capacity_blocks": pc.capacity,
+                "block": pc.block}
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (running requests keep what they copied); returns the blocks dropped."""
+        with self._lock:
+            return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -577,6 +618,7 @@ class Engine:
                 self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
                 cap = req.params.max_speculative_tokens
                 self.state.draft_limit[req.slot] = NO_DRAFT_LIMIT if cap is None else cap
+            self._reuse_prefix(members[0])
             self._prefilling.append(members[0])
             if len(members) > 1:
                 self._followers[id(members[0])] = members[1:]
@@ -619,6 +661,9 @@ class Engine:
         rows, chunks, width = [], [], 0
         for req in self._prefilling:
             take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
+            if self.prefix_cache is not None:     # chunks end at block boundaries (runtime/prefix_cache.py)
+                block = self.prefix_cache.block
+                take = min(take, (req.prefilled // block + 1) * block - req.prefilled)
             if budget is not None:
                 cap = budget // (1 << len(rows).bit_length())     # rows 1, 2, 3-4, 5-8, ...: budget / that
                 if width > cap or cap == 0:
@@ -629,6 +674,28 @@ class Engine:
             width = max(width, take)
         return rows, chunks
 
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start ``req``'s prefill after the longest cached prefix of its prompt (runtime/prefix_cache.py),
+        copied into its slot. A request asking for prompt logprobs computes every position."""
+        if self.prefix_cache is None or req.params.prompt_logprobs is not None:
+            return
+        self.prefix_cache.stats.queries += len(req.prompt_ids)
+        req.prefilled = req.cached_tokens = self.prefix_cache.load(self.prefix_cache.match(req.prompt_ids), req.slot)
+        self.prefix_cache.stats.hits += req.cached_tokens
+
+    def _cache_prefilled(self, rows: list[Request]) -> None:
+        """After a prefill forward: store the conv state of the rows whose chunk ended on a block
+        boundary, then the full blocks of their prompts (runtime/prefix_cache.py)."""
+        block = self.prefix_cache.block
+        ends = [r for r in rows if r.prefilled % block == 0]
+        if ends:
+            slots = torch.tensor([r.slot for r in ends], device=self.device)
+            index = torch.tensor([r.prefilled // block - 1 for r in ends], device=self.device)
+            self.tcache.block_state[:, slots, index] = self.tcache.conv_state[:, slots]
+        for req in rows:
+            if req.prefilled >= block:
+                self.prefix_cache.insert(req.prompt_ids, req.slot, req.prefilled)
+
     def _prefill_forward(self, rows: list[Request], chunks: list[list[int]]
                          ) -> list[tuple[Request, torch.Tensor, torch.Tensor]]:
         """One prefill forward of ``chunks[i]`` for ``rows[i]`` (from where its prompt stands), and the
@@ -638,6 +705,8 @@ class Engine:
         logits = self._prefill_chunk(rows, chunks, starts)
         for req, chunk in zip(rows, chunks):
             req.prefilled += len(chunk)
+        if self.prefix_cache is not None:
+            self._cache_prefilled(rows)
         done = [i for i, r in enumerate(rows) if r.prefilled == len(r.prompt_ids)]
         if not done:
             return []
@@ -903,6 +972,7 @@ class Engine:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if req.slot is not None:
+            self._cache_finished(req)
             self.pool.release(req.slot)
             req.slot = None
         if req in self._active:
@@ -912,7 +982,7 @@ class Engine:
         stats = RequestStats(accept_lengths=req.accept_lengths, drafts_verified=req.drafts_verified,
                              block_size=self.block_size,
                              imposed_acceptance=self.imposed_acceptance is not None,
-                             prompt_tokens=len(req.prompt_ids),
+                             prompt_tokens=len(req.prompt_ids), prompt_tokens_cached=req.cached_tokens,
                              ttft_s=(req.first_token_at - req.submitted) if req.first_token_at else 0.0,
                              decode_s=(req.finished_at - req.first_token_at) if req.first_token_at else 0.0)
         text = req.text.text if req.text is not None and reason != "error" else None
@@ -922,6 +992,16 @@ class Engine:
                                 stop_reason=req.stop_reason, sample=req.sample,
                                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                                 prompt_logprobs=req.prompt_logprobs)
+
+    def _cache_finished(self, req: Request) -> None:
+        """Store the full blocks of a decoding request's prompt and output in the prefix cache before its
+        slot is freed: the cache holds the K/V of its first ``len(prompt) + len(output) - 1`` tokens (the
+        last output token is the anchor, not yet run), and the conv state of every block boundary it
+        passed (``TargetCache.record_block_states``). A failed request's state is not trusted."""
+        if self.prefix_cache is None or req.first_token_at == 0.0 or req.error is not None or self._dead is not None:
+            return
+        tokens = req.prompt_ids + req.output
+        self.prefix_cache.insert(tokens, req.slot, len(tokens) - 1)
 
     def _leave_prefill(self, req: Request) -> None:
         """Take a finishing request out of the prefill: a leader's first waiting sample takes its place,

@@ -25,6 +25,7 @@ class RequestStats:
     block_size: int = 0
     imposed_acceptance: bool = False      # accept lengths were imposed (benchmark mode), not measured
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0         # of them, reused from the prefix cache (not prefilled)
     ttft_s: float = 0.0                   # submission -> first token available on the host
     decode_s: float = 0.0                 # first token -> last token
 
@@ -64,7 +65,8 @@ class RequestStats:
                 "drafts_verified": self.drafts_verified, "draft_tokens_verified": self.draft_tokens_verified,
                 "draft_tokens_accepted": self.draft_tokens_accepted, "rounds_without_draft": self.rounds_without_draft,
                 "acceptance_per_position": self.acceptance_per_position, "imposed_acceptance": self.imposed_acceptance,
-                "prompt_tokens": self.prompt_tokens, "ttft_s": self.ttft_s, "decode_s": self.decode_s}
+                "prompt_tokens": self.prompt_tokens, "prompt_tokens_cached": self.prompt_tokens_cached,
+                "ttft_s": self.ttft_s, "decode_s": self.decode_s}
 
 
 @dataclass

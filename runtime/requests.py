@@ -68,6 +68,7 @@ class Request:
     sink: Callable[[StreamEvent], None] | None = None     # where its events go
     slot: int | None = None
     prefilled: int = 0                  # prompt tokens in the cache (prefill runs in chunks across steps)
+    cached_tokens: int = 0              # of them, copied from the prefix cache at admission
     output: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)   # tokens each round committed
     drafts_verified: list[int] = field(default_factory=list)  # draft tokens each round offered the target
