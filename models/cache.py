@@ -29,8 +29,8 @@ class TargetCache:
     conv_tape: torch.Tensor    # [n_conv_layers, n_rows, verify_width + L_cache - 1, hidden]
     rope: torch.Tensor         # [max_seq_len, head_dim] fp32 (cos | sin)
     # the prefix cache's conv-state snapshots (runtime/prefix_cache.py): per slot, the conv state at each
-    # multiple of `block` tokens it has passed, [n_conv_layers, n_slots + 1 (the last: padding rows'
-    # trash), max_seq_len // block, L_cache - 1, hidden]; None without a prefix cache
+    # multiple of `block` tokens its prompt's prefill passed, [n_conv_layers, n_slots, max_seq_len // block,
+    # L_cache - 1, hidden]; None without a prefix cache
     block_state: torch.Tensor | None = None
     block: int = 0
 
@@ -43,7 +43,7 @@ class TargetCache:
         km1 = cfg.conv_L_cache - 1
         block_state = None
         if block:
-            block_state = torch.zeros((n_conv, n_slots + 1, max_seq_len // block, km1, cfg.hidden_size),
+            block_state = torch.zeros((n_conv, n_slots, max_seq_len // block, km1, cfg.hidden_size),
                                       dtype=dtype, device=device)
         return cls(
             k=torch.zeros(kv_shape, dtype=dtype, device=device),
@@ -54,33 +54,6 @@ class TargetCache:
             rope=rope_cos_sin_table(max_seq_len, cfg.head_dim, cfg.rope_theta, device=device),
             block_state=block_state, block=block,
         )
-
-    def record_block_states(self, slots: torch.Tensor, start: torch.Tensor, committed: torch.Tensor) -> None:
-        """After a verify's commit (``committed [B]`` tokens from position ``start [B]``; the tape still
-        holds the window): store the conv state at the multiple of :attr:`block` the window crossed,
-        if any (a window is narrower than a block, so it crosses at most one). Device ops only, no
-        host sync: it runs inside the captured round. Nothing without a prefix cache."""
-        if self.block_state is None:
-            return
-        end = start + committed
-        boundary = end - end % self.block                          # the last multiple of block <= end
-        crossed = (boundary > start) & (slots >= 0)
-        km1 = self.conv_state.shape[2]
-        rows = torch.arange(slots.shape[0], device=slots.device)
-        cols = (boundary - start).clamp(min=0)[:, None] + torch.arange(km1, device=slots.device)
-        states = self.conv_tape[:, rows[:, None], cols]            # [n_conv, B, K-1, H]: the state after them
-        dst = torch.where(crossed, slots, self.block_state.shape[1] - 1)
-        self.block_state[:, dst, (boundary // self.block - 1).clamp(min=0)] = states
-
-    def record_decoded_block_states(self, slots: torch.Tensor, end: torch.Tensor) -> None:
-        """After a decode step that brought each row to ``end [B]`` committed tokens: store the conv
-        state of the rows that reached a multiple of :attr:`block` (device ops only)."""
-        if self.block_state is None:
-            return
-        reached = (end % self.block == 0) & (end > 0) & (slots >= 0)
-        src = slots.clamp(min=0)
-        dst = torch.where(reached, slots, self.block_state.shape[1] - 1)
-        self.block_state[:, dst, (end // self.block - 1).clamp(min=0)] = self.conv_state[:, src]
 
     @property
     def max_seq_len(self) -> int:

@@ -88,7 +88,8 @@ class Engine:
     whose prompt starts with ``prefix_block``-token blocks an earlier request ran (its prompt or
     output) starts its prefill after them, with the same outputs as without the cache. Default
     (None): half the slots' worth, ``max_batch * max_seq_len // 2``; 0 turns it off. An engine whose
-    ``max_seq_len`` is shorter than a block keeps none.
+    ``max_seq_len`` is shorter than a block keeps none. Prefill chunks end at multiples of
+    ``prefix_block`` whether the cache is on or off (that is what makes a hit exact).
 
     ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
     anchor and that many drafts less one); each round the scheduler picks the one with the most
@@ -155,6 +156,7 @@ class Engine:
             self.dcache = DraftCache.allocate(draft.config, max_batch, max_seq_len, self.dtype, self.device)
         self.prefix_cache = (PrefixCache(self.tcache, self.dcache, prefix_blocks, prefix_block)
                              if prefix_blocks else None)
+        self.prefill_alignment = prefix_block      # prefill chunks end at its multiples (_next_chunks)
         self.imposed_acceptance = self._imposed(imposed_acceptance)
         self.state = SlotState(max_batch, cfg.vocab_size, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk,
@@ -661,9 +663,10 @@ class Engine:
         rows, chunks, width = [], [], 0
         for req in self._prefilling:
             take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
-            if self.prefix_cache is not None:     # chunks end at block boundaries (runtime/prefix_cache.py)
-                block = self.prefix_cache.block
-                take = min(take, (req.prefilled // block + 1) * block - req.prefilled)
+            # chunks end at multiples of the prefix block, cache on or off, so that a prefix-cache hit
+            # resumes where a miss cuts a chunk too (runtime/prefix_cache.py "Exactness")
+            block = self.prefill_alignment
+            take = min(take, (req.prefilled // block + 1) * block - req.prefilled)
             if budget is not None:
                 cap = budget // (1 << len(rows).bit_length())     # rows 1, 2, 3-4, 5-8, ...: budget / that
                 if width > cap or cap == 0:
@@ -972,7 +975,6 @@ class Engine:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if req.slot is not None:
-            self._cache_finished(req)
             self.pool.release(req.slot)
             req.slot = None
         if req in self._active:
@@ -992,16 +994,6 @@ class Engine:
                                 stop_reason=req.stop_reason, sample=req.sample,
                                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                                 prompt_logprobs=req.prompt_logprobs)
-
-    def _cache_finished(self, req: Request) -> None:
-        """Store the full blocks of a decoding request's prompt and output in the prefix cache before its
-        slot is freed: the cache holds the K/V of its first ``len(prompt) + len(output) - 1`` tokens (the
-        last output token is the anchor, not yet run), and the conv state of every block boundary it
-        passed (``TargetCache.record_block_states``). A failed request's state is not trusted."""
-        if self.prefix_cache is None or req.first_token_at == 0.0 or req.error is not None or self._dead is not None:
-            return
-        tokens = req.prompt_ids + req.output
-        self.prefix_cache.insert(tokens, req.slot, len(tokens) - 1)
 
     def _leave_prefill(self, req: Request) -> None:
         """Take a finishing request out of the prefill: a leader's first waiting sample takes its place,

@@ -1,5 +1,5 @@
-"""Prefix cache for a hybrid target with a DSpark draft: a new request that starts with tokens an
-earlier one already ran starts its prefill after them.
+"""Prefix cache for a hybrid target with a DSpark draft: a new request that starts with prompt tokens
+an earlier request already prefilled starts its prefill after them.
 
 **What a reusable prefix needs.** For LFM2 the K/V of the attention layers is not enough: each
 ShortConv layer carries a state (its last ``L_cache - 1`` gated inputs) that cannot be rebuilt from
@@ -8,26 +8,27 @@ reusable only where all three were kept: the target K/V and the draft's context 
 positions, and the conv state at its end.
 
 **Blocks.** Prefixes are kept in blocks of ``block`` tokens (256 by default) in a trie keyed by each
-block's token ids (exact tuples, so no hash collision can ever match wrong tokens). A node holds
-its block's target and draft K/V in a fixed pool and the conv state after its last token. Where
-those conv states come from: with the cache on, a prompt's prefill chunks never cross a multiple of
-``block`` (runtime/engine.py ``_next_chunks``), so the state after every full block of a prompt is
-the state after some chunk; decode steps and speculative rounds store the state at the multiple of
-``block`` they cross inside the captured step (``TargetCache.record_block_states`` reads it from
-the verify's tape). Every slot therefore has the conv state of each block boundary it passed
-(``TargetCache.block_state``), and the engine inserts a request's full blocks after each prefill
-chunk (the prompt) and when it finishes (prompt and output).
+block's token ids (exact tuples: no hash collision can match wrong tokens). A node holds its
+block's target and draft K/V in a fixed pool and the conv state after its last token. The conv
+states come from the prefill: its chunks never cross a multiple of ``block`` (runtime/engine.py
+``_next_chunks``), so the state after every full block of a prompt is the state after some chunk,
+which the engine stores per slot (``TargetCache.block_state``) and inserts, with the blocks, after
+each prefill forward.
 
-**Exactness.** A hit of ``n`` tokens (a multiple of ``block``) copies the blocks' K/V, draft K/V
-and conv states into the request's slot, and the prefill continues from ``n``. Without the hit the
-same request would have cut a chunk at ``n`` too (chunks end at multiples of ``block`` whenever
-the cache is on), so the resumed prefill runs the very chunk it would have run: the reused state
-is what the request would have computed at that position, from the same inputs. On the CPU in
-fp32 (the tests) outputs with the cache equal outputs without it, greedy and seeded sampling. On
-the GPU the state is the same bits when the forwards that computed it batched the rows alike;
-the default kernels do not promise that across batch compositions (a product's reduction order
-may follow the batch's row count), the same limit today's outputs have across loads. A request
-asking for ``prompt_logprobs`` needs every prompt position's logits, so it never takes a hit.
+**Exactness, and why only prompts are kept.** A hit of ``n`` tokens (a multiple of ``block``)
+copies the blocks' K/V, draft K/V and conv states into the request's slot, and the prefill
+continues from ``n``. Without the hit the same prompt is cut into chunks at the same multiples of
+``block`` (cache on or off), so the resumed prefill runs the very chunk a miss runs, on the same
+state: on the CPU in fp32 (the tests) outputs with the cache equal outputs without it bit for bit,
+tokens and log-probabilities, greedy and seeded sampling, speculative or not. A request's output
+tokens are not kept: their state was computed by decode steps and verify windows, whose
+reductions differ from a prefill's, and a later prompt that repeats them (the next chat turn) would
+get different low-order bits than prefilling them, so they are prefilled as part of that prompt,
+and kept from then on. On the GPU the reused state is the same bits when the forwards that computed
+it batched rows alike; the default kernels do not promise that across batch compositions (a
+product's reduction order may follow the row count), the limit today's outputs already have
+across loads. A request asking for ``prompt_logprobs`` needs every prompt position's logits, so it
+never takes a hit.
 
 **Memory and eviction.** The pool holds ``capacity`` blocks (``Engine(prefix_cache_tokens=...)``
 over the block size), allocated once. Inserting into a full pool evicts the least recently used
@@ -132,8 +133,9 @@ class PrefixCache:
     # -- insertion ----------------------------------------------------------------------------
     def insert(self, tokens: list[int], slot: int, length: int) -> int:
         """Store the full blocks of the first ``length`` tokens of ``tokens`` that ``slot`` holds (its
-        K/V, draft context and block states are final up to ``length``) and that are not cached yet.
-        Returns the blocks added (fewer when the pool is full of blocks on this path)."""
+        K/V, draft context and block states are final up to ``length``: a prompt prefilled that far)
+        and that are not cached yet. Returns the blocks added (fewer when the pool is full of blocks
+        on this path)."""
         node, b, added = self.root, self.block, 0
         now = next(self._clock)
         new: list[tuple[int, int]] = []            # (pool block, block index in the slot)

@@ -231,7 +231,6 @@ class Steps:
             nxt = argmax_last(logits)
         st.seq_len[w] = row.s + 1
         st.anchor[w] = nxt
-        self.tcache.record_decoded_block_states(slots, row.s + 1)  # the prefix cache's snapshots, if any
         return StepOutput(tokens=nxt[:, None], n_new=torch.ones_like(row.s), scores=scores[:, None],
                           confidence=logits.new_empty(logits.shape[0], 0, dtype=torch.float32))
 
@@ -449,7 +448,6 @@ class Steps:
 
         commit = a + 1
         self.target.commit(self.tcache, inp.slots, commit)
-        self.tcache.record_block_states(inp.slots, s, commit)     # the prefix cache's snapshots, if any
         w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final

@@ -1,0 +1,171 @@
+"""The prefix cache (runtime/prefix_cache.py): outputs with the cache equal outputs without it (the
+tokens, and the log-probabilities up to batching roundings), for multi-turn conversations and shared prefixes, dense and
+MoE targets, with and without a draft, greedy and seeded sampling, under eviction, and at the
+edges (a prefix shorter than a block, a prompt cached up to its last token, the previous turn's
+output inside the next prompt).
+
+Blocks of 8 tokens keep the tiny models' prompts several blocks long.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lfmspark.runtime import Engine, SamplingParams
+from spec_fixtures import random_tiny_draft, random_tiny_target
+
+BLOCK = 8
+
+
+def engine(target, draft, cache_tokens: int | None, max_batch: int = 4, **kw) -> Engine:
+    return Engine(target, draft, max_batch=max_batch, max_seq_len=192, prefix_cache_tokens=cache_tokens,
+                  prefix_block=BLOCK, **kw)
+
+
+def params(i: int, n: int = 9) -> SamplingParams:
+    """Greedy and seeded sampling alternate (sampling with a repetition penalty, which reads the prompt);
+    each token's log-probability comes back, so equal outputs mean equal logits, not just equal picks."""
+    if i % 2 == 0:
+        return SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=0)
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.9, top_k=20, seed=100 + i,
+                          repetition_penalty=1.1, logprobs=0)
+
+
+def assert_same(got, want) -> None:
+    """Equal tokens, and log-probabilities equal up to the roundings of how rows were batched (the
+    forwards batch different rows with the cache, and a product's roundings follow the batch
+    shape); a wrong reused state moves them far more (a conv state one position off: 1e-2)."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-5)
+
+
+def conversations(eng: Engine, n_conv: int, turns: int, seed: int) -> tuple[list, list]:
+    """``n_conv`` chats sharing a system prompt, each turn adding a user message to the previous turn's
+    prompt and output. Returns every output and the cached prompt tokens per turn."""
+    rng = random.Random(seed)
+    system = [rng.randrange(60) for _ in range(19)]
+    chats = [list(system) for _ in range(n_conv)]
+    tokens, cached = [], []
+    for _ in range(turns):
+        for chat in chats:
+            chat += [rng.randrange(60) for _ in range(rng.randrange(3, 11))]
+        outs = eng.generate([list(c) for c in chats], [params(i) for i in range(n_conv)])
+        for chat, out in zip(chats, outs):
+            chat += out.token_ids
+        tokens += outs
+        cached.append([o.stats.prompt_tokens_cached for o in outs])
+    return tokens, cached
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
+def test_multi_turn_conversations_equal_the_uncached_engine(moe, speculative):
+    target = random_tiny_target(moe=moe, seed=3)
+    draft = random_tiny_draft(block=4, seed=4) if speculative else None
+    with_cache, cached = conversations(engine(target, draft, None), 3, 4, seed=1)
+    without, none = conversations(engine(target, draft, 0), 3, 4, seed=1)
+    assert_same(with_cache, without)
+    assert all(c == 0 for c in none[0] + none[-1])
+    assert all(c > 0 and c % BLOCK == 0 for turn in cached[1:] for c in turn)   # every later turn hit
+
+
+def test_eviction_under_a_tiny_budget_keeps_the_outputs_and_evicts():
+    target, draft = random_tiny_target(seed=5), random_tiny_draft(block=4, seed=6)
+    small = engine(target, draft, 3 * BLOCK)
+    with_cache, _ = conversations(small, 3, 4, seed=2)
+    without, _ = conversations(engine(target, draft, 0), 3, 4, seed=2)
+    assert_same(with_cache, without)
+    stats = small.prefix_cache_stats
+    assert stats["evicted_blocks"] > 0 and stats["cached_blocks"] <= 3
+
+
+def test_shared_prefix_batches_and_a_prompt_cached_to_its_last_token():
+    target, draft = random_tiny_target(seed=7), random_tiny_draft(block=4, seed=8)
+    rng = random.Random(3)
+    shared = [rng.randrange(60) for _ in range(4 * BLOCK)]
+    prompts = [shared + [rng.randrange(60) for _ in range(k)] for k in (1, 5, 13)]
+    prompts += [shared[:3 * BLOCK + 3], shared[:BLOCK - 2]]        # inside a block; shorter than a block
+    on = engine(target, draft, None)
+    on.generate([shared + [7]], params(0))                         # caches the four shared blocks
+    outs = on.generate(prompts, [params(i) for i in range(len(prompts))])
+    ref = engine(target, draft, 0).generate(prompts, [params(i) for i in range(len(prompts))])
+    assert_same(outs, ref)
+    cached = [o.stats.prompt_tokens_cached for o in outs]
+    assert cached == [4 * BLOCK, 4 * BLOCK, 4 * BLOCK, 3 * BLOCK, 0]   # the first: all but its last token
+
+
+def test_outputs_are_cached_once_a_prompt_repeats_them():
+    """A request's output is not stored (decode steps and verify windows round differently from a
+    prefill); the next turn, whose prompt repeats it, prefills it, and the turn after reuses it."""
+    target, draft = random_tiny_target(seed=9), random_tiny_draft(block=4, seed=10)
+    on, off = engine(target, draft, None), engine(target, draft, 0)
+    prompt = [3, 14, 15, 9, 2, 6]
+    first = on.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    second_prompt = prompt + first.token_ids + [5, 5]
+    second = on.generate([second_prompt], params(1))[0]
+    assert second.stats.prompt_tokens_cached == 0                   # the first prompt filled no block
+    third_prompt = second_prompt + second.token_ids + [7]
+    third = on.generate([third_prompt], params(0))[0]
+    assert third.stats.prompt_tokens_cached == len(second_prompt) // BLOCK * BLOCK
+    assert_same([second, third], [off.generate([p], q)[0] for p, q in ((second_prompt, params(1)),
+                                                                        (third_prompt, params(0)))])
+
+
+def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
+    """Room for two blocks: two requests admitted together hit the same two-block entry, and a third
+    one admitted with them, with another prompt, evicts that entry to store its own blocks while the
+    two still run; every output equals the uncached engine's."""
+    target, draft = random_tiny_target(seed=12), random_tiny_draft(block=4, seed=13)
+    rng = random.Random(4)
+    shared = [rng.randrange(60) for _ in range(2 * BLOCK + 1)]
+    on = engine(target, draft, 2 * BLOCK)
+    on.generate([shared], params(0))
+    prompts = [shared[:-1] + [rng.randrange(60) for _ in range(2 * BLOCK)] for _ in range(2)]
+    prompts.append([rng.randrange(60) for _ in range(3 * BLOCK)])
+    outs = on.generate(prompts, [params(i, 20) for i in range(3)])
+    ref = engine(target, draft, 0).generate(prompts, [params(i, 20) for i in range(3)])
+    assert_same(outs, ref)
+    assert [o.stats.prompt_tokens_cached for o in outs] == [2 * BLOCK, 2 * BLOCK, 0]
+    assert on.prefix_cache_stats["evicted_blocks"] > 0
+
+
+def test_chunks_end_at_block_boundaries_and_prompt_logprobs_never_hit():
+    target = random_tiny_target(seed=14)
+    eng = engine(target, None, None, prefill_chunk=100)
+    forwards: list[tuple[list[int], list[int]]] = []
+    real = eng._prefill_chunk
+
+    def spy(rows, chunks, starts):
+        forwards.append((list(starts), [len(c) for c in chunks]))
+        return real(rows, chunks, starts)
+
+    eng._prefill_chunk = spy
+    prompt = list(range(1, 30))
+    eng.generate([prompt], SamplingParams(max_new_tokens=2))
+    assert forwards == [([0], [8]), ([8], [8]), ([16], [8]), ([24], [5])]
+    forwards.clear()
+    out = eng.generate([prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0]
+    assert out.stats.prompt_tokens_cached == 0 and forwards[0][0] == [0]
+    again = eng.generate([prompt], SamplingParams(max_new_tokens=2))[0]
+    assert again.stats.prompt_tokens_cached == 3 * BLOCK
+
+
+def test_stats_clear_and_configuration_errors():
+    target = random_tiny_target(seed=15)
+    eng = engine(target, None, None)
+    prompt = list(range(1, 20))
+    eng.generate([prompt, prompt], SamplingParams(max_new_tokens=2))
+    eng.generate([prompt], SamplingParams(max_new_tokens=2))
+    stats = eng.prefix_cache_stats
+    assert stats["queries"] == 3 * len(prompt) and stats["hits"] == 2 * BLOCK and stats["block"] == BLOCK
+    assert eng.clear_prefix_cache() == stats["cached_blocks"] > 0
+    assert eng.generate([prompt], SamplingParams(max_new_tokens=2))[0].stats.prompt_tokens_cached == 0
+    assert engine(target, None, 0).prefix_cache_stats == {}
+    assert Engine(target, None, max_batch=1, max_seq_len=64).prefix_cache is None   # a 256-token block never fills
+    for bad in (dict(prefix_cache_tokens=-1), dict(prefix_cache_tokens=1.5), dict(prefix_block=0)):
+        with pytest.raises(ValueError, match="prefix_"):
+            Engine(target, None, max_batch=1, max_seq_len=64, **bad)
