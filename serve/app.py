@@ -62,6 +62,12 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
             return JSONResponse({"status": "warming up"}, status_code=503)
         return {"status": "ok"}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Drop every cached prefix (vLLM's endpoint of that name); running requests are unaffected."""
+        dropped = await asyncio.to_thread(core.clear_prefix_cache)
+        return {"status": "ok", "dropped_blocks": dropped}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -179,10 +185,13 @@ async def _finish_all(streams: list[_Started]) -> list[GenerationOutput]:
 
 
 def _usage(prompts: list[list[int]], outs: list[GenerationOutput]) -> dict:
+    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache
+    supplied (each prompt counted once, by its first sample, which ran its prefill)."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(o.token_ids) for o in outs)
+    cached = sum(o.stats.prompt_tokens_cached for o in outs if o.sample == 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEvent]]:

@@ -59,6 +59,10 @@ class ServerMetrics:
             .labels(**labels)
         self._accepted_per_pos = counter("lfmspark:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the block (0 = first).", ["position"])
+        self._prefix_queries = counter("lfmspark:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                       "cache.").labels(**labels)
+        self._prefix_hits = counter("lfmspark:prefix_cache_hits", "Prompt tokens the prefix cache supplied.") \
+            .labels(**labels)
         self._labels = labels
         self._block_size = block_size
 
@@ -79,6 +83,9 @@ class ServerMetrics:
         stats = out.stats
         self._finished.labels(finished_reason=out.finish_reason, **self._labels).inc()
         self._prompt_tokens.inc(stats.prompt_tokens)
+        if out.sample == 0:            # a prompt's other samples share its prefill
+            self._prefix_queries.inc(stats.prompt_tokens)
+            self._prefix_hits.inc(stats.prompt_tokens_cached)
         if stats.ttft_s > 0:
             self._ttft.observe(stats.ttft_s)
             self._e2e.observe(stats.ttft_s + stats.decode_s)

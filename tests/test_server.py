@@ -416,6 +416,28 @@ def test_a_request_can_turn_speculation_off_and_the_metrics_count_its_rounds_wit
     assert bad.status_code == 400 and "max_speculative_tokens" in bad.text
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_drops_them(ckpt):
+    s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8), MODEL, warmup=False))
+    try:
+        c = s.client()
+        prompt = " ".join(f"w{3 + i % 20}" for i in range(30))
+        first, second = (c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0)
+                         for _ in range(2))
+        assert first.choices[0].text == second.choices[0].text
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached == (second.usage.prompt_tokens - 1) // 8 * 8 > 0
+        values = metric_values(s.url)
+        assert values[("lfmspark:prefix_cache_hits_total", ())] == cached
+        assert values[("lfmspark:prefix_cache_queries_total", ())] == 2 * second.usage.prompt_tokens
+        reset = httpx.post(s.url + "/reset_prefix_cache")
+        assert reset.status_code == 200 and reset.json()["dropped_blocks"] > 0
+        third = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0)
+        assert third.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        s.stop()
+
+
 def test_health_says_warming_up_until_the_engine_is_warm(ckpt):
     engine = load(ckpt, max_batch=2)
     release = threading.Event()
