@@ -6,6 +6,7 @@
 #   STEPS="sampling_old sampling" bash scripts/device_run.sh           # the sampling probe, old tree (.devrun/old) vs this
 #   OLD_TREE=".devrun/a .devrun/b" STEPS=sampling_old bash scripts/device_run.sh   # the probe on two carried trees
 #   WARMUP_OLD_TREE=.devrun/old STEPS=warmup bash scripts/device_run.sh  # warm-up cold/warm at every size, TPOT vs an old tree
+#   STEPS=multiturn bash scripts/device_run.sh     # multi-turn chat TTFT with the prefix cache on and off
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -144,6 +145,10 @@ for step in $STEPS; do
         done
         python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log
       fi ;;
+    multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off
+      timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${MULTITURN_ARGS:-} > $RUN/multiturn.log 2>&1 \
+        || tail -15 $RUN/multiturn.log
+      grep -E "^(turn|\{)" $RUN/multiturn.log | cut -c1-400 ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
