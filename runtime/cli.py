@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
     s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1, 3, "
                    "5 and the whole block)")
+    s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
+                   "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
+                   "replica holding its prefix cache")
     s.add_argument("--device")
     s.add_argument("--dtype", default=None)
 
@@ -303,6 +306,8 @@ def _serve(args) -> int:
                          "pip install 'lfmspark[serve]'") from None
     if args.draft and not args.target:
         raise SystemExit("lfmspark serve: error: --draft needs --target (use --draft-preset with --preset)")
+    if args.replicas is not None:
+        return _serve_replicas(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
@@ -319,6 +324,35 @@ def _serve(args) -> int:
         name = args.served_model_name or args.preset
     run_server(engine, name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                warmup=not args.no_warmup, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+def _serve_replicas(args) -> int:
+    """``lfmspark serve --replicas N``: the same server as N engines on Ray Serve (serve/ray_app.py), on
+    a local Ray instance (or the cluster ``RAY_ADDRESS`` names), until interrupted."""
+    try:
+        import ray
+        from ray import serve
+
+        from ..serve.ray_app import deployments
+    except ImportError as e:
+        raise SystemExit(f"lfmspark serve: error: {e.name} is missing: install the Ray extra with "
+                         "pip install 'lfmspark[ray]'") from None
+    engine_kw = dict(max_batch=args.max_batch, max_seq_len=args.max_seq_len, batch_sizes=args.cuda_graph_sizes,
+                     prefill_budget=args.prefill_budget, verify_widths=args.verify_widths)
+    if args.imposed_acceptance is not None:
+        engine_kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
+    config = {"engine": engine_kw, "device": args.device, "dtype": args.dtype}
+    if args.target:
+        config.update(target=args.target, draft=args.draft)
+        name = args.served_model_name or Path(args.target).resolve().name
+    else:
+        config.update(preset=args.preset, draft_preset=None if args.draft_preset == "none" else args.draft_preset)
+        name = args.served_model_name or args.preset
+    ray.init()
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(deployments(config, name, args.replicas, warmup=not args.no_warmup, max_waiting=args.max_waiting),
+              route_prefix="/", blocking=True)
     return 0
 
 
