@@ -80,6 +80,7 @@ class _Result:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     tau: float = 1.0
+    cached: int = 0                   # prompt tokens the prefix cache supplied
     error: str | None = None
 
 
@@ -147,6 +148,7 @@ async def _drive(engine: AsyncEngine, trace: _Trace, cfg: ServeBenchConfig) -> t
                         out = ev.output
                         res.ok, res.output_len, res.prompt_len = True, len(out.token_ids), len(out.prompt_token_ids)
                         res.e2e, res.tau = now - t0, out.stats.tau
+                        res.cached = out.stats.prompt_tokens_cached
             except Exception as e:        # a failed request is counted, not fatal to the benchmark
                 res.error = f"{type(e).__name__}: {e}"
             return res
@@ -189,6 +191,7 @@ def _summarise(results: list[_Result], duration: float, peak_bytes: int | None, 
         "itl_ms": ms([x for r in ok for x in r.itls]),
         "e2el_ms": ms([r.e2e for r in ok]),
         "tau_mean": statistics.fmean(r.tau for r in ok) if ok else float("nan"),
+        "cached_input_tokens": sum(r.cached for r in ok),
         "peak_memory_gb": None if peak_bytes is None else peak_bytes / 1e9,
         "warmup_s": warmup_s,
     }
@@ -274,7 +277,8 @@ def format_report(report: dict) -> str:
                   f"{'Request throughput (req/s):':<44}{r['request_throughput']:.2f}",
                   f"{'Output token throughput (tok/s):':<44}{r['output_throughput']:.2f}",
                   f"{'Total Token throughput (tok/s):':<44}{r['total_token_throughput']:.2f}",
-                  f"{'Mean tau (tokens per round):':<44}{r['tau_mean']:.2f}"]
+                  f"{'Mean tau (tokens per round):':<44}{r['tau_mean']:.2f}",
+                  f"{'Prefix-cached input tokens:':<44}{r['cached_input_tokens']}"]
         for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                            ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
             short = key.split("_")[0].upper()

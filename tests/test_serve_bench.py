@@ -14,7 +14,7 @@ from lfmspark.runtime.serve_bench import ServeBenchConfig, format_report, make_t
 
 KEYS = {"successful_requests", "failed_requests", "errors", "duration_s", "total_input_tokens",
         "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms",
-        "tpot_ms", "itl_ms", "e2el_ms", "tau_mean", "peak_memory_gb", "warmup_s"}
+        "tpot_ms", "itl_ms", "e2el_ms", "tau_mean", "cached_input_tokens", "peak_memory_gb", "warmup_s"}
 
 
 def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
