@@ -147,20 +147,21 @@ def test_a_width_chosen_from_the_current_block_breaks_the_distribution_and_one_f
 
 # -- the engine ----------------------------------------------------------------------------------
 
-def partial_agreement_pair(seed: int = 5):
-    """A bigram target with a small context leak and an oracle draft agreeing on 60% of tokens."""
+def partial_agreement_pair(seed: int = 5, moe: bool = False):
+    """A bigram target (dense or MoE) with a small context leak and an oracle draft agreeing on 60% of tokens."""
     perm = permutation(seed)
-    target = bigram_target(perm, leak=0.02, seed=seed)
+    target = bigram_target(perm, leak=0.02, moe=moe, seed=seed)
     draft = oracle_draft(mix_permutations(perm, permutation(seed + 1), 0.6, seed), block=4)
     return target, draft
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("mode", ["cost-by-batch", "low-confidence"])
-def test_scheduled_greedy_rounds_equal_target_only_with_mixed_caps(mode):
+def test_scheduled_greedy_rounds_equal_target_only_with_mixed_caps(mode, moe):
     """Rounds at varying widths (by batch size as requests finish, or width 1 with probes) and
     requests with caps None / 0 / 1 / 2 in one batch: every output equals target-only decoding, and
     each request's rounds verified no more drafts than its cap."""
-    target, draft = partial_agreement_pair()
+    target, draft = partial_agreement_pair(moe=moe)
     prompts = [[3 + i, 17, 40 - i, 9] for i in range(6)]
     caps = [None, 0, 1, 2, None, 1]
     params = [SamplingParams(max_new_tokens=8 + 4 * i, ignore_eos=True, max_speculative_tokens=c)
