@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markov-walk", choices=WALKS, default="jacobi",
                    help="the draft's greedy Markov walk kernel (default jacobi; see Engine)")
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
-    b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1, 3, 5 "
-                   "and the whole block; the block size + 1 alone: the whole block every round)")
+    b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
+                   "the whole block; the block size + 1 alone: the whole block every round)")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
     b.add_argument("--seed", type=int, default=0)
@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--imposed-acceptance", type=_rates, help="per-position acceptance rates for a random-weight "
                    "draft (benchmarks)")
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
-    s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1, 3, "
-                   "5 and the whole block)")
+    s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
+                   "the whole block)")
     s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")

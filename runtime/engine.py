@@ -94,8 +94,8 @@ class Engine:
     ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
     anchor and that many drafts less one); each round the scheduler picks the one with the most
     expected tokens per second from the measured round costs (runtime/speculation.py). Default:
-    1 (no draft: target-only speed), 3, 5 and the whole block; ``[block_size + 1]`` verifies the
-    whole block every round.
+    1 (no draft: target-only speed) and the whole block; widths between may be added;
+    ``[block_size + 1]`` verifies the whole block every round.
     """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,

@@ -4,8 +4,8 @@ verification, reference/dspark.md §6, in a form CUDA graphs can replay).
 A round verifies a window of ``width`` columns for every row of the batch: the anchor and the
 first ``width - 1`` drafts of the block. Width 1 drafts nothing: the round is a target decode step
 that still writes the draft's context, so speculation can resume at any round. The engine captures
-a round at each width of a small set (``Engine(verify_widths=...)``, by default 1, 3, 5 and the
-whole block) and picks one per round here.
+a round at each width of a small set (``Engine(verify_widths=...)``, by default 1 and the whole
+block; any widths in between may be added) and picks one per round here.
 
 **The choice** maximises expected committed tokens per second, ``Θ(W) = τ(W) / cost(B, W)``:
 ``τ(W) = Σ_r (1 + Σ_{j < min(W, 1 + limit_r)} a_{r,j})`` with ``a_{r,j}`` request ``r``'s estimated
@@ -51,8 +51,13 @@ ESTIMATE_DECAY = 0.02
 
 
 def default_verify_widths(gamma: int) -> tuple[int, ...]:
-    """1 (no draft), 3, 5 and the whole block ``gamma + 1``, those that exist for a block of ``gamma``."""
-    return tuple(sorted({w for w in (1, 3, 5, gamma + 1) if w <= gamma + 1}))
+    """1 (no draft) and the whole block ``gamma + 1``. Why not the widths between: a round pays the
+    whole draft forward at every width, so a narrower verify saves only part of the round; on the
+    H100 at imposed acceptance 0.8 the scheduler never chose 3 or 5 over the whole block at batch
+    1-64 (docs/benchmarks.md, session 28), and each width is another captured variant of the round
+    at every batch size and sampling mode (warm-up time). ``Engine(verify_widths=[1, 3, 5, 10])``
+    adds them."""
+    return (1, gamma + 1)
 
 
 def survival(confidence: Sequence[float]) -> list[float]:

@@ -83,8 +83,9 @@ def snapshot(engine: Engine, slots: list[int]) -> dict:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_graph_replay_equals_eager_round(moe, mode):
     target, draft = small_models(moe)
-    graph_engine = Engine(target, draft, max_batch=8, max_seq_len=256, batch_sizes=BATCH_SIZES)
-    eager_engine = Engine(target, draft, max_batch=8, max_seq_len=256, cuda_graphs=False)
+    widths = [1, 3, 5, 6]                                       # every width the block of 5 allows a round
+    graph_engine = Engine(target, draft, max_batch=8, max_seq_len=256, batch_sizes=BATCH_SIZES, verify_widths=widths)
+    eager_engine = Engine(target, draft, max_batch=8, max_seq_len=256, cuda_graphs=False, verify_widths=widths)
     graph_engine.warmup(progress=False)
     for n in (1, 2, 3, 5, 8):                                   # 3 and 5 run padded (bs 4 and 8)
         g_slots = prefill_rows(graph_engine, n, mode)

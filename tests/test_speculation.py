@@ -96,7 +96,7 @@ def test_observed_acceptance_drives_a_draft_without_confidences():
 
 
 def test_default_widths_and_bad_widths_are_refused_by_name():
-    assert default_verify_widths(9) == (1, 3, 5, 10)
+    assert default_verify_widths(9) == (1, 10)
     assert default_verify_widths(2) == (1, 3)
     target, draft = random_tiny_target(seed=1), random_tiny_draft(block=3, seed=2)
     for bad in ([], [0], [5], [2.0], [True]):
@@ -167,7 +167,7 @@ def test_scheduled_greedy_rounds_equal_target_only_with_mixed_caps(mode, moe):
     params = [SamplingParams(max_new_tokens=8 + 4 * i, ignore_eos=True, max_speculative_tokens=c)
               for i, c in enumerate(caps)]
     plain = Engine(target, None, max_batch=6, max_seq_len=96).generate(prompts, params)
-    engine = Engine(target, draft, max_batch=6, max_seq_len=96)
+    engine = Engine(target, draft, max_batch=6, max_seq_len=96, verify_widths=[1, 3, 5])
     if mode == "cost-by-batch":      # 5-6 rows: width 1; 3-4: width 3; 1-2: the whole block
         set_costs(engine, lambda b, w: {1: 1.0, 3: 1.0 + (0 if b <= 4 else 9), 5: 1.0 + (0 if b <= 2 else 9)}[w])
     else:                            # confidences ~0: width 1 wins, every second round a probe at width 3
@@ -211,7 +211,7 @@ def test_scheduled_sampled_rounds_follow_the_target_distribution():
     draft = random_tiny_draft(block=3, seed=4, vocab=VOCAB)
     with torch.no_grad():
         draft.confidence_head.proj.bias.fill_(-30.0)
-    engine = Engine(target, draft, max_batch=64, max_seq_len=32)
+    engine = Engine(target, draft, max_batch=64, max_seq_len=32, verify_widths=[1, 3, 4])
     set_costs(engine, lambda b, w: 1.0 if w == 1 else 1.01)
     n, caps = 4000, (None, 0, 1)
     reqs = [SamplingParams(max_new_tokens=3, stop_token_ids=[], seed=1000 + i, max_speculative_tokens=caps[i % 3],
