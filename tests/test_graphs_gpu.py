@@ -197,11 +197,11 @@ def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
     run = graph_engine.runner.run
     calls = []
 
-    def strict_run(kind, slots, mode):
+    def strict_run(kind, slots, mode, width=None):
         torch.cuda.set_sync_debug_mode("error")          # any synchronizing call inside a round raises
         try:
             calls.append(len(slots))
-            return run(kind, slots, mode)
+            return run(kind, slots, mode, width)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -284,3 +284,25 @@ def test_logprobs_read_from_replayed_rounds_are_the_targets(sampling):
         assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
         best = torch.tensor([r.top[0][1] for r in out.logprobs])
         assert torch.allclose(best, expected.max(dim=-1).values, atol=2e-3)
+
+
+def test_prefix_cache_hits_give_the_bits_a_miss_computes():
+    """bf16, graphs: a follow-up turn run alone, with its prompt's first blocks from the prefix cache,
+    emits the tokens and log-probabilities (bit for bit) of the same request run alone on an engine
+    without the cache: the prefill chunks end at the same block boundaries and batch the same single
+    row, so the reused state is the state a miss computes (runtime/prefix_cache.py "Exactness")."""
+    target, draft = small_models(dtype=torch.bfloat16)
+    block, prompt = 16, [(7 * i + 3) % 500 + 1 for i in range(40)]
+    params = SamplingParams(max_new_tokens=24, logprobs=0, ignore_eos=True)
+    engines = {}
+    for name, tokens in (("cache", None), ("no-cache", 0)):
+        engines[name] = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2], prefix_block=block,
+                               prefix_cache_tokens=tokens)
+        engines[name].warmup(progress=False, sampling=False)
+    first = engines["cache"].generate([prompt], params)[0]
+    follow = prompt + first.token_ids + [9, 8, 7]
+    hit = engines["cache"].generate([follow], params)[0]
+    miss = engines["no-cache"].generate([follow], params)[0]
+    assert hit.stats.prompt_tokens_cached == len(prompt) // block * block > 0
+    assert hit.token_ids == miss.token_ids
+    assert [t.logprob for t in hit.logprobs] == [t.logprob for t in miss.logprobs]
