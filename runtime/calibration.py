@@ -44,7 +44,6 @@ def expected_calibration_error(predicted: torch.Tensor, label: torch.Tensor, bin
     """ECE over ``bins`` equal-width bins of ``predicted`` in [0, 1]: the bins' |mean prediction -
     mean label|, weighted by their share of the samples."""
     index = (predicted * bins).long().clamp(0, bins - 1)
-    count = torch.bincount(index, minlength=bins).double()
     pred_sum = torch.bincount(index, weights=predicted.double(), minlength=bins)
     label_sum = torch.bincount(index, weights=label.double(), minlength=bins)
     return float((pred_sum - label_sum).abs().sum() / max(len(predicted), 1))

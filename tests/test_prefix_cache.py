@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from lfmspark.runtime import Engine, SamplingParams
 from spec_fixtures import random_tiny_draft, random_tiny_target
