@@ -85,8 +85,8 @@ class Engine:
     temperature and filters: what each token was drawn from); runtime/logprobs.py.
 
     ``prefix_cache_tokens``: the prefix cache's budget in tokens (runtime/prefix_cache.py): a request
-    whose prompt starts with ``prefix_block``-token blocks an earlier request ran (its prompt or
-    output) starts its prefill after them, with the same outputs as without the cache. Default
+    whose prompt starts with ``prefix_block``-token blocks an earlier prompt prefilled (a shared system
+    prompt, the earlier turns of a chat) starts its prefill after them, with the same outputs as without the cache. Default
     (None): half the slots' worth, ``max_batch * max_seq_len // 2``; 0 turns it off. An engine whose
     ``max_seq_len`` is shorter than a block keeps none. Prefill chunks end at multiples of
     ``prefix_block`` whether the cache is on or off (that is what makes a hit exact).
@@ -188,7 +188,7 @@ class Engine:
         self._ids = itertools.count()
         self._dead: BaseException | None = None    # the device-level failure that ended the engine
         self._inflight: _InFlight | None = None
-        self._host_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._host_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._flip = 0
         self._rng = random.Random()
         # called for every request row of every round that verified drafts, with (request id, drafts
@@ -814,7 +814,7 @@ class Engine:
         width = self._choose_width(rows, mode)
         out = self.runner.run(self.step_kind, [r.slot for r in rows], mode, width)
         n = len(rows)
-        tokens_host, n_new_host = self._host_buffer()
+        tokens_host, n_new_host, confidence_host = self._host_buffer()
         tokens_host = tokens_host[:n, :out.tokens.shape[1]]
         n_new_host = n_new_host[:n]
         tokens_host.copy_(out.tokens[:n], non_blocking=True)
@@ -822,7 +822,8 @@ class Engine:
         logprobs, logprob_rows = self._round_logprobs(rows, out)
         confidence = None
         if self.steps.want_confidence and width > 1:
-            confidence = out.confidence[:n].to("cpu", non_blocking=True)
+            confidence = confidence_host[:n]
+            confidence.copy_(out.confidence[:n], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -835,9 +836,7 @@ class Engine:
         only, never from this round's drafts (runtime/speculation.py says why that keeps it lossless)."""
         if self.scheduler is None:
             return None
-        limits = [self.block_size if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens
-                  for r in rows]
-        width = self.scheduler.choose([r.survival for r in rows], limits, self.runner.padded_size(len(rows)), mode,
+        width = self.scheduler.choose([r.survival for r in rows], [self._draft_limit(r) for r in rows], self.runner.padded_size(len(rows)), mode,
                                       self.runner.costs)
         self.scheduler.count_round(width)
         return width
@@ -856,14 +855,15 @@ class Engine:
                             max(rows[i].params.logprobs for i in want))
         return lp.to_host(), {i: j for j, i in enumerate(want)}
 
-    def _host_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two alternating host buffers: one is being filled by the launched round while the other
-        is read."""
+    def _host_buffer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two alternating sets of host buffers (tokens, committed counts, confidences): one is being
+        filled by the launched round while the other is read."""
         if not self._host_buffers:
             pin = self.device.type == "cuda"
             self._host_buffers = [
                 (torch.zeros(self.max_batch, self.verify_width, dtype=torch.int64, pin_memory=pin),
-                 torch.zeros(self.max_batch, dtype=torch.int64, pin_memory=pin)) for _ in range(2)]
+                 torch.zeros(self.max_batch, dtype=torch.int64, pin_memory=pin),
+                 torch.zeros(self.max_batch, self.block_size, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
         self._flip ^= 1
         return self._host_buffers[self._flip]
 
@@ -887,11 +887,15 @@ class Engine:
             events.append(self._emit(req, new, logprobs))
         return events
 
+    def _draft_limit(self, req: Request) -> int:
+        """The most drafts a round may offer ``req`` (its ``max_speculative_tokens``, else the block)."""
+        cap = req.params.max_speculative_tokens
+        return self.block_size if cap is None else min(cap, self.block_size)
+
     def _observe_round(self, req: Request, width: int, committed: int, confidence: list[float] | None) -> None:
         """Book one round of ``req``: its statistics, the scheduler's estimates (its confidences, when
         the round computed them), and the round observer's record."""
-        cap = req.params.max_speculative_tokens
-        verified = min(width - 1, self.block_size if cap is None else cap)
+        verified = min(width - 1, self._draft_limit(req))
         req.accept_lengths.append(committed)
         req.drafts_verified.append(verified)
         if confidence is not None and any(c != c for c in confidence):      # NaN: none computed for this row
