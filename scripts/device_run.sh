@@ -145,6 +145,19 @@ for step in $STEPS; do
         done
         python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log
       fi ;;
+    specrows)  # issue 36's rows: TPOT per batch size, target-only and speculative at imposed rates, greedy, one
+               # cache dir (SPEC_ROWS="kind:rate ...", SPEC_PRESET, SPEC_SIZES, SPEC_MAX_BATCH)
+      for row in ${SPEC_ROWS:-target-only:0 speculative:0.8 speculative:0.5}; do
+        kind=${row%%:*}; rate=${row#*:}; name=${SPEC_PRESET:-lfm2.5-1.2b}_${kind}_$rate
+        echo "--- $name"
+        LFMSPARK_CACHE_DIR=/tmp/specrows TORCHINDUCTOR_CACHE_DIR=/tmp/specrows timeout ${T_SPECROW:-150} \
+          python3 scripts/warmup_probe.py --preset ${SPEC_PRESET:-lfm2.5-1.2b} --kind $kind --imposed-acceptance $rate \
+          --greedy-only --max-batch ${SPEC_MAX_BATCH:-128} --batch-sizes ${SPEC_SIZES:-1,8,32,64,128} \
+          --tpot-sizes ${SPEC_SIZES:-1,8,32,64,128} --json $RUN/specrows_$name.json > $RUN/specrows_$name.log 2>&1 \
+          || tail -5 $RUN/specrows_$name.log
+        grep -E "^(speculative|target-only)" $RUN/specrows_$name.log
+        tar czf $OUT/results.tgz -C $OUT run
+      done ;;
     multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off
       timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${MULTITURN_ARGS:-} > $RUN/multiturn.log 2>&1 \
         || tail -15 $RUN/multiturn.log
