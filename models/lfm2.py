@@ -43,6 +43,7 @@ normalises the sum *after* its rounding to the activation dtype, as HF eager doe
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -208,7 +209,10 @@ class Lfm2DecoderLayer(nn.Module):
         else:
             h_in, bcx = norm_linear(h, delta, self.operator_norm, self.conv.in_proj, decode)
             mixed, out_proj = self.conv.mix(bcx, layer_cache, rows, mode), self.conv.out_proj
-        h, pending = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, self.feed_forward, decode,
+        feed_forward = self.feed_forward
+        if getattr(feed_forward, "routing_bias", None) is not None:   # MoE routing locality (models/lfm2_moe.py)
+            feed_forward = functools.partial(feed_forward, slots=rows.slots)
+        h, pending = project_norm_feed_forward(h_in, mixed, out_proj, self.ffn_norm, feed_forward, decode,
                                                next_norm)
         return h_in, h, pending
 

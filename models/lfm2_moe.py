@@ -5,6 +5,13 @@ Routing: sigmoid of the router logits; the fp32 ``expert_bias`` is added for **s
 the weights are the unbiased sigmoids of the chosen experts, renormalised (``/ (sum + 1e-6)``) and
 scaled by ``routed_scaling_factor``. There are no shared experts. The experts run through the
 ``lfmspark::moe_experts`` op, which reads only the selected experts.
+
+**Routing locality (benchmark mode).** With random weights a sequence's tokens route almost
+uniformly, so a verify window of 10 tokens reads ~24 of 32 experts per layer; a trained model's
+consecutive tokens share experts far more. :func:`impose_routing_locality` mimics that, labelled,
+for benchmarks: each slot (the sequence holding it) may choose only among a fixed random subset of
+experts per layer, imposed as a large negative selection bias on the others (the weights of the
+chosen experts are unchanged). It changes the model: outputs under it are not the checkpoint's.
 """
 
 from __future__ import annotations
@@ -55,22 +62,67 @@ class Lfm2MoeBlock(nn.Module):
         self.experts = Lfm2MoeExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         # kept fp32 whatever the model dtype (HF creates it fp32; the loader preserves that)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # [slots, E] fp32 selection bias per slot (impose_routing_locality), None: routing as trained
+        self.register_buffer("routing_bias", None, persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_ids [N, k], topk_weights [N, k])`` for tokens ``x [N, H]``."""
+    def route(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids [N, k], topk_weights [N, k])`` for tokens ``x [N, H]``; ``bias [N, E]`` (the
+        routing-locality mode's) is added to the selection scores only."""
         probs = self.gate(x).sigmoid()
         scores = probs + self.expert_bias if self.use_expert_bias else probs   # fp32 scores select
+        if bias is not None:
+            scores = scores + bias
         ids = top_k_ids(scores, self.top_k)
         weights = probs.gather(1, ids)                                          # unbiased weights
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
         return ids, weights * self.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, T, H]`` (or ``[N, H]``); ``slots [B]``: each row's slot, which the routing-locality
+        mode reads (the decoder layer passes it only in that mode)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, weights = self.route(x)
+        bias = None
+        if self.routing_bias is not None and slots is not None:
+            per_row = self.routing_bias[slots.clamp(min=0)]                      # padding rows (-1): any subset
+            bias = per_row[:, None, :].expand(-1, x.shape[0] // slots.shape[0], -1).reshape(x.shape[0], -1)
+        ids, weights = self.route(x, bias)
         return lfm.moe_experts(x, ids, weights, self.experts.w13, self.experts.w2).view(shape)
+
+
+# the selection bias of the experts outside a slot's subset: far below any sigmoid score plus expert bias
+_EXCLUDED = -1e4
+
+
+def impose_routing_locality(target: nn.Module, experts: int | None, slots: int, seed: int = 0) -> None:
+    """Benchmark mode (see the module doc): the tokens of each of ``slots`` slots choose among
+    ``experts`` experts per MoE layer, a subset drawn per (slot, layer) from ``seed``; ``None`` lifts
+    it. Set before the engine compiles (the layers read it when traced)."""
+    blocks = [m for m in target.modules() if isinstance(m, Lfm2MoeBlock)]
+    if experts is None:
+        for block in blocks:
+            block.routing_bias = None
+        return
+    if not blocks:
+        raise ValueError("routing locality needs an MoE target (this one has no MoE layers)")
+    n_experts, top_k = blocks[0].gate.weight.shape[0], blocks[0].top_k
+    if not top_k <= experts <= n_experts:
+        raise ValueError(f"routing locality of {experts} experts: must lie in [{top_k}, {n_experts}] "
+                         f"(the experts each token picks, the experts a layer has)")
+    gen = torch.Generator().manual_seed(seed)
+    for block in blocks:
+        keep = torch.rand(slots, n_experts, generator=gen).argsort(dim=1)[:, :experts]
+        bias = torch.full((slots, n_experts), _EXCLUDED, dtype=torch.float32).scatter_(1, keep, 0.0)
+        block.routing_bias = bias.to(block.expert_bias.device)
+
+
+def routing_locality(target: nn.Module) -> int | None:
+    """The experts per slot and layer the routing-locality mode allows (None: routing as trained)."""
+    for m in target.modules():
+        if isinstance(m, Lfm2MoeBlock) and m.routing_bias is not None:
+            return int((m.routing_bias[0] == 0).sum())
+    return None
 
 
 def moe_feed_forward(cfg: TargetConfig, layer: int) -> nn.Module:

@@ -32,6 +32,7 @@ from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_t
 from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
 from .distributions import SamplingMode, sampling_mode
+from ..models.lfm2_moe import Lfm2MoeBlock
 from .engine import Engine
 from .sampling import SamplingParams
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
@@ -66,6 +67,7 @@ class BenchConfig:
     prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
     markov_walk: str = "jacobi"        # Engine(markov_walk=...)
     verify_widths: list[int] | None = None   # Engine(verify_widths=...): None, the scheduler's default set
+    routing_locality: int | None = None      # Engine(routing_locality=...): MoE benchmark mode, labelled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +232,40 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     engine.state.seq_len.copy_(saved[0])
     engine.state.anchor.copy_(saved[1])
     return result
+
+
+@torch.no_grad()
+def distinct_experts_per_verify(engine: Engine, batch: int, rounds: int = 8) -> float:
+    """The mean number of distinct experts an MoE layer reads in one verify of the whole block at
+    ``batch`` rows (what bounds the verify's bytes: each distinct expert is read once, ops/moe.py):
+    ``rounds`` rounds of the rows the measurement left (as :func:`time_round_phases`), run eagerly so
+    that each MoE layer's routing can be read, averaged over layers and rounds."""
+    steps, width = engine.steps, engine.verify_width
+    slots = torch.arange(batch, device=engine.device)
+    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
+    counts: list[int] = []
+    blocks = [m for m in engine.target.modules() if isinstance(m, Lfm2MoeBlock)]
+
+    def recording(route):
+        def wrapped(x, bias=None):
+            ids, weights = route(x, bias)
+            if ids.shape[0] == batch * width:           # a verify window (the draft has no MoE layers)
+                counts.append(int(ids.unique().numel()))
+            return ids, weights
+        return wrapped
+
+    for block in blocks:
+        block.route = recording(block.route)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            for _ in range(rounds):
+                steps.spec_round(slots, SamplingMode.GREEDY, width)
+    finally:
+        for block in blocks:
+            del block.route                              # the class's method again
+        engine.state.seq_len.copy_(saved[0])
+        engine.state.anchor.copy_(saved[1])
+    return sum(counts) / len(counts)
 
 
 def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> None:
@@ -437,7 +473,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     def engine_for(kind: str) -> Engine:
         if kind not in engines:
             kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, stop_token_ids=(),
-                      prefill_graph_tokens=cfg.prefill_graph_tokens)
+                      prefill_graph_tokens=cfg.prefill_graph_tokens, routing_locality=cfg.routing_locality)
             if device.type == "cuda":
                 kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
@@ -486,6 +522,15 @@ def run_bench(cfg: BenchConfig) -> dict:
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
             row.update(time_round_phases(engine, row["batch"], iters=20))
+        save()
+    if draft is not None and target.config.is_moe:
+        engine = engines["speculative"]
+        for row, profile in phase_rows:
+            if profile is not None:
+                engine.set_imposed_acceptance(profile)
+            row["distinct_experts_per_verify"] = distinct_experts_per_verify(engine, row["batch"])
+            row["routing_locality"] = cfg.routing_locality
+        report["num_experts"] = target.config.num_experts
         save()
     if cfg.hf:
         for batch in cfg.batch_sizes:
@@ -553,6 +598,9 @@ def table(report: dict) -> str:
                 continue
             label = name
             note = f"mode={r['compile_mode']}" if "compile_mode" in r else ""
+            locality = report["config"].get("routing_locality")
+            if locality and key in ("target_only", "speculative"):
+                note = (note + " " if note else "") + f"routing locality {locality}"
             if any(k.startswith("error_") for k in r):
                 note += " (" + ", ".join(k[6:] + " failed" for k in r if k.startswith("error_")) + ")"
             if r.get("imposed_acceptance"):
@@ -589,6 +637,14 @@ def table(report: dict) -> str:
             text += (f"\nverify widths at batch {r['batch']}{tag}: "
                      + ", ".join(f"{w}: {100 * n / total:.0f}%" for w, n in sorted(counts.items()))
                      + " of rounds (width 1: no draft)")
+        if r.get("distinct_experts_per_verify") is not None:
+            rates = r.get("imposed_profile")
+            tag = f" (imposed {rates[0]:g})" if rates and len(set(rates)) == 1 else ""
+            locality = r.get("routing_locality")
+            text += (f"\nMoE routing at batch {r['batch']}{tag}: {r['distinct_experts_per_verify']:.1f} of "
+                     f"{report.get('num_experts')} experts per layer per verify of the whole block"
+                     + (f" (routing locality imposed: {locality} experts per sequence and layer)" if locality
+                        else " (routing as the weights give it)"))
         if "walk_passes_mean" in r:
             text += (f"\nMarkov walk at batch {r['batch']}: {r['walk_passes_mean']:.2f} biased passes over markov_w2 "
                      f"per round (Jacobi walk: 1 when the bias moved no guessed slot, at most the block size)")

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block; the block size + 1 alone: the whole block every round)")
+    b.add_argument("--routing-locality", type=_positive, help="MoE targets with random weights: each sequence's "
+                   "tokens choose among this many experts per layer (mimics a trained model's correlated "
+                   "routing; outputs are labelled)")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
     b.add_argument("--seed", type=int, default=0)
@@ -212,7 +215,7 @@ def _bench(args) -> int:
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
                       phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
                       prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk,
-                      verify_widths=args.verify_widths)
+                      verify_widths=args.verify_widths, routing_locality=args.routing_locality)
     report = run_bench(cfg)
     print(table(report))
     if args.json:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..environment import environment
@@ -35,6 +36,7 @@ from ..graphs.runner import EagerRunner, StepKind, WarmupReport
 from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
 from ..models.lfm2 import Lfm2ForCausalLM
+from ..models.lfm2_moe import impose_routing_locality, routing_locality
 from ..models.loading import load_draft, load_target
 from ..models.config import DraftConfig, read_json_object
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
@@ -49,7 +51,7 @@ from .requests import (EngineDeadError, Request, RequestError, RequestFailedErro
 from .distributions import SamplingMode, sampling_mode
 from .sampling import SamplingError, SamplingParams
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
-from .speculation import VerifyScheduler, default_verify_widths, survival
+from .speculation import VerifyScheduler, default_verify_widths
 from .state import NO_DRAFT_LIMIT, SlotPool, SlotState
 from .steps import Steps
 
@@ -59,6 +61,7 @@ log = logging.getLogger("lfmspark")
 @dataclass
 class _InFlight:
     requests: list[Request]
+    slots: np.ndarray             # [n] their slots
     tokens: torch.Tensor          # host copy [n, W] (pinned on CUDA)
     n_new: torch.Tensor           # host copy [n]
     done: torch.cuda.Event | None
@@ -96,6 +99,12 @@ class Engine:
     expected tokens per second from the measured round costs (runtime/speculation.py). Default:
     1 (no draft: target-only speed) and the whole block; widths between may be added;
     ``[block_size + 1]`` verifies the whole block every round.
+
+    ``routing_locality`` (MoE targets, benchmarks on random weights): each slot's tokens choose among
+    this many experts per MoE layer (models/lfm2_moe.py ``impose_routing_locality``), which mimics a
+    trained model's correlated routing; like ``imposed_acceptance`` it changes what the engine
+    computes, and benchmark output says so. It is set on the target, so engines sharing the target
+    share it (:attr:`routing_locality` reads it back).
     """
 
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, *, tokenizer=None,
@@ -105,7 +114,7 @@ class Engine:
                  prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
                  sampling_defaults: dict | None = None, logprobs_mode: str = "raw",
                  verify_widths: Sequence[int] | None = None, prefix_cache_tokens: int | None = None,
-                 prefix_block: int = DEFAULT_BLOCK):
+                 prefix_block: int = DEFAULT_BLOCK, routing_locality: int | None = None):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -141,6 +150,11 @@ class Engine:
         if max_seq_len < self.verify_width + 2:
             raise ValueError(f"max_seq_len {max_seq_len} leaves no room for a verify window of {self.verify_width}")
 
+        if routing_locality is not None:
+            if isinstance(routing_locality, bool) or not isinstance(routing_locality, int):
+                raise ValueError(f"routing_locality must be an integer number of experts, got {routing_locality!r}")
+            impose_routing_locality(target, routing_locality, max_batch)
+
         # inference only: parameters that require grad would make a compiled region traced outside
         # no_grad (e.g. by a user timing a phase) build a backward graph
         target.requires_grad_(False)
@@ -165,7 +179,7 @@ class Engine:
         if draft is not None:
             widths = self._verify_widths(verify_widths)
             confidences = draft.confidence_head is not None or self.imposed_acceptance is not None
-            self.scheduler = VerifyScheduler(widths, self.block_size, confidences)
+            self.scheduler = VerifyScheduler(widths, self.block_size, confidences, max_batch)
             # rounds compute confidences only where a choice reads them
             self.steps.want_confidence = len(widths) > 1 and confidences
         elif verify_widths is not None:
@@ -314,6 +328,11 @@ class Engine:
             raise ValueError(f"verify_widths must be a non-empty list of integers in [1, {full}] (a window of the "
                              f"anchor and up to {self.block_size} drafts), got {widths!r}")
         return tuple(sorted(set(widths)))
+
+    @property
+    def routing_locality(self) -> int | None:
+        """The experts per slot and MoE layer the routing-locality benchmark mode allows (None: off)."""
+        return routing_locality(self.target)
 
     @property
     def speculation_stats(self) -> dict:
@@ -620,6 +639,8 @@ class Engine:
                 self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
                 cap = req.params.max_speculative_tokens
                 self.state.draft_limit[req.slot] = NO_DRAFT_LIMIT if cap is None else cap
+                if self.scheduler is not None:
+                    self.scheduler.admit(req.slot, self._draft_limit(req))
             self._reuse_prefix(members[0])
             self._prefilling.append(members[0])
             if len(members) > 1:
@@ -811,8 +832,10 @@ class Engine:
         if not rows:
             return None
         mode = sampling_mode((r.params for r in rows), self.config.vocab_size)
-        width = self._choose_width(rows, mode)
-        out = self.runner.run(self.step_kind, [r.slot for r in rows], mode, width)
+        slots = [r.slot for r in rows]
+        slots_np = np.array(slots, dtype=np.int64)
+        width = self._choose_width(slots_np, mode)
+        out = self.runner.run(self.step_kind, slots, mode, width)
         n = len(rows)
         tokens_host, n_new_host, confidence_host = self._host_buffer()
         tokens_host = tokens_host[:n, :out.tokens.shape[1]]
@@ -828,16 +851,15 @@ class Engine:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _InFlight(rows, tokens_host, n_new_host, done, width=width or 1, confidence=confidence, logprobs=logprobs,
+        return _InFlight(rows, slots_np, tokens_host, n_new_host, done, width=width or 1, confidence=confidence, logprobs=logprobs,
                          logprob_rows=logprob_rows)
 
-    def _choose_width(self, rows: list[Request], mode: SamplingMode) -> int | None:
+    def _choose_width(self, slots: np.ndarray, mode: SamplingMode) -> int | None:
         """The next round's verify width (None for a decode step): from what earlier rounds returned
         only, never from this round's drafts (runtime/speculation.py says why that keeps it lossless)."""
         if self.scheduler is None:
             return None
-        width = self.scheduler.choose([r.survival for r in rows], [self._draft_limit(r) for r in rows], self.runner.padded_size(len(rows)), mode,
-                                      self.runner.costs)
+        width = self.scheduler.choose(slots, self.runner.padded_size(len(slots)), mode, self.runner.costs)
         self.scheduler.count_round(width)
         return width
 
@@ -873,12 +895,15 @@ class Engine:
         events = []
         tokens, n_new = inflight.tokens.tolist(), inflight.n_new.tolist()
         width = inflight.tokens.shape[1]
-        confidence = inflight.confidence.tolist() if inflight.confidence is not None else None
-        for i, req in enumerate(inflight.requests):
-            if req.finished:
-                continue          # finished in an earlier round; this round's result is dropped
-            if self.scheduler is not None:
-                self._observe_round(req, inflight.width, n_new[i], confidence[i] if confidence is not None else None)
+        live = [i for i, req in enumerate(inflight.requests) if not req.finished]   # the others' results are dropped
+        verified = self._observe_round(inflight, live) if self.scheduler is not None else None
+        for j, i in enumerate(live):
+            req = inflight.requests[i]
+            if req.finished:      # ended by an earlier row's consumer in this loop
+                continue
+            if verified is not None:
+                req.accept_lengths.append(n_new[i])
+                req.drafts_verified.append(verified[j])
             new = tokens[i][:n_new[i]]
             logprobs = None
             if inflight.logprob_rows is not None and i in inflight.logprob_rows:
@@ -892,19 +917,19 @@ class Engine:
         cap = req.params.max_speculative_tokens
         return self.block_size if cap is None else min(cap, self.block_size)
 
-    def _observe_round(self, req: Request, width: int, committed: int, confidence: list[float] | None) -> None:
-        """Book one round of ``req``: its statistics, the scheduler's estimates (its confidences, when
-        the round computed them), and the round observer's record."""
-        verified = min(width - 1, self._draft_limit(req))
-        req.accept_lengths.append(committed)
-        req.drafts_verified.append(verified)
-        if confidence is not None and any(c != c for c in confidence):      # NaN: none computed for this row
-            confidence = None
-        if confidence is not None:
-            req.survival = survival(confidence)
-        self.scheduler.observe(width, verified, committed - 1, confidence)
-        if self.round_observer is not None and verified:
-            self.round_observer(req.request_id, verified, committed - 1, confidence)
+    def _observe_round(self, inflight: _InFlight, live: list[int]) -> list[int]:
+        """Book a round's rows ``live`` (indices into ``inflight``) with the scheduler (its statistics
+        and estimates, from the round's confidences where it computed them) and the round observer;
+        returns the drafts each was offered."""
+        committed = inflight.n_new.numpy()[live]
+        confidence = inflight.confidence.numpy()[live] if inflight.confidence is not None else None
+        verified = self.scheduler.observe(inflight.slots[live], inflight.width, committed, confidence).tolist()
+        if self.round_observer is not None:
+            for j, i in enumerate(live):
+                if verified[j]:
+                    row = None if confidence is None or np.isnan(confidence[j]).any() else confidence[j].tolist()
+                    self.round_observer(inflight.requests[i].request_id, verified[j], int(committed[j]) - 1, row)
+        return verified
 
     # -- events and finishing ---------------------------------------------------------------
     def _emit(self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None

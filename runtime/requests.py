@@ -72,7 +72,6 @@ class Request:
     output: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)   # tokens each round committed
     drafts_verified: list[int] = field(default_factory=list)  # draft tokens each round offered the target
-    survival: list[float] | None = None  # its last drafted round's survival estimates (runtime/speculation.py)
     finish_reason: str | None = None
     error: BaseException | None = None
     first_token_at: float = 0.0

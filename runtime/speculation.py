@@ -42,6 +42,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+from numpy.typing import ArrayLike
+
 from .distributions import SamplingMode
 
 # the probes' share of the time spent at width 1 (see the module doc)
@@ -60,31 +63,49 @@ def default_verify_widths(gamma: int) -> tuple[int, ...]:
     return (1, gamma + 1)
 
 
-def survival(confidence: Sequence[float]) -> list[float]:
-    """``a_j = c_1 * ... * c_j``: the chance that drafts ``1..j`` all survive, from conditional rates."""
-    out, acc = [], 1.0
-    for c in confidence:
-        acc *= min(max(float(c), 0.0), 1.0)
-        out.append(acc)
-    return out
+def survival(confidence: ArrayLike) -> np.ndarray:
+    """``a_j = c_1 * ... * c_j`` along the last axis: the chance that drafts ``1..j`` all survive, from
+    conditional rates (clamped to [0, 1])."""
+    return np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0), axis=-1)
 
 
-def expected_tokens(survivals: Sequence[Sequence[float]], limits: Sequence[int], width: int) -> float:
+def _survival_sums(survivals: ArrayLike) -> np.ndarray:
+    """``[n, gamma + 1]``: column ``j`` is each row's ``a_1 + ... + a_j`` (column 0: nothing verified)."""
+    a = np.asarray(survivals, dtype=np.float64).reshape(len(survivals), -1)
+    return np.concatenate([np.zeros((a.shape[0], 1)), np.cumsum(a, axis=1)], axis=1)
+
+
+def _expected(sums: np.ndarray, limits: np.ndarray, width: int) -> float:
+    verified = np.clip(np.minimum(width - 1, limits), 0, sums.shape[1] - 1)
+    return float(sums.shape[0] + sums[np.arange(sums.shape[0]), verified].sum())
+
+
+def expected_tokens(survivals: ArrayLike, limits: ArrayLike, width: int) -> float:
     """``τ(W)``: the tokens a round of ``width`` columns is expected to commit over its rows (one each for
     sure, plus each verified draft's survival chance; row ``r`` verifies at most ``limits[r]`` drafts)."""
-    return sum(1.0 + sum(a[:max(0, min(width - 1, lim))]) for a, lim in zip(survivals, limits, strict=True))
+    return _expected(_survival_sums(survivals), np.asarray(limits), width)
 
 
-def choose_width(survivals: Sequence[Sequence[float]], limits: Sequence[int], widths: Sequence[int],
-                 cost: Mapping[int, float]) -> int:
+def choose_width(survivals: ArrayLike, limits: ArrayLike, widths: Sequence[int], cost: Mapping[int, float]) -> int:
     """The width of ``widths`` with the most expected tokens per second (:func:`expected_tokens` over
-    ``cost[width]`` seconds); ties go to the narrower width."""
+    ``cost[width]`` seconds); ties go to the narrower width. Array work over the rows: it runs on the
+    host every round, and at 128 rows a loop per row outlasted the GPU's round (docs/benchmarks.md,
+    session 29)."""
+    sums, limits = _survival_sums(survivals), np.asarray(limits)
     best, best_rate = widths[0], -1.0
     for w in sorted(widths):
-        rate = expected_tokens(survivals, limits, w) / cost[w]
+        rate = _expected(sums, limits, w) / cost[w]
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = w, rate
     return best
+
+
+def _decayed(estimate: np.ndarray, total: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``estimate`` after ``count`` observations summing to ``total`` (per position), each weighing
+    :data:`ESTIMATE_DECAY`: moved ``1 - (1 - d)^count`` of the way to their mean (not at all where
+    ``count`` is 0)."""
+    mean = np.divide(total, count, out=np.zeros_like(estimate), where=count > 0)
+    return estimate + (1.0 - (1.0 - ESTIMATE_DECAY) ** count) * (mean - estimate)
 
 
 @dataclass
@@ -95,8 +116,10 @@ class SpeculationStats:
     probes: int = 0                  # rounds at a wider width chosen to refresh the estimates (module doc)
     drafts_verified: int = 0         # draft tokens offered to the target (summed over rows)
     drafts_accepted: int = 0         # of those, accepted
-    reached: list[int] = field(default_factory=list)    # per position: rows that verified draft k+1 with 1..k accepted
-    passed: list[int] = field(default_factory=list)     # per position: of those, rows that accepted draft k+1
+    reached: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per position k: rows that verified
+    #                                                   draft k+1 with 1..k accepted
+    passed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # per position: of those, rows that
+    #                                                   accepted draft k+1
 
     @property
     def fallback_rounds(self) -> int:
@@ -104,37 +127,51 @@ class SpeculationStats:
         return self.rounds_by_width.get(1, 0)
 
     def as_dict(self) -> dict:
-        rates = [p / r if r else float("nan") for p, r in zip(self.passed, self.reached)]
+        rates = [p / r if r else float("nan") for p, r in zip(self.passed.tolist(), self.reached.tolist())]
         return {"rounds_by_width": dict(sorted(self.rounds_by_width.items())), "fallback_rounds": self.fallback_rounds,
                 "probes": self.probes, "drafts_verified": self.drafts_verified,
                 "drafts_accepted": self.drafts_accepted, "acceptance_per_position": rates}
 
 
 class VerifyScheduler:
-    """Picks each round's verify width (see the module doc) and keeps the estimates it reads."""
+    """Picks each round's verify width (see the module doc) and keeps the estimates it reads, per slot
+    (the request holding it) and engine-wide. Every per-round method works on arrays over the
+    round's rows: it runs on the host each round, beside the GPU's round, and must stay shorter."""
 
-    def __init__(self, widths: Sequence[int], gamma: int, confidences: bool):
+    def __init__(self, widths: Sequence[int], gamma: int, confidences: bool, slots: int):
         self.widths = tuple(sorted(widths))
         self.gamma = gamma
         self.confidences = confidences   # rounds return confidences (a head, or imposed rates): estimates from them
+        # per slot: its request's survival estimate from its last drafted round (NaN: none yet) and the
+        # most drafts it may verify (SamplingParams.max_speculative_tokens)
+        self._estimate = np.full((slots, gamma), np.nan)
+        self._limit = np.full(slots, gamma, dtype=np.int64)
         # engine-wide estimates: survival by position (from confidences) and conditional acceptance by
         # position (observed), each a decayed average; optimistic until something is observed
-        self.prior = [1.0] * gamma
-        self._acceptance = [1.0] * gamma
+        self.prior = np.ones(gamma)
+        self._acceptance = np.ones(gamma)
         self._at_one = 0                 # consecutive rounds chosen at width 1
-        self.stats = SpeculationStats(reached=[0] * gamma, passed=[0] * gamma)
+        self.stats = SpeculationStats(reached=np.zeros(gamma, np.int64), passed=np.zeros(gamma, np.int64))
 
-    def choose(self, survivals: Sequence[Sequence[float] | None], limits: Sequence[int], batch: int,
-               mode: SamplingMode, costs: Mapping[tuple[SamplingMode, int, int], float]) -> int:
-        """The width of the next round of these rows (``survivals[r]``: the request's estimate, None for
-        the engine-wide one), ``batch`` the padded size it runs at, ``costs`` the measured table."""
+    def admit(self, slot: int, limit: int) -> None:
+        """A request took ``slot``: no estimate of its own yet, at most ``limit`` drafts a round."""
+        self._estimate[slot] = np.nan
+        self._limit[slot] = min(limit, self.gamma)
+
+    def choose(self, slots: np.ndarray, batch: int, mode: SamplingMode,
+               costs: Mapping[tuple[SamplingMode, int, int], float]) -> int:
+        """The width of the next round of the requests in ``slots`` (each with its own estimate, or the
+        engine-wide one before its first drafted round), ``batch`` the padded size it runs at, ``costs``
+        the measured table."""
         if len(self.widths) == 1:
             return self.widths[0]
         cost = self._costs(batch, mode, costs)
         if cost is None:
             return self.widths[-1]
         fallback = self.prior if self.confidences else survival(self._acceptance)
-        est = [a if a is not None else fallback for a in survivals]
+        est = self._estimate[slots]
+        est = np.where(np.isnan(est[:, :1]), fallback[None, :], est)
+        limits = self._limit[slots]
         width = choose_width(est, limits, self.widths, cost)
         if width == 1 and self.widths[1:]:
             wider = choose_width(est, limits, self.widths[1:], cost)
@@ -159,20 +196,29 @@ class VerifyScheduler:
                 return cost
         return None
 
-    def observe(self, width: int, verified: int, accepted: int, confidence: Sequence[float] | None) -> None:
-        """One row of a finished round: ``verified`` drafts offered, ``accepted`` of them taken, and the
-        round's confidences for it (None when none were computed)."""
-        if verified:
-            self.stats.drafts_verified += verified
-            self.stats.drafts_accepted += accepted
-        for k in range(min(verified, accepted + 1)):       # drafts 1..k accepted, k+1 offered
-            ok = k < accepted
-            self.stats.reached[k] += 1
-            self.stats.passed[k] += ok
-            self._acceptance[k] += ESTIMATE_DECAY * (ok - self._acceptance[k])
+    def observe(self, slots: np.ndarray, width: int, committed: np.ndarray, confidence: np.ndarray | None
+                ) -> np.ndarray:
+        """A finished round of width ``width`` for the requests in ``slots``: ``committed[r]`` tokens each
+        (its accepted drafts plus one), ``confidence[r]`` the round's confidences for it (a NaN row, or
+        None, where none were computed). Returns the drafts each row was offered."""
+        verified = np.minimum(width - 1, self._limit[slots])
+        accepted = np.asarray(committed, dtype=np.int64) - 1
+        self.stats.drafts_verified += int(verified.sum())
+        self.stats.drafts_accepted += int(accepted.sum())
+        k = np.arange(self.gamma)[None, :]
+        reached = k < np.minimum(verified, accepted + 1)[:, None]     # drafts 1..k accepted, k+1 offered
+        passed = k < accepted[:, None]                                 # ... and k+1 accepted
+        n_reached, n_passed = reached.sum(axis=0), passed.sum(axis=0)
+        self.stats.reached += n_reached
+        self.stats.passed += n_passed
+        self._acceptance = _decayed(self._acceptance, n_passed, n_reached)
         if confidence is not None:
-            for k, a in enumerate(survival(confidence)):
-                self.prior[k] += ESTIMATE_DECAY * (a - self.prior[k])
+            have = ~np.isnan(confidence).any(axis=1)
+            if have.any():
+                a = survival(confidence[have])
+                self._estimate[slots[have]] = a
+                self.prior = _decayed(self.prior, a.sum(axis=0), np.full(self.gamma, len(a)))
+        return verified
 
     def count_round(self, width: int) -> None:
         self.stats.rounds_by_width[width] += 1

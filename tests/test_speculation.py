@@ -31,8 +31,9 @@ def set_costs(engine: Engine, cost_of_width, sizes=range(1, 65)) -> None:
 # -- the choice --------------------------------------------------------------------------------
 
 def test_survival_is_the_running_product_of_the_conditional_rates():
-    assert survival([0.5, 0.5, 1.0, 0.0]) == [0.5, 0.25, 0.25, 0.0]
-    assert survival([1.5, -0.2]) == [1.0, 0.0]          # rates clamped to [0, 1]
+    assert survival([0.5, 0.5, 1.0, 0.0]).tolist() == [0.5, 0.25, 0.25, 0.0]
+    assert survival([1.5, -0.2]).tolist() == [1.0, 0.0]          # rates clamped to [0, 1]
+    assert survival([[0.5, 0.5], [1.0, 0.2]]).tolist() == [[0.5, 0.25], [1.0, 0.2]]   # row by row
 
 
 def test_expected_tokens_counts_one_per_row_and_the_survivals_it_verifies():
@@ -54,43 +55,83 @@ def test_choose_width_maximises_tokens_per_second_and_prefers_the_narrower_on_ti
     assert choose_width([[0.0] * 4] * 4, [4] * 4, (1, 3, 5), flat) == 1       # confidences all 0: a decode step
 
 
+def scheduler(widths, gamma, confidences=True, estimates=(), limits=()) -> VerifyScheduler:
+    """A scheduler over 8 slots; slot i admitted with ``limits[i]`` (default gamma) and given
+    ``estimates[i]`` (conditional rates) as its own survival estimate."""
+    s = VerifyScheduler(widths, gamma, confidences, slots=8)
+    for slot in range(8):
+        s.admit(slot, limits[slot] if slot < len(limits) else gamma)
+    for slot, conf in enumerate(estimates):
+        s._estimate[slot] = survival(conf)
+    return s
+
+
+SLOT0, SLOTS01 = np.array([0]), np.array([0, 1])
+
+
 def test_scheduler_without_measured_costs_verifies_the_whole_block():
-    s = VerifyScheduler((1, 3, 5), 4, confidences=True)
-    assert s.choose([[0.0] * 4], [4], 1, SamplingMode.GREEDY, {}) == 5
-    assert VerifyScheduler((3,), 4, True).choose([[0.0] * 4], [4], 1, SamplingMode.GREEDY, {}) == 3
+    s = scheduler((1, 3, 5), 4, estimates=[[0.0] * 4])
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, {}) == 5
+    assert scheduler((3,), 4, estimates=[[0.0] * 4]).choose(SLOT0, 1, SamplingMode.GREEDY, {}) == 3
 
 
 def test_scheduler_reads_the_greedy_costs_for_an_unmeasured_mode_and_new_requests_take_the_prior():
-    s = VerifyScheduler((1, 3, 5), 4, confidences=True)
+    s = scheduler((1, 3, 5), 4)
     costs = {(SamplingMode.GREEDY, 2, w): c for w, c in ((1, 1.0), (3, 1.6), (5, 2.2))}
     # the optimistic prior (every draft survives): 2 * 5 / 2.2 beats 2 * 3 / 1.6 and 2 / 1
-    assert s.choose([None, None], [4, 4], 2, SamplingMode.TOP_K, costs) == 5
-    for _ in range(500):                        # the engine-wide survival learns that drafts die
-        s.observe(5, 4, 0, [0.05] * 4)
-    assert s.choose([None, None], [4, 4], 2, SamplingMode.TOP_K, costs) == 1
+    assert s.choose(SLOTS01, 2, SamplingMode.TOP_K, costs) == 5
+    for _ in range(500):                        # the engine-wide survival learns that drafts die (slot 7's rounds)
+        s.observe(np.array([7]), 5, np.array([1]), np.array([[0.05] * 4]))
+    assert s.choose(SLOTS01, 2, SamplingMode.TOP_K, costs) == 1
+    assert s.choose(np.array([7]), 1, SamplingMode.GREEDY, {(SamplingMode.GREEDY, 1, w): c for w, c in
+                                                           ((1, 1.0), (3, 1.6), (5, 2.2))}) == 1   # its own estimate
+
+
+def test_a_request_admitted_to_a_slot_forgets_its_predecessors_estimate():
+    s = scheduler((1, 5), 4)
+    costs = {(SamplingMode.GREEDY, 1, 1): 1.0, (SamplingMode.GREEDY, 1, 5): 2.0}
+    s.observe(SLOT0, 5, np.array([1]), np.array([[0.01] * 4]))      # slot 0's request: drafts die
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 1
+    s.admit(0, 4)                                                     # a new request there: the prior again
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 5
+
+
+def test_a_batch_of_rows_updates_the_statistics_as_its_rows_one_by_one():
+    """One round of rows booked at once counts what each row's verified and accepted drafts say; a
+    row with NaN confidences (none computed) keeps its estimate."""
+    s = scheduler((1, 4), 3, limits=[3, 3, 1])
+    nan = float("nan")
+    verified = s.observe(np.array([0, 1, 2]), 4, np.array([4, 2, 2]),
+                         np.array([[0.9, 0.8, 0.7], [0.5, 0.5, 0.5], [nan, nan, nan]]))
+    assert verified.tolist() == [3, 3, 1]                 # slot 2's cap: 1 draft
+    assert s.stats.drafts_verified == 7 and s.stats.drafts_accepted == 3 + 1 + 1
+    # position k reached by rows whose drafts 1..k were accepted and k+1 offered
+    assert s.stats.reached.tolist() == [3, 2, 1] and s.stats.passed.tolist() == [3, 1, 1]
+    assert s._estimate[0].tolist() == pytest.approx([0.9, 0.72, 0.504])
+    assert np.isnan(s._estimate[2]).all()
 
 
 def test_scheduler_probes_a_wider_width_while_width_1_wins():
     """At width 1 nothing drafts, so the estimates would never change: every ``interval`` rounds one
     round runs at the best wider width, ``interval`` keeping the probes near 1% of the time."""
-    s = VerifyScheduler((1, 3, 5), 4, confidences=True)
+    s = scheduler((1, 3, 5), 4, estimates=[[0.0] * 4])
     costs = {(SamplingMode.GREEDY, 1, w): c for w, c in ((1, 1.0), (3, 1.05), (5, 1.2))}
-    chosen = [s.choose([[0.0] * 4], [4], 1, SamplingMode.GREEDY, costs) for _ in range(24)]
+    chosen = [s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) for _ in range(24)]
     assert chosen == ([1] * 5 + [3]) * 4                   # 5 = 0.05 extra / (1% of 1.0)
     assert s.stats.probes == 4
     cheap = {(SamplingMode.GREEDY, 1, w): c for w, c in ((1, 1.0), (3, 1.01), (5, 1.02))}
-    s_cap0 = VerifyScheduler((1, 3, 5), 4, confidences=True)
-    chosen = [s_cap0.choose([[1.0] * 4], [0], 1, SamplingMode.GREEDY, cheap) for _ in range(6)]
+    s_cap0 = scheduler((1, 3, 5), 4, estimates=[[1.0] * 4], limits=[0])
+    chosen = [s_cap0.choose(SLOT0, 1, SamplingMode.GREEDY, cheap) for _ in range(6)]
     assert chosen == [1, 3, 1, 3, 1, 3] and s_cap0.stats.probes == 3   # the probe: the cheapest wider width
 
 
 def test_observed_acceptance_drives_a_draft_without_confidences():
-    s = VerifyScheduler((1, 5), 4, confidences=False)
+    s = scheduler((1, 5), 4, confidences=False)
     costs = {(SamplingMode.GREEDY, 1, 1): 1.0, (SamplingMode.GREEDY, 1, 5): 1.8}
-    assert s.choose([None], [4], 1, SamplingMode.GREEDY, costs) == 5       # optimistic before any round
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 5       # optimistic before any round
     for _ in range(300):
-        s.observe(5, 4, 0, None)                                           # the first draft always rejected
-    assert s.choose([None], [4], 1, SamplingMode.GREEDY, costs) == 1
+        s.observe(SLOT0, 5, np.array([1]), None)                      # the first draft always rejected
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 1
     assert s.stats.drafts_verified == 1200 and s.stats.drafts_accepted == 0
     assert s.stats.reached[0] == 300 and s.stats.reached[1] == 0           # nothing beyond a rejection counted
 
