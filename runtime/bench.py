@@ -113,17 +113,20 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 def step_bytes(engine: Engine, context: int, batch: int) -> int:
     """Bytes one step must read at least: the target's weights (tied LM head once; for MoE layers
-    only the experts the step's tokens are expected to touch under uniform routing), the KV of
-    ``context`` tokens per row, and for a speculative round the draft's own weights, its context KV
-    and a second pass over the LM head (the draft projects with the target's)."""
+    only the experts the step's tokens are expected to touch: under uniform routing, or under the
+    routing-locality mode each row's tokens within its own subset), the KV of ``context`` tokens
+    per row, and for a speculative round the draft's own weights, its context KV and a second pass
+    over the LM head (the draft projects with the target's)."""
     cfg = engine.config
     total = module_bytes(engine.target)
-    tokens = batch * engine.verify_width
     if cfg.is_moe:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * engine.dtype.itemsize
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens)
-        total -= int(n_moe * (cfg.num_experts - touched) * expert)
+        k, E, width = cfg.num_experts_per_tok, cfg.num_experts, engine.verify_width
+        subset = engine.routing_locality or E
+        per_row = subset * (1 - (1 - k / subset) ** width)            # a row's window within its subset
+        touched = E * (1 - (1 - per_row / E) ** batch)                  # the union over rows' random subsets
+        total -= int(n_moe * (E - touched) * expert)
     kv_token = 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
     total += batch * context * kv_token
     if engine.draft is not None:
