@@ -1,5 +1,6 @@
 """``x @ W^T`` on 1-16 rows, streaming the weights once: ``skinny_linear`` (and its SwiGLU, pair and
 add + norm epilogue variants, one kernel) and ``add_rmsnorm_gemv`` (one row with the residual add and
-RMSNorm as its prologue). ops/routing.py says which rows take them."""
+RMSNorm as its prologue). ops/routing.py says which rows take them. ``exact_linear``: every row with
+the same arithmetic whatever the launch's rows (exact mode)."""
 
-from . import add_rmsnorm_gemv, skinny_linear  # noqa: F401  (registers the ops)
+from . import add_rmsnorm_gemv, exact_linear, skinny_linear  # noqa: F401  (registers the ops)

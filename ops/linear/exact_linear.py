@@ -1,0 +1,168 @@
+"""Batch-invariant linear: ``x [M, K] @ weight[N, K]^T`` where every output row is computed with the
+same arithmetic whatever ``M`` is and wherever the row sits in the launch (issue 39's exact mode).
+
+Why: the default products pick their kernel and its reduction by the number of rows (the one-row
+GEMV, the swap-AB ``tl.dot`` kernel with a split-K that follows ``M``, cuBLAS past 16 rows:
+ops/routing.py). A token's logits in a one-row decode step and in a ten-row verify window are then
+summed in different orders, and a near-tied argmax can flip between target-only and speculative
+decoding on the GPU. Exact mode routes every product through this op, which fixes the order.
+
+Design: one tile shape for every ``M`` (:data:`BLOCK_M` rows, ``tl.dot``'s minimum; ``BLOCK_N`` x
+``BLOCK_K`` from :func:`exact_config`), and the K range cut into a number of splits fixed by the
+weight's shape ``(N, K)`` alone. Program ``(column tile, row tile, split)`` sums its split's K steps in
+order into an fp32 tile with ``tl.dot`` and writes it to an ``[splits, M, N]`` workspace; a second
+kernel sums each element's splits in order ``0 .. splits - 1`` and rounds once to ``x``'s dtype. An
+output element therefore depends only on its own row of ``x``, its column of ``weight`` and the
+shape's fixed plan: a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows,
+or the last row of a prefill chunk get the same bits. The MMA instruction is chosen by the tile
+shape, which never changes; padding rows are zeros and never stored.
+
+Cost: the splits follow the shape so that a one-row product still has about :data:`TARGET_PROGRAMS`
+programs streaming the weight, which a prefill chunk pays as extra partial traffic; the fp32
+workspace round trip is a second launch. The fast default mode is unchanged; exact mode's price is
+measured per model (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import pdl_kwargs, use_triton
+
+BLOCK_M = 16            # rows per tile, for every M (tl.dot's minimum)
+TARGET_PROGRAMS = 256   # programs a one-row product aims for (two per SM of an H100 / H200)
+MIN_SPLIT_STEPS = 4     # K steps a split sums at least
+
+
+@dataclass(frozen=True)
+class ExactConfig:
+    block_n: int
+    block_k: int
+    splits: int         # K splits, each ``steps`` K steps of ``block_k`` (the last may be shorter)
+    steps: int
+
+
+def exact_config(N: int, K: int) -> ExactConfig:
+    """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
+    device, which is what makes the op batch-invariant (module doc)."""
+    block_n, block_k = 64, 64
+    k_steps = max(1, triton.cdiv(K, block_k))
+    want = triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, block_n))
+    splits = max(1, min(want, k_steps // MIN_SPLIT_STEPS))
+    steps = triton.cdiv(k_steps, splits)
+    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_partial_kernel(
+    x_ptr, w_ptr, ws_ptr,
+    M, N, K, steps,
+    stride_xm, stride_wn, stride_ws, stride_wsm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py: x may come from the predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k0 = pid_s * steps * BLOCK_K
+    for i in range(steps):
+        k = k0 + i * BLOCK_K + ks
+        k_ok = k < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    offs = pid_s * stride_ws + rows[:, None] * stride_wsm + cols[None, :]
+    tl.store(ws_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_reduce_kernel(
+    ws_ptr, out_ptr, M, N, splits, stride_ws, stride_om,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):          # in split order, whatever M
+        total += tl.load(ws_ptr + s * stride_ws + i, mask=ok, other=0.0)
+    row, col = i // N, i % N
+    tl.store(out_ptr + row * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must be row-major (stride(1) == 1)")
+
+
+def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConfig | None = None) -> torch.Tensor:
+    """The op on the Triton kernels (``config``: the plan override, for tests)."""
+    _check(x, weight)
+    (M, K), N = x.shape, weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config or exact_config(N, K)
+    ws = torch.empty((cfg.splits, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, BLOCK_M), cfg.splits)
+    _exact_partial_kernel[grid](
+        x, weight, ws, M, N, K, cfg.steps, x.stride(0), weight.stride(0), ws.stride(0), ws.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
+        UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+        num_warps=4, num_stages=3, **pdl_kwargs(x),
+    )
+    block = 1024
+    _exact_reduce_kernel[(triton.cdiv(M * N, block),)](
+        ws, out, M, N, cfg.splits, ws.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_kwargs(x),
+    )
+    return out
+
+
+def exact_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation, one rounding (the oracle of the tests; its own order is BLAS's)."""
+    _check(x, weight)
+    return (x.float() @ weight.float().T).to(x.dtype)
+
+
+@torch.library.custom_op("lfmspark::exact_linear", mutates_args=())
+def exact_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` -> ``[M, N]`` in ``x``'s dtype, each row's bits independent of the
+    other rows of the launch (module doc). The CPU reference is not batch-invariant by this
+    construction (BLAS picks its own order); under ``LFMSPARK_TRITON_ON_CPU=1`` the kernels run."""
+    if use_triton(x):
+        return exact_linear_triton(x, weight)
+    return exact_linear_reference(x, weight)
+
+
+@exact_linear.register_kernel("cuda")
+def _exact_linear_cuda(x, weight):
+    return exact_linear_triton(x, weight)
+
+
+@exact_linear.register_fake
+def _exact_linear_fake(x, weight):
+    _check(x, weight)
+    return x.new_empty((x.shape[0], weight.shape[0]))

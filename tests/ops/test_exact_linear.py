@@ -1,0 +1,87 @@
+"""``lfmspark::exact_linear`` (exact mode's product): the Triton kernels (interpreter on CPU, native on
+CUDA) against the fp64 product, and the property it exists for: a row's bits do not depend on the
+other rows of the launch (alone, or at any position of 2, 10 and 16-row launches, or after a long
+prefill chunk), where the default skinny product's do.
+
+Tolerances as in test_skinny_linear.py (relative Frobenius error against fp64): fp32 1e-5, bf16 1e-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.linear.exact_linear import (ExactConfig, exact_config, exact_linear_reference,
+                                              exact_linear_triton)
+from lfmspark.ops.linear.skinny_linear import skinny_linear_triton
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _inputs(device: str, dtype: torch.dtype, M: int, N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    return x, w
+
+
+def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    want = x.double() @ w.double().T
+    return ((out.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, N, K", [(1, 128, 256), (10, 100, 300), (17, 64, 1024), (40, 33, 96)])
+def test_kernel_matches_the_fp64_product(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int) -> None:
+    x, w = _inputs(triton_device, dtype, M, N, K, seed=M)
+    out = exact_linear_triton(x, w)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert _rel_err(out, x, w) < TOL[dtype]
+    assert _rel_err(exact_linear_reference(x, w), x, w) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", [ExactConfig(32, 32, splits=3, steps=2), ExactConfig(64, 16, splits=5, steps=4)],
+                         ids=["k_tail_in_last_split", "many_splits"])
+def test_forced_plans(triton_device: str, cfg: ExactConfig) -> None:
+    x, w = _inputs(triton_device, torch.float32, 5, 70, 6 * 32 - 7)
+    assert _rel_err(exact_linear_triton(x, w, cfg), x, w) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("N, K", [(2048, 2048), (65536, 2048), (2048, 8192), (33, 96), (8, 5)])
+def test_the_plan_depends_on_the_shape_only_and_covers_k(N: int, K: int) -> None:
+    cfg = exact_config(N, K)
+    steps = max(1, -(-K // cfg.block_k))
+    assert (cfg.splits - 1) * cfg.steps < steps <= cfg.splits * cfg.steps    # every split has K steps
+    assert cfg == exact_config(N, K)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype) -> None:
+    """Each of 16 rows alone, and at every position of 2-, 10- and 16-row launches among other rows,
+    gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree)."""
+    N, K = 96, 640                                    # several splits (exact_config) and a column tail
+    x, w = _inputs(triton_device, dtype, 16, N, K, seed=7)
+    others, _ = _inputs(triton_device, dtype, 16, N, K, seed=8)
+    alone = torch.cat([exact_linear_triton(x[r:r + 1], w) for r in range(16)])
+    assert torch.equal(exact_linear_triton(x, w), alone)
+    for rows in (2, 10):
+        for pos in range(rows):
+            batch = others[:rows].clone()
+            batch[pos] = x[3]
+            assert torch.equal(exact_linear_triton(batch, w)[pos], alone[3]), (rows, pos)
+    long_chunk = torch.cat([others, others, x[3:4]])  # the last row of a 33-row chunk (three row tiles)
+    assert torch.equal(exact_linear_triton(long_chunk, w)[-1], alone[3])
+
+
+def test_the_default_skinny_product_is_not_batch_invariant(triton_device: str) -> None:
+    """Contrast (why exact mode has its own product): the default op sums one row with its GEMV kernel
+    and ten rows with the split-K ``tl.dot`` kernel, and some row's bits differ."""
+    x, w = _inputs(triton_device, torch.float32, 10, 96, 2048, seed=11)
+    ten = skinny_linear_triton(x, w)
+    one = torch.cat([skinny_linear_triton(x[r:r + 1], w) for r in range(10)])
+    assert not torch.equal(ten, one)
+
+
+def test_opcheck() -> None:
+    x, w = _inputs("cpu", torch.float32, 3, 16, 32)
+    torch.library.opcheck(torch.ops.lfmspark.exact_linear, (x, w))
