@@ -8,6 +8,13 @@ non-causal inside the block), both clipped to the cache length. Query head ``h``
 ``h // (n_heads // n_kv)`` (``repeat_interleave`` order). Softmax in fp32, output in ``q``'s dtype;
 rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
 ignore.
+
+``exact`` (issue 39's exact mode): the launch plan follows the cache length ``S`` only, never the
+window, the batch or the SMs: 16-row query tiles, 64-key blocks, and key slices of a fixed span
+of absolute positions (``plan_launch``). A query then visits the same key blocks in the same order
+and its slices merge in the same order whether it is a decode step's token, a verify window's or a
+prefill chunk's, alone or among other rows: its output bits depend only on its own query and the
+cache. (Key blocks past a row's end are masked to exact no-ops of the online softmax.)
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def _cache_attention_kernel(
     stride_cs, stride_cp, stride_ch,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    FIXED_SLICES: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -82,7 +89,10 @@ def _cache_attention_kernel(
     kv_len = tl.where(slot >= 0, tl.minimum(kv_len, S), 0).to(tl.int32)  # padding row: no keys
     row_end = tl.where(row_ok, tl.minimum(row_end, kv_len), 0).to(tl.int32)
 
-    lo, hi = _split_range(kv_len, split, num_splits, BLOCK_N, SPLIT)
+    if FIXED_SLICES:   # exact mode: slices of absolute positions, whatever this tile's keys
+        lo, hi = _fixed_split_range(kv_len, S, split, num_splits, BLOCK_N)
+    else:
+        lo, hi = _split_range(kv_len, split, num_splits, BLOCK_N, SPLIT)
 
     q_offs = b * stride_qb + t * stride_qt + h * stride_qh
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -124,6 +134,16 @@ def _split_range(n_keys, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.con
     else:
         lo = 0
         hi = n_keys
+    return lo, hi
+
+
+@triton.jit
+def _fixed_split_range(n_keys, span, split, num_splits, BLOCK_N: tl.constexpr):
+    """Keys ``[lo, hi)`` of slice ``split`` of ``[0, span)`` cut into ``num_splits`` slices of whole key
+    blocks (their bounds follow ``span``, the cache length, alone), clipped to ``[0, n_keys)``."""
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(split * chunk, n_keys)
+    hi = tl.minimum(lo + chunk, n_keys)
     return lo, hi
 
 
@@ -179,6 +199,8 @@ _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
 _MAX_WIDE_SPLITS = 4  # windows of 33-64 rows (_pick_splits)
 _SPLIT_BLOCK_N = 64  # key block of the split path (_key_config)
+EXACT_BLOCK_M = 16        # exact mode's query tile rows (module doc)
+EXACT_SLICE_KEYS = 1024   # exact mode: one key slice per this many cache positions
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,11 +267,15 @@ class AttentionLaunch:
 
 
 def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int,
-                num_splits: int | None = None) -> AttentionLaunch:
+                num_splits: int | None = None, exact: bool = False) -> AttentionLaunch:
     """The launch of a ``[B, T, H, hd]`` query window over a cache of length ``S`` on ``sms`` SMs;
     ``num_splits`` overrides the occupancy heuristic, and so does ``LFMSPARK_TUNE``'s
-    ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits."""
+    ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits. ``exact``: the
+    plan of exact mode, a function of ``S`` alone (module doc)."""
     n_rows = T * (H // n_kv)
+    if exact:
+        splits = min(max(1, triton.cdiv(S, EXACT_SLICE_KEYS)), _MAX_SPLITS)
+        return AttentionLaunch(EXACT_BLOCK_M, triton.cdiv(n_rows, EXACT_BLOCK_M), splits, _SPLIT_BLOCK_N, 4, 3)
     block_m = _block_m(n_rows, hd)
     n_tiles = triton.cdiv(n_rows, block_m)
     if num_splits is None:
@@ -263,9 +289,10 @@ def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: i
 
 def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
                            slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, exact: bool = False) -> torch.Tensor:
     """Triton implementation of :func:`cache_attention`; ``num_splits`` forces the number of
-    key-range slices (1: single pass) instead of the occupancy heuristic."""
+    key-range slices (1: single pass) instead of the occupancy heuristic; ``exact``: exact mode's
+    launch plan (module doc)."""
     B, T, H, hd = q.shape
     S, n_kv = k_cache.shape[2], k_cache.shape[3]
     if H % n_kv != 0:
@@ -281,7 +308,7 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out.numel() == 0:
         return out
     group = H // n_kv
-    launch = plan_launch(B, T, H, n_kv, hd, S, q.element_size(), _sm_count(q.device), num_splits)
+    launch = plan_launch(B, T, H, n_kv, hd, S, q.element_size(), _sm_count(q.device), num_splits, exact)
     num_splits, split = launch.num_splits, launch.split
 
     part_m, part_l, part_acc = split_partials(out, num_splits)
@@ -294,7 +321,7 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-        DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, FIXED_SLICES=exact,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(q),
     )
     combine_splits(part_m, part_l, part_acc, out)
@@ -361,18 +388,20 @@ def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 @torch.library.custom_op("lfmspark::cache_attention", mutates_args=())
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                    slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Attention output ``[B, T, n_heads, hd]`` of the window over layer ``layer`` of the cache."""
+                    slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+                    exact: bool = False) -> torch.Tensor:
+    """Attention output ``[B, T, n_heads, hd]`` of the window over layer ``layer`` of the cache
+    (``exact``: exact mode's launch plan, each query's bits independent of the launch; module doc)."""
     if use_triton(q):
-        return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale)
+        return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=exact)
     return cache_attention_reference(q, k_cache, v_cache, layer, slots, start, causal, scale)
 
 
 @cache_attention.register_kernel("cuda")
-def _cache_attention_cuda(q, k_cache, v_cache, layer, slots, start, causal, scale):
-    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale)
+def _cache_attention_cuda(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=False):
+    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=exact)
 
 
 @cache_attention.register_fake
-def _cache_attention_fake(q, k_cache, v_cache, layer, slots, start, causal, scale):
+def _cache_attention_fake(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -207,3 +207,43 @@ def test_split_heuristic() -> None:
     assert plan_launch(16, 10, 32, 8, 64, 960, 2, 132).num_splits == 1
     # prefill tiles (more than 64 rows) keep the occupancy rule
     assert plan_launch(1, 17, 32, 8, 64, 8192, 2, 132).num_splits == 33
+
+
+# ---------------------------------------------------------------------------------------------
+# exact mode: a query's bits do not depend on the launch (issue 39)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S", [200, 2600], ids=["one_slice", "three_slices"])
+def test_exact_plan_gives_a_query_the_same_bits_in_any_window_and_batch(triton_device: str, dtype: torch.dtype,
+                                                                       S: int) -> None:
+    """The query at absolute position ``p`` of slot 2, run as a decode step (alone, and beside other
+    rows), at position 4 of a verify window and at position 20 of a 33-token prefill chunk (other
+    queries random, the window's keys already in the cache, as the engine writes them first): the
+    same output bits each time, and the reference's values within rounding."""
+    hd, n_heads, n_kv, p = 16, 4, 2, S - 40
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(triton_device, dtype)
+    v_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(triton_device, dtype)
+    query = torch.randn(n_heads, hd, generator=g).to(triton_device, dtype)
+    scale = hd ** -0.5
+
+    def run(B: int, T: int, row: int, t: int, slots: list[int], starts: list[int]) -> torch.Tensor:
+        q = torch.randn(B, T, n_heads, hd, generator=g).to(triton_device, dtype)
+        q[row, t] = query
+        args = (k_cache, v_cache, LAYER, torch.tensor(slots, device=triton_device),
+                torch.tensor(starts, device=triton_device), True, scale)
+        out = cache_attention_triton(q, *args, exact=True)
+        torch.testing.assert_close(out, cache_attention_reference(q, *args), **_tol(dtype))
+        return out[row, t]
+
+    alone = run(1, 1, 0, 0, [2], [p])
+    assert torch.equal(run(3, 1, 1, 0, [0, 2, 3], [7, p, S - 1]), alone)          # a decode batch
+    assert torch.equal(run(2, 10, 0, 4, [2, 1], [p - 4, 3]), alone)                # a verify window
+    assert torch.equal(run(1, 33, 0, 20, [2], [p - 20]), alone)                    # a prefill chunk
+
+
+def test_exact_plan_follows_the_cache_length_only() -> None:
+    plans = {plan_launch(B, T, 32, 8, 64, 4096, 2, sms, exact=True) for B, T, sms in
+             ((1, 1, 132), (64, 10, 132), (4, 256, 78))}
+    (plan,) = {(p.block_m, p.num_splits, p.block_n) for p in plans}
+    assert plan == (16, 4, 64)
