@@ -32,6 +32,12 @@ differ by a few bf16 ulps (see tests/ops/test_moe.py for the tolerances). Determ
 Expert ids must lie in ``[0, E)`` (an out-of-range id leaves that pair's row of the fp32 scratch
 unwritten).
 
+Exact mode (issue 39, ``exact=True``): the tiles of the decode sizes for every pair count
+(:func:`exact_config`). A pair's products then run the same tile shapes whether its token is alone,
+in a verify window or in a prefill chunk, and whichever other pairs share its expert's blocks; the
+combine sums a token's ``k`` rows in the same order anyway. A token's output bits then depend only
+on its own routing and activations.
+
 Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the number of pairs
 (:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
@@ -288,6 +294,11 @@ def default_config(n_pairs: int, n_experts: int, elem_size: int) -> MoeConfig:
     return cfg
 
 
+def exact_config(n_experts: int, elem_size: int) -> MoeConfig:
+    """Exact mode's tiles: those of one decode token, for every pair count (module doc)."""
+    return default_config(1, n_experts, elem_size)
+
+
 @dataclass(frozen=True)
 class PlanLaunch:
     """How :func:`moe_plan` launches for ``P`` pairs."""
@@ -370,8 +381,10 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
 
 
 def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
-    """The op on the Triton kernels (``config``: tile override, for tests and tuning)."""
+                       w13: torch.Tensor, w2: torch.Tensor, config: MoeConfig | None = None,
+                       exact: bool = False) -> torch.Tensor:
+    """The op on the Triton kernels (``config``: tile override, for tests and tuning; ``exact``: exact
+    mode's tiles, module doc)."""
     N, H = x.shape
     k = topk_ids.shape[1]
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -381,7 +394,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if k == 0:
         return out.zero_()
     P = N * k
-    cfg = config or default_config(P, E, x.element_size())
+    cfg = config or (exact_config(E, x.element_size()) if exact else default_config(P, E, x.element_size()))
     bm = cfg.block_m
     slot_pair, block_expert, block_rows = moe_plan(topk_ids, E, bm, cfg.plan_chunk)
     n_blocks = block_expert.shape[0]
@@ -436,18 +449,19 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 
 @torch.library.custom_op("lfmspark::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of each token's selected SwiGLU experts, ``[N, H]``."""
+                w13: torch.Tensor, w2: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """Weighted sum of each token's selected SwiGLU experts, ``[N, H]`` (``exact``: each token's bits
+    independent of the other tokens of the call; module doc)."""
     if use_triton(x):
-        return moe_experts_triton(x, topk_ids, topk_weights, w13, w2)
+        return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact)
     return moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
 
 
 @moe_experts.register_kernel("cuda")
-def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2):
-    return moe_experts_triton(x, topk_ids, topk_weights, w13, w2)
+def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, exact=False):
+    return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2):
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, exact=False):
     return torch.empty_like(x)

@@ -160,6 +160,24 @@ def test_plan_layout(triton_device, N, chunk, precount):
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(N * k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_gives_a_token_the_same_bits_in_any_call(triton_device, dtype):
+    """Exact mode (issue 39): token 0 alone, and as token 3 of 10 and token 20 of 64 (where the default
+    launch takes other tiles, whose K steps cut the sums elsewhere: 128 pairs over 4 experts), gives the
+    same bits, near the oracle."""
+    E, H, I, k = 4, 512, 256, 2
+    w13, w2 = _weights(E, H, I, dtype, triton_device)
+    x, ids, w = _tokens(64, k, E, H, dtype, triton_device, seed=3)
+    alone = moe_experts_triton(x[:1], ids[:1], w[:1], w13, w2, exact=True)
+    _check((x[:1], ids[:1], w[:1], w13, w2), alone, triton_device)
+    for n, pos in ((10, 3), (64, 20)):
+        xs, ids_s, ws = x[:n].clone(), ids[:n].clone(), w[:n].clone()
+        xs[pos], ids_s[pos], ws[pos] = x[0], ids[0], w[0]
+        out = moe_experts_triton(xs, ids_s, ws, w13, w2, exact=True)
+        _check((xs, ids_s, ws, w13, w2), out, triton_device)
+        assert torch.equal(out[pos], alone[0]), (n, pos)
+
+
 def test_k0_and_empty(triton_device):
     x, ids, w, w13, w2 = _inputs(3, 2, 8, 64, 32, torch.float32, triton_device)
     assert moe_experts_triton(x[:0], ids[:0], w[:0], w13, w2).shape == (0, 64)
