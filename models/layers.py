@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.linear.skinny_linear import pair_problem
-from ..ops.routing import NormRoute, norm_route, pair_product, rows_of, skinny_product
+from ..ops.routing import NormRoute, exact_mode, norm_route, pair_product, rows_of, skinny_product
 
 lfm = torch.ops.lfmspark
 
@@ -39,7 +39,11 @@ lfm = torch.ops.lfmspark
 def linear(x: torch.Tensor, weight: torch.Tensor, side_stream: bool = False) -> torch.Tensor:
     """``x @ weight.T`` (no bias): ``lfmspark::skinny_linear`` for 1-16 rows on CUDA
     (ops/routing.py ``skinny_product``), else ``F.linear`` (cuBLAS). ``side_stream``: the product
-    runs on a stream beside the main one (its own split-K counters: ops/linear/skinny_linear.py)."""
+    runs on a stream beside the main one (its own split-K counters: ops/linear/skinny_linear.py).
+    In exact mode (ops/routing.py) ``lfmspark::exact_linear``, whatever the rows."""
+    if exact_mode() and x.dtype == weight.dtype:
+        out = lfm.exact_linear(x.reshape(rows_of(x), x.shape[-1]), weight)
+        return out.view(*x.shape[:-1], weight.shape[0])
     if skinny_product(x):
         rows = rows_of(x)
         out = lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight, side_stream=side_stream)
@@ -195,6 +199,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if exact_mode() and x.dtype == self.weight.dtype:    # ops/routing.py: the same bits in any launch
+            return lfm.exact_rms_norm(x.reshape(rows_of(x), x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

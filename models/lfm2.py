@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
-from ..ops.routing import window_attention
+from ..ops.routing import exact_mode, window_attention
 from .cache import LayerCache, TargetCache
 from .config import ATTENTION, TargetConfig
 from ..ops.argmax_rows import argmax_last
@@ -133,7 +133,7 @@ class Lfm2Attention(nn.Module):
             return o.reshape(B, T, self.n_heads * self.head_dim)
         q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
                                     rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
-        o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale)
+        o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale, exact_mode())
         return o.reshape(B, T, self.n_heads * self.head_dim)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.routing import exact_mode
 from .config import TargetConfig
 from .layers import Linear, SwiGLU
 from .lfm2 import Lfm2ForCausalLM
@@ -88,7 +89,7 @@ class Lfm2MoeBlock(nn.Module):
             per_row = self.routing_bias[slots.clamp(min=0)]                      # padding rows (-1): any subset
             bias = per_row[:, None, :].expand(-1, x.shape[0] // slots.shape[0], -1).reshape(x.shape[0], -1)
         ids, weights = self.route(x, bias)
-        return lfm.moe_experts(x, ids, weights, self.experts.w13, self.experts.w2).view(shape)
+        return lfm.moe_experts(x, ids, weights, self.experts.w13, self.experts.w2, exact_mode()).view(shape)
 
 
 # the selection bias of the experts outside a slot's subset: far below any sigmoid score plus expert bias

@@ -20,14 +20,25 @@ does the walk op (ops/markov_walk). The thresholds follow the kernels' tiles:
   lanes fit 16, else the sequential walk in one persistent launch for 2-16 rows, else one launch per
   slot; the walks in one launch need every SM resident (no MPS thread limit) and a rank of at most 256.
 
+**Exact mode** (``Engine(exact=True)``, issue 39): inside :func:`exact_scope` every product runs
+``lfmspark::exact_linear``, every norm ``lfmspark::exact_rms_norm``, attention the two-launch path
+with ``cache_attention``'s exact plan and the MoE experts their exact tiles: kernels whose per-row
+arithmetic does not depend on the rows sharing the launch, so a token's target logits are the same
+bits in a decode step, a verify window or a prefill chunk, alone or batched. None of the routes
+above is taken there. The scope is process-wide while it lasts (the engine enters it around its
+steps and warm-up; compiled regions are traced, and guarded, under it): engines of both modes may
+live in one process, but should not step concurrently from different threads.
+
 Tests reach the CUDA routes on CPU by patching :func:`product_kernels` (the ops then run their
 references, or their interpreted kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -39,6 +50,25 @@ WALK_GRID_ROWS = (2, 16)  # the persistent walk's rows; one row: the step kernel
 WALK_MAX_RANK = 256     # a walk in one launch holds the whole rank in one tl.dot
 
 WALKS = ("jacobi", "persistent", "steps")   # what Engine(markov_walk=...) takes
+
+_exact = False   # inside exact_scope(True): exact mode's routes (module doc)
+
+
+def exact_mode() -> bool:
+    """Whether the current forward runs exact mode's kernels (module doc)."""
+    return _exact
+
+
+@contextlib.contextmanager
+def exact_scope(on: bool) -> Iterator[None]:
+    """Run the enclosed forwards in exact mode (``on``) or the default routes, restoring the previous
+    setting on exit."""
+    global _exact
+    previous, _exact = _exact, bool(on)
+    try:
+        yield
+    finally:
+        _exact = previous
 
 
 def rows_of(x: torch.Tensor) -> int:
@@ -53,7 +83,7 @@ def product_kernels(x: torch.Tensor) -> bool:
 def skinny_product(x: torch.Tensor) -> bool:
     """``x [..., K] @ W^T`` on ``lfmspark::skinny_linear`` (and a dense SwiGLU's gate/up product on
     ``skinny_swiglu``): 1 to ``FEW_ROWS`` rows."""
-    return product_kernels(x) and 1 <= rows_of(x) <= FEW_ROWS
+    return product_kernels(x) and 1 <= rows_of(x) <= FEW_ROWS and not _exact
 
 
 def pair_product(x: torch.Tensor) -> bool:
@@ -73,7 +103,7 @@ class NormRoute(enum.Enum):
 def norm_route(h: torch.Tensor, decode: bool) -> NormRoute:
     """The route of the norm over ``h [..., K]`` in a forward of ``decode`` mode (the callers check
     that the tensors involved share one dtype, which a model in one dtype always does)."""
-    if not skinny_product(h):
+    if _exact or not skinny_product(h):
         return NormRoute.MODULES
     rows = rows_of(h)
     if decode:
@@ -82,8 +112,9 @@ def norm_route(h: torch.Tensor, decode: bool) -> NormRoute:
 
 
 def window_attention(T: int, n_heads: int, n_kv: int) -> bool:
-    """Whether a window of ``T`` tokens runs ``qkv_window_attention``: its rows fit one tile."""
-    return T * (n_heads // n_kv) <= WINDOW_TILE_ROWS
+    """Whether a window of ``T`` tokens runs ``qkv_window_attention``: its rows fit one tile (never in
+    exact mode, whose attention keeps one key order for every window)."""
+    return T * (n_heads // n_kv) <= WINDOW_TILE_ROWS and not _exact
 
 
 def one_launch_walk_possible(device: torch.device, rank: int) -> bool:

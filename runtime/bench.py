@@ -31,6 +31,7 @@ from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
+from ..ops.routing import exact_scope
 from .distributions import SamplingMode, sampling_mode
 from ..models.lfm2_moe import Lfm2MoeBlock
 from .engine import Engine
@@ -68,6 +69,7 @@ class BenchConfig:
     markov_walk: str = "jacobi"        # Engine(markov_walk=...)
     verify_widths: list[int] | None = None   # Engine(verify_widths=...): None, the scheduler's default set
     routing_locality: int | None = None      # Engine(routing_locality=...): MoE benchmark mode, labelled
+    exact: bool = False                      # Engine(exact=...): exact mode (both engines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +478,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     def engine_for(kind: str) -> Engine:
         if kind not in engines:
             kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, stop_token_ids=(),
-                      prefill_graph_tokens=cfg.prefill_graph_tokens, routing_locality=cfg.routing_locality)
+                      prefill_graph_tokens=cfg.prefill_graph_tokens, routing_locality=cfg.routing_locality,
+                      exact=cfg.exact)
             if device.type == "cuda":
                 kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
@@ -524,14 +527,16 @@ def run_bench(cfg: BenchConfig) -> dict:
         for row, profile in phase_rows:
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
-            row.update(time_round_phases(engine, row["batch"], iters=20))
+            with exact_scope(engine.exact):     # the phases call the steps directly
+                row.update(time_round_phases(engine, row["batch"], iters=20))
         save()
     if draft is not None and target.config.is_moe:
         engine = engines["speculative"]
         for row, profile in phase_rows:
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
-            row["distinct_experts_per_verify"] = distinct_experts_per_verify(engine, row["batch"])
+            with exact_scope(engine.exact):
+                row["distinct_experts_per_verify"] = distinct_experts_per_verify(engine, row["batch"])
             row["routing_locality"] = cfg.routing_locality
         report["num_experts"] = target.config.num_experts
         save()
@@ -601,9 +606,11 @@ def table(report: dict) -> str:
                 continue
             label = name
             note = f"mode={r['compile_mode']}" if "compile_mode" in r else ""
-            locality = report["config"].get("routing_locality")
+            locality = report.get("config", {}).get("routing_locality")
             if locality and key in ("target_only", "speculative"):
                 note = (note + " " if note else "") + f"routing locality {locality}"
+            if report.get("config", {}).get("exact") and key in ("target_only", "speculative"):
+                note = (note + " " if note else "") + "exact mode"
             if any(k.startswith("error_") for k in r):
                 note += " (" + ", ".join(k[6:] + " failed" for k in r if k.startswith("error_")) + ")"
             if r.get("imposed_acceptance"):

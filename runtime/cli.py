@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block; the block size + 1 alone: the whole block every round)")
+    b.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
     b.add_argument("--routing-locality", type=_positive, help="MoE targets with random weights: each sequence's "
                    "tokens choose among this many experts per layer (mimics a trained model's correlated "
                    "routing; outputs are labelled)")
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     msg.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
     g.add_argument("--max-new-tokens", type=_positive, default=256)
+    g.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
     s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block)")
+    s.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
     s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")
@@ -215,7 +218,7 @@ def _bench(args) -> int:
                       dtype=args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"), seed=args.seed,
                       phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
                       prefill_graph_tokens=args.prefill_graph_tokens, markov_walk=args.markov_walk,
-                      verify_widths=args.verify_widths, routing_locality=args.routing_locality)
+                      verify_widths=args.verify_widths, routing_locality=args.routing_locality, exact=args.exact)
     report = run_bench(cfg)
     print(table(report))
     if args.json:
@@ -268,7 +271,7 @@ def _generate(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     engine = Engine.from_pretrained(args.target, args.draft, dtype=dtype, device=device, max_batch=1,
-                                    max_seq_len=args.max_seq_len, chat=not args.raw)
+                                    max_seq_len=args.max_seq_len, chat=not args.raw, exact=args.exact)
     if args.messages:
         with open(args.messages) as f:
             prompt = json.load(f)
@@ -315,7 +318,7 @@ def _serve(args) -> int:
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
               batch_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget,
-              verify_widths=args.verify_widths)
+              verify_widths=args.verify_widths, exact=args.exact)
     if args.imposed_acceptance is not None:
         kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     if args.target:
@@ -342,7 +345,7 @@ def _serve_replicas(args) -> int:
         raise SystemExit(f"lfmspark serve: error: {e.name} is missing: install the Ray extra with "
                          "pip install 'lfmspark[ray]'") from None
     engine_kw = dict(max_batch=args.max_batch, max_seq_len=args.max_seq_len, batch_sizes=args.cuda_graph_sizes,
-                     prefill_budget=args.prefill_budget, verify_widths=args.verify_widths)
+                     prefill_budget=args.prefill_budget, verify_widths=args.verify_widths, exact=args.exact)
     if args.imposed_acceptance is not None:
         engine_kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     config = {"engine": engine_kw, "device": args.device, "dtype": args.dtype}

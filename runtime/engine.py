@@ -40,7 +40,7 @@ from ..models.lfm2_moe import impose_routing_locality, routing_locality
 from ..models.loading import load_draft, load_target
 from ..models.config import DraftConfig, read_json_object
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
-from ..ops.routing import WALKS
+from ..ops.routing import WALKS, exact_scope
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .detokenize import TextStream
 from .logprobs import LOGPROBS_MODES, LogprobTensors, TokenLogprobs, token_logprobs
@@ -100,6 +100,13 @@ class Engine:
     1 (no draft: target-only speed) and the whole block; widths between may be added;
     ``[block_size + 1]`` verifies the whole block every round.
 
+    ``exact``: exact mode (ops/routing.py): every target computation of a token gets the same bits
+    whatever the batch it shares, the batch size it is padded to and its place in a decode step, a
+    verify window or a prefill chunk, so greedy speculative output equals greedy target-only output
+    token for token on the GPU too, and seeded sampling likewise. It holds where the kernels run (CUDA,
+    or Triton's interpreter with ``LFMSPARK_TRITON_ON_CPU=1``); the CPU references in fp32 already
+    give the speculative == target-only equality. Slower than the default mode (docs/benchmarks.md).
+
     ``routing_locality`` (MoE targets, benchmarks on random weights): each slot's tokens choose among
     this many experts per MoE layer (models/lfm2_moe.py ``impose_routing_locality``), which mimics a
     trained model's correlated routing; like ``imposed_acceptance`` it changes what the engine
@@ -114,7 +121,7 @@ class Engine:
                  prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
                  sampling_defaults: dict | None = None, logprobs_mode: str = "raw",
                  verify_widths: Sequence[int] | None = None, prefix_cache_tokens: int | None = None,
-                 prefix_block: int = DEFAULT_BLOCK, routing_locality: int | None = None):
+                 prefix_block: int = DEFAULT_BLOCK, routing_locality: int | None = None, exact: bool = False):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -150,6 +157,9 @@ class Engine:
         if max_seq_len < self.verify_width + 2:
             raise ValueError(f"max_seq_len {max_seq_len} leaves no room for a verify window of {self.verify_width}")
 
+        if not isinstance(exact, bool):
+            raise ValueError(f"exact must be True or False, got {exact!r}")
+        self.exact = exact
         if routing_locality is not None:
             if isinstance(routing_locality, bool) or not isinstance(routing_locality, int):
                 raise ValueError(f"routing_locality must be an integer number of experts, got {routing_locality!r}")
@@ -361,14 +371,15 @@ class Engine:
             modes = tuple(SamplingMode) if sampling else (SamplingMode.GREEDY,)
         else:
             modes = tuple(sampling)
-        t0 = time.perf_counter()
-        self._warm_prefill(modes)
-        prefill_entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
-                                                     capture_stream=getattr(self.runner, "capture_stream", None))
-        prefill_s = time.perf_counter() - t0
-        if progress:
-            log.info("prefill warm-up %.2fs (%d bucket graphs)", prefill_s, len(self.prefill_runner.captured))
-        report = self.runner.warmup([self.step_kind], progress=progress, modes=modes)
+        with exact_scope(self.exact):
+            t0 = time.perf_counter()
+            self._warm_prefill(modes)
+            prefill_entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
+                                                         capture_stream=getattr(self.runner, "capture_stream", None))
+            prefill_s = time.perf_counter() - t0
+            if progress:
+                log.info("prefill warm-up %.2fs (%d bucket graphs)", prefill_s, len(self.prefill_runner.captured))
+            report = self.runner.warmup([self.step_kind], progress=progress, modes=modes)
         report.entries += prefill_entries
         report.prefill_s = prefill_s
         return report
@@ -512,7 +523,7 @@ class Engine:
         round's to the rows in it, a text decode's or an event consumer's to its request; each ends
         with ``finish_reason="error"`` and the engine goes on. A device-level failure (a CUDA error)
         fails every request and raises :class:`EngineDeadError`, as does every later step."""
-        with self._lock:
+        with self._lock, exact_scope(self.exact):
             return self._step()
 
     @property

@@ -7,6 +7,7 @@
 #   OLD_TREE=".devrun/a .devrun/b" STEPS=sampling_old bash scripts/device_run.sh   # the probe on two carried trees
 #   WARMUP_OLD_TREE=.devrun/old STEPS=warmup bash scripts/device_run.sh  # warm-up cold/warm at every size, TPOT vs an old tree
 #   STEPS=multiturn bash scripts/device_run.sh     # multi-turn chat TTFT with the prefix cache on and off
+#   STEPS=exact bash scripts/device_run.sh         # exact mode: identity tests, identity rates and cost
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -156,6 +157,16 @@ for step in $STEPS; do
           --tpot-sizes ${SPEC_SIZES:-1,8,32,64,128} --json $RUN/specrows_$name.json > $RUN/specrows_$name.log 2>&1 \
           || tail -5 $RUN/specrows_$name.log
         grep -E "^(speculative|target-only)" $RUN/specrows_$name.log
+        tar czf $OUT/results.tgz -C $OUT run
+      done ;;
+    exact)   # issue 39: exact mode's GPU identity tests, then its identity rates and cost against the default
+             # mode per preset (scripts/exact_probe.py; EXACT_PROMPTS, EXACT_PRESETS)
+      LFMSPARK_EXACT_PROMPTS=${EXACT_PROMPTS:-200} timeout ${T_EXACT_TESTS:-300} python3 -m pytest -q -p no:cacheprovider \
+        -rfs --tb=short -p no:logging tests/test_exact_mode_gpu.py 2>&1 | tee $RUN/exact_tests.log | tail -8
+      for preset in ${EXACT_PRESETS:-lfm2.5-1.2b lfm2-8b-a1b}; do
+        timeout ${T_EXACT:-300} python3 scripts/exact_probe.py --preset $preset --prompts ${EXACT_PROMPTS:-200} \
+          --json $RUN/exact_$preset.json > $RUN/exact_$preset.log 2>&1 || tail -5 $RUN/exact_$preset.log
+        grep -E "^(default|exact) " $RUN/exact_$preset.log
         tar czf $OUT/results.tgz -C $OUT run
       done ;;
     multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off

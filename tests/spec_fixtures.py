@@ -22,27 +22,29 @@ from lfmspark.models.presets import random_draft, random_target
 V = 64
 
 
-def tiny_target_config(moe: bool = False, vocab: int = V) -> TargetConfig:
+def tiny_target_config(moe: bool = False, vocab: int = V, head_dim: int = 8) -> TargetConfig:
     types = (CONV, ATTENTION, CONV, CONV, ATTENTION)
     extra = dict(num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24) if moe else {}
     return TargetConfig(model_type="lfm2_moe" if moe else "lfm2", vocab_size=vocab, hidden_size=32,
-                        num_hidden_layers=len(types), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        num_hidden_layers=len(types), num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                         layer_types=types, intermediate_size=48, tie_word_embeddings=False, eos_token_ids=(),
                         rope_theta=10_000.0, **extra)
 
 
-def tiny_draft_config(block: int = 4, vocab: int = V, rank: int = V, taps: tuple[int, ...] = (0, 2, 3)) -> DraftConfig:
+def tiny_draft_config(block: int = 4, vocab: int = V, rank: int = V, taps: tuple[int, ...] = (0, 2, 3),
+                      head_dim: int = 8) -> DraftConfig:
     return DraftConfig(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, block_size=block, target_layer_ids=taps,
+                       num_key_value_heads=2, head_dim=head_dim, block_size=block, target_layer_ids=taps,
                        mask_token_id=vocab - 1, vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10_000.0,
                        rope_is_neox_style=False, markov_rank=rank, markov_head_type="vanilla",
                        enable_confidence_head=True, confidence_head_with_markov=True)
 
 
 @torch.no_grad()
-def random_tiny_target(moe: bool = False, seed: int = 0, vocab: int = V):
-    """A random target whose outputs depend on the whole context (weights large enough to matter)."""
-    cfg = tiny_target_config(moe, vocab)
+def random_tiny_target(moe: bool = False, seed: int = 0, vocab: int = V, head_dim: int = 8):
+    """A random target whose outputs depend on the whole context (weights large enough to matter);
+    ``head_dim`` 16 or more for the attention kernels (the CPU references take any)."""
+    cfg = tiny_target_config(moe, vocab, head_dim)
     model = random_target(cfg, torch.float32, "cpu", seed)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -58,9 +60,9 @@ def random_tiny_target(moe: bool = False, seed: int = 0, vocab: int = V):
 
 
 @torch.no_grad()
-def bigram_target(perm: torch.Tensor, leak: float = 0.0, moe: bool = False, seed: int = 0):
+def bigram_target(perm: torch.Tensor, leak: float = 0.0, moe: bool = False, seed: int = 0, head_dim: int = 8):
     """A target whose greedy choice is ``perm[token]`` (exactly when ``leak == 0``)."""
-    model = random_tiny_target(moe, seed, vocab=len(perm))
+    model = random_tiny_target(moe, seed, vocab=len(perm), head_dim=head_dim)
     for name, p in model.named_parameters():
         if name.endswith(("out_proj.weight", "w2.weight", "experts.w2")):
             p.mul_(leak)
@@ -73,10 +75,10 @@ def bigram_target(perm: torch.Tensor, leak: float = 0.0, moe: bool = False, seed
 
 
 @torch.no_grad()
-def oracle_draft(perm: torch.Tensor, block: int = 4, seed: int = 1):
+def oracle_draft(perm: torch.Tensor, block: int = 4, seed: int = 1, head_dim: int = 8):
     """A draft proposing ``perm[prev]`` at every slot (base logits zero, Markov bias one-hot)."""
     vocab = len(perm)
-    cfg = tiny_draft_config(block, vocab, rank=vocab)
+    cfg = tiny_draft_config(block, vocab, rank=vocab, head_dim=head_dim)
     draft = random_draft(cfg, 32, torch.float32, "cpu", seed)
     draft.norm.weight.zero_()                                   # base logits = LM head(0) = 0
     draft.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
@@ -87,8 +89,9 @@ def oracle_draft(perm: torch.Tensor, block: int = 4, seed: int = 1):
 
 
 @torch.no_grad()
-def random_tiny_draft(block: int = 4, seed: int = 1, vocab: int = V, taps: tuple[int, ...] = (0, 2, 3)):
-    cfg = tiny_draft_config(block, vocab, rank=8, taps=taps)
+def random_tiny_draft(block: int = 4, seed: int = 1, vocab: int = V, taps: tuple[int, ...] = (0, 2, 3),
+                      head_dim: int = 8):
+    cfg = tiny_draft_config(block, vocab, rank=8, taps=taps, head_dim=head_dim)
     draft = random_draft(cfg, 32, torch.float32, "cpu", seed)
     gen = torch.Generator().manual_seed(seed)
     for name, p in draft.named_parameters():

@@ -1,0 +1,61 @@
+"""Exact mode (``Engine(exact=True)``, ops/routing.py): in bf16, with the kernels running (Triton's
+interpreter here, ``LFMSPARK_TRITON_ON_CPU=1``), greedy speculative output equals greedy target-only
+output token for token with drafts that are accepted often and rarely, and a request's tokens and
+log-probabilities do not depend on the batch it shares. The per-kernel guarantees behind it are
+tested with each op (tests/ops/test_exact_linear.py, test_exact_norm.py, test_cache_attention.py,
+test_moe.py); tests/test_exact_mode_gpu.py holds the GPU runs the issue asks for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lfmspark.runtime import Engine, SamplingParams
+from spec_fixtures import bigram_target, oracle_draft, permutation, random_tiny_draft, random_tiny_target
+from env_vars import interpret_triton
+
+PROMPTS = [[3, 9, 27], [5, 17, 2, 8]]
+HD = 16   # the attention kernels' smallest head size
+
+
+def bf16(model):
+    return model.to(torch.bfloat16)
+
+
+def models(kind: str, moe: bool):
+    if kind == "often":      # a context-dependent bigram target and the draft that guesses its bigrams
+        perm = permutation(4)
+        return bf16(bigram_target(perm, leak=0.5, moe=moe, head_dim=HD)), bf16(oracle_draft(perm, head_dim=HD))
+    return bf16(random_tiny_target(moe=moe, seed=2, head_dim=HD)), bf16(random_tiny_draft(seed=3, head_dim=HD))
+
+
+def generate(target, draft, prompts, exact=True, **params):
+    engine = Engine(target, draft, max_batch=4, max_seq_len=96, exact=exact)
+    return engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, **params))
+
+
+@pytest.mark.parametrize("moe, kind", [(False, "often"), (True, "rarely")], ids=["dense-often", "moe-rarely"])
+def test_exact_speculation_equals_target_only_in_bf16(monkeypatch, moe: bool, kind: str):
+    """(Slow: every kernel runs under Triton's interpreter, so a few tokens of two prompts; the GPU
+    test, tests/test_exact_mode_gpu.py, runs hundreds of prompts.)"""
+    interpret_triton(monkeypatch)
+    target, draft = models(kind, moe)
+    spec = generate(target, draft, PROMPTS)
+    plain = generate(target, None, PROMPTS)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    accepted = sum(sum(n - 1 for n in o.stats.accept_lengths) for o in spec)
+    assert accepted > 0 if kind == "often" else True    # the often-accepted draft did draft tokens that stood
+
+
+def test_exact_output_does_not_depend_on_the_batch(monkeypatch):
+    interpret_triton(monkeypatch)
+    target, draft = models("rarely", moe=False)
+    alone = generate(target, draft, PROMPTS[:1], logprobs=0)[0]
+    batched = generate(target, draft, PROMPTS, logprobs=0)[0]
+    assert batched.token_ids == alone.token_ids
+    assert [t.logprob for t in batched.logprobs] == [t.logprob for t in alone.logprobs]
+
+
+def test_exact_must_be_a_bool():
+    with pytest.raises(ValueError, match="exact must be True or False"):
+        Engine(random_tiny_target(), None, max_batch=1, max_seq_len=64, exact="yes")
