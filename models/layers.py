@@ -41,8 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, side_stream: bool = False) -> 
     (ops/routing.py ``skinny_product``), else ``F.linear`` (cuBLAS). ``side_stream``: the product
     runs on a stream beside the main one (its own split-K counters: ops/linear/skinny_linear.py).
     In exact mode (ops/routing.py) ``lfmspark::exact_linear``, whatever the rows."""
-    if exact_mode() and x.dtype == weight.dtype:
-        out = lfm.exact_linear(x.reshape(rows_of(x), x.shape[-1]), weight)
+    if exact_mode():
+        out = lfm.exact_linear(x.reshape(rows_of(x), x.shape[-1]), weight)   # refuses mixed dtypes
         return out.view(*x.shape[:-1], weight.shape[0])
     if skinny_product(x):
         rows = rows_of(x)
@@ -199,7 +199,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if exact_mode() and x.dtype == self.weight.dtype:    # ops/routing.py: the same bits in any launch
+        if exact_mode():    # ops/routing.py: the same bits in any launch
+            if x.dtype != self.weight.dtype:
+                raise ValueError(f"exact mode needs one dtype: RMSNorm input {x.dtype}, weight {self.weight.dtype}")
             return lfm.exact_rms_norm(x.reshape(rows_of(x), x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -20,12 +20,17 @@ does the walk op (ops/markov_walk). The thresholds follow the kernels' tiles:
   lanes fit 16, else the sequential walk in one persistent launch for 2-16 rows, else one launch per
   slot; the walks in one launch need every SM resident (no MPS thread limit) and a rank of at most 256.
 
-**Exact mode** (``Engine(exact=True)``, issue 39): inside :func:`exact_scope` every product runs
-``lfmspark::exact_linear``, every norm ``lfmspark::exact_rms_norm``, attention the two-launch path
-with ``cache_attention``'s exact plan and the MoE experts their exact tiles: kernels whose per-row
-arithmetic does not depend on the rows sharing the launch, so a token's target logits are the same
-bits in a decode step, a verify window or a prefill chunk, alone or batched. None of the routes
-above is taken there. The scope is process-wide while it lasts (the engine enters it around its
+**Exact mode** (``Engine(exact=True)``, issue 39): inside :func:`exact_scope` every product of the
+target runs ``lfmspark::exact_linear``, every norm ``lfmspark::exact_rms_norm``, attention the
+two-launch path with ``cache_attention``'s exact plan and the MoE experts their exact tiles:
+kernels whose per-row arithmetic does not depend on the rows sharing the launch, so a token's
+target logits are the same bits in a decode step and in a verify window, alone or batched (greedy
+speculative output == target-only output; a request's output independent of its batch). None of
+the routes above is taken there. Not covered: the same token computed by a prefill chunk (eager
+pointwise ops there, compiled ones in the steps) and the sampling transforms (Inductor reductions);
+the attention's key slices follow the cache length, so compare engines of one ``max_seq_len``.
+The draft keeps the default routes (``runtime/steps.py`` leaves the scope around it): its numerics
+never reach the output. The scope is process-wide while it lasts (the engine enters it around its
 steps and warm-up; compiled regions are traced, and guarded, under it): engines of both modes may
 live in one process, but should not step concurrently from different threads.
 

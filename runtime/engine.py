@@ -100,12 +100,13 @@ class Engine:
     1 (no draft: target-only speed) and the whole block; widths between may be added;
     ``[block_size + 1]`` verifies the whole block every round.
 
-    ``exact``: exact mode (ops/routing.py): every target computation of a token gets the same bits
-    whatever the batch it shares, the batch size it is padded to and its place in a decode step, a
-    verify window or a prefill chunk, so greedy speculative output equals greedy target-only output
-    token for token on the GPU too, and seeded sampling likewise. It holds where the kernels run (CUDA,
-    or Triton's interpreter with ``LFMSPARK_TRITON_ON_CPU=1``); the CPU references in fp32 already
-    give the speculative == target-only equality. Slower than the default mode (docs/benchmarks.md).
+    ``exact``: exact mode (ops/routing.py): the target's per-token results are the same bits whatever
+    the batch a token shares, the batch size it is padded to and its place in a decode step or a
+    verify window, so greedy speculative output equals greedy target-only output token for token on
+    the GPU too, and a request's output does not depend on its batch (what ops/routing.py lists is
+    not covered). It holds where the kernels run (CUDA, or Triton's interpreter with
+    ``LFMSPARK_TRITON_ON_CPU=1``); the CPU references in fp32 already give the speculative ==
+    target-only equality. Needs a model in one dtype. Slower than the default mode.
 
     ``routing_locality`` (MoE targets, benchmarks on random weights): each slot's tokens choose among
     this many experts per MoE layer (models/lfm2_moe.py ``impose_routing_locality``), which mimics a

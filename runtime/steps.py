@@ -41,6 +41,7 @@ from ..models.dspark import DSparkDraft, greedy_pick
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
+from ..ops.routing import exact_scope
 from .distributions import Filtered, SamplingMode
 from .randomness import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, draw_key, sample, uniform
 from .sampling import RowSampling, block_history
@@ -171,7 +172,8 @@ class Steps:
         out = self.target(ids, self.tcache, slots, start, lens, ForwardMode.PREFILL, aux_layer_ids=self.taps,
                           logits_index=None if every_position else (lens - 1).clamp(min=0))
         if self.draft is not None:
-            self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
+            with exact_scope(False):     # the draft runs the default routes in exact mode too (ops/routing.py)
+                self.draft.inject_context(out.aux, self.dcache, slots, start, lens)
         return out.logits
 
     @torch.no_grad()
@@ -257,10 +259,11 @@ class Steps:
             return Drafted(None, None)
         draft, cache = self.draft, self.dcache
         caches = draft.layer_caches(cache)
-        x, delta, s, lens = self.draft_head(inp.slots, caches[0])
-        x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens, self.later_draft_layers,
-                                    first=1)
-        return self.finish_draft(inp, x, delta)
+        with exact_scope(False):         # the draft: default routes (ops/routing.py)
+            x, delta, s, lens = self.draft_head(inp.slots, caches[0])
+            x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens,
+                                        self.later_draft_layers, first=1)
+            return self.finish_draft(inp, x, delta)
 
     @region(draft=True)
     def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
@@ -372,10 +375,11 @@ class Steps:
         the main stream's in shared memory: ops/linear/skinny_linear.py)."""
         side = self.side_stream
         if side is None:
-            self.round_inject(aux, rows, side_stream=False)
+            with exact_scope(False):     # the draft: default routes (ops/routing.py)
+                self.round_inject(aux, rows, side_stream=False)
             return
         side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), exact_scope(False):
             self.round_inject(aux, rows, side_stream=True)
         self._injection_pending = True
 

@@ -59,3 +59,22 @@ def test_exact_output_does_not_depend_on_the_batch(monkeypatch):
 def test_exact_must_be_a_bool():
     with pytest.raises(ValueError, match="exact must be True or False"):
         Engine(random_tiny_target(), None, max_batch=1, max_seq_len=64, exact="yes")
+
+
+def test_exact_mode_compiles_and_matches_its_eager_run():
+    """The compiled regions traced in exact mode (fp32 CPU: the ops' references) give the eager tokens."""
+    target, draft = random_tiny_target(seed=2, head_dim=HD), random_tiny_draft(seed=3, head_dim=HD)
+    outs = []
+    for compile in (False, True):
+        engine = Engine(target, draft, max_batch=2, max_seq_len=64, exact=True, compile=compile)
+        outs.append([o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))])
+    assert outs[0] == outs[1]
+
+
+def test_exact_mode_refuses_a_model_in_two_dtypes():
+    from lfmspark.models.layers import RMSNorm
+    from lfmspark.ops.routing import exact_scope
+
+    norm = RMSNorm(16, 1e-6)                       # fp32 weight
+    with exact_scope(True), pytest.raises(ValueError, match="exact mode needs one dtype"):
+        norm(torch.ones(2, 16, dtype=torch.bfloat16))

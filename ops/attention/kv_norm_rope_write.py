@@ -371,7 +371,7 @@ def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor
     w = torch.cat([q_norm_weight.expand(n_q, hd), k_norm_weight.expand(n_kv, hd)])
     qk = _norm_rope(x[:, :, :n_q + n_kv], w, cos[:, :, None], sin[:, :, None], eps, is_neox)
     _write_window(qk[:, :, None, n_q:], x[:, :, None, n_q + n_kv:], k_cache, v_cache, layer, slots, start, lens)
-    return qk[:, :, :n_q].to(qkv.dtype)
+    return qk[:, :, :n_q].to(qkv.dtype).contiguous()   # fp32: .to is a view; the op's fake is contiguous
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def _exact_partial_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)     # offsets past 2^31 elements (long prompts x vocab)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -79,12 +80,12 @@ def _exact_partial_kernel(
     for i in range(steps):
         k = k0 + i * BLOCK_K + ks
         k_ok = k < K
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    offs = pid_s * stride_ws + rows[:, None] * stride_wsm + cols[None, :]
+    offs = pid_s.to(tl.int64) * stride_ws + rows64[:, None] * stride_wsm + cols64[None, :]
     tl.store(ws_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -96,7 +97,7 @@ def _exact_reduce_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(splits):          # in split order, whatever M
