@@ -3,7 +3,7 @@
     python scripts/exact_probe.py --preset lfm2.5-1.2b --prompts 200 --tokens 256 --json out.json
 
 Identity: greedy speculative vs greedy target-only output (the preset's random-weight draft, nothing
-imposed) for ``--prompts`` prompts in batches of 32, in each mode: the share of prompts whose outputs
+imposed, the whole block verified every round) for ``--prompts`` prompts in batches of 32, in each mode: the share of prompts whose outputs
 are identical and of tokens before the first difference. Cost: TPOT p50 (two batches of 128-token
 prompts and ``--tokens`` new tokens) of target-only and speculative engines (imposed acceptance 0.8,
 labelled, so its tokens are not the identity run's) at batch 1 and 8, in each mode, and the
@@ -64,12 +64,15 @@ def main() -> None:
         mode = "exact" if exact else "default"
         outs = {}
         for kind, draft in (("speculative", "default"), ("target-only", None)):
-            engine = Engine.from_preset(args.preset, draft, exact=exact, **kw)
+            # the whole block every round: a rarely accepted draft would otherwise fall back to width 1
+            widths = [gamma + 1] if draft else None
+            engine = Engine.from_preset(args.preset, draft, exact=exact, verify_widths=widths, **kw)
             engine.warmup(progress=False, sampling=False)
             outs[kind] = outputs(engine, prompts(args.prompts, engine.config.vocab_size), args.tokens)
             if draft is not None:     # the cost of a round: imposed acceptance 0.8 (labelled), its own engine
                 del engine
-                engine = Engine.from_preset(args.preset, draft, exact=exact, imposed_acceptance=[0.8] * gamma, **kw)
+                engine = Engine.from_preset(args.preset, draft, exact=exact, imposed_acceptance=[0.8] * gamma,
+                                            verify_widths=widths, **kw)
                 engine.warmup(progress=False, sampling=False)
             result.setdefault(mode, {})[f"tpot_ms_{kind}"] = {b: round(tpot_ms(engine, b, args.tokens), 4)
                                                              for b in (1, 8)}

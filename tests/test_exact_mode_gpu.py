@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from lfmspark.models.presets import DEFAULT_DRAFT, draft_preset
 from lfmspark.runtime import Engine, SamplingParams
 from spec_fixtures import bigram_target, oracle_draft, permutation
 
@@ -44,7 +45,10 @@ def in_batches(engine: Engine, all_prompts: list[list[int]], size: int, n: int) 
 @pytest.mark.parametrize("preset", ["lfm2.5-1.2b", "lfm2-8b-a1b"])
 def test_exact_speculation_equals_target_only_on_the_presets(preset: str):
     kw = dict(max_batch=32, max_seq_len=N_TOKENS + 128, batch_sizes=[1, 8, 32], exact=True)
-    spec = Engine.from_preset(preset, **kw)
+    gamma = draft_preset(DEFAULT_DRAFT[preset]).block_size
+    # every round verifies the whole block (the scheduler would fall back to width 1 for a draft
+    # that is rarely accepted, and the windows are what is tested)
+    spec = Engine.from_preset(preset, verify_widths=[gamma + 1], **kw)
     spec.warmup(progress=False, sampling=False)
     batch = prompts(N_PROMPTS, spec.config.vocab_size)
     out_spec = in_batches(spec, batch, 32, N_TOKENS)
@@ -66,7 +70,9 @@ def test_exact_speculation_with_an_often_accepted_draft(moe: bool):
     batch = prompts(64, 512, seed=1)
     outs = {}
     for name, d in (("spec", draft), ("plain", None)):
-        engine = Engine(target, d, max_batch=32, max_seq_len=256, batch_sizes=[1, 8, 32], exact=True)
+        widths = None if d is None else [d.config.block_size + 1]
+        engine = Engine(target, d, max_batch=32, max_seq_len=256, batch_sizes=[1, 8, 32], exact=True,
+                        verify_widths=widths)
         engine.warmup(progress=False, sampling=False)
         outs[name] = engine.generate(batch, SamplingParams(max_new_tokens=128, ignore_eos=True))
     assert [o.token_ids for o in outs["spec"]] == [o.token_ids for o in outs["plain"]]
