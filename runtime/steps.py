@@ -60,6 +60,13 @@ def region(draft: bool = False) -> Callable[[F], F]:
     return mark
 
 
+def verify_mode(width: int) -> ForwardMode:
+    """The target's forward mode in a round of ``width`` columns: a round of width 1 verifies nothing,
+    so it runs as the target-only decode step does (the same kernels, so the same cost and bits, the
+    conv states updated in place, no tape to commit) and only adds the draft's context injection."""
+    return ForwardMode.DECODE if width == 1 else ForwardMode.VERIFY
+
+
 @dataclass
 class RoundInputs:
     """What the round's phases share. Each phase's regions read the rows' state (committed length
@@ -313,7 +320,7 @@ class Steps:
             if not injected and (taps := self.target.taps_ready(fwd)) is not None:
                 self.fork_injection(taps, fwd.rows)
                 injected = True
-            fwd = self.target.advance(fwd, [cache], ForwardMode.VERIFY, [layer])
+            fwd = self.target.advance(fwd, [cache], verify_mode(inp.width), [layer])
         return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows, injected)
 
     @region(draft=True)
@@ -324,7 +331,7 @@ class Steps:
         row = self.read_rows(slots)
         window = row.x0[:, None] if width == 1 else torch.cat([row.x0[:, None], d[:, :width - 1]], dim=1)
         fwd = self.target.begin(window, self.tcache.rope, slots, row.s, None, self.taps)
-        return self.target.advance(fwd, [first_cache], ForwardMode.VERIFY, self.target.model.layers[:1])
+        return self.target.advance(fwd, [first_cache], verify_mode(width), self.target.model.layers[:1])
 
     def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """The round's last phase: :meth:`round_accept_commit` beside the draft context injection
@@ -451,7 +458,8 @@ class Steps:
             final = sample(residual, draw_key(rows.seed, s + a + 1, STREAM_TOKEN))
 
         commit = a + 1
-        self.target.commit(self.tcache, inp.slots, commit)
+        if g:      # width 1 ran as a decode step: its conv states are already the committed ones
+            self.target.commit(self.tcache, inp.slots, commit)
         w = st.scatter_index(inp.slots)
         st.seq_len[w] = s + commit
         st.anchor[w] = final
