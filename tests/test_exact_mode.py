@@ -25,7 +25,7 @@ def bf16(model):
 def models(kind: str, moe: bool):
     if kind == "often":      # a context-dependent bigram target and the draft that guesses its bigrams
         perm = permutation(4)
-        return bf16(bigram_target(perm, leak=0.5, moe=moe, head_dim=HD)), bf16(oracle_draft(perm, head_dim=HD))
+        return bf16(bigram_target(perm, leak=0.2, moe=moe, head_dim=HD)), bf16(oracle_draft(perm, head_dim=HD))
     return bf16(random_tiny_target(moe=moe, seed=2, head_dim=HD)), bf16(random_tiny_draft(seed=3, head_dim=HD))
 
 
@@ -43,8 +43,8 @@ def test_exact_speculation_equals_target_only_in_bf16(monkeypatch, moe: bool, ki
     spec = generate(target, draft, PROMPTS)
     plain = generate(target, None, PROMPTS)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    accepted = sum(sum(n - 1 for n in o.stats.accept_lengths) for o in spec)
-    assert accepted > 0 if kind == "often" else True    # the often-accepted draft did draft tokens that stood
+    if kind == "often":                                  # the windows really held accepted drafts
+        assert sum(o.stats.tau for o in spec) / len(spec) > 2
 
 
 def test_exact_output_does_not_depend_on_the_batch(monkeypatch):
