@@ -59,6 +59,9 @@ def _int_from(minimum: int, what: str):
 
 _positive = _int_from(1, "positive")
 _non_negative = _int_from(0, "non-negative")
+_EXACT_HELP = ("exact mode (Engine(exact=True)): a token's target results are the same bits in a decode step or "
+               "a verify window, alone or batched, so greedy speculative output equals target-only output on "
+               "the GPU too (slower; see README)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     b.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block; the block size + 1 alone: the whole block every round)")
-    b.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
+    b.add_argument("--exact", action="store_true", help=_EXACT_HELP)
     b.add_argument("--routing-locality", type=_positive, help="MoE targets with random weights: each sequence's "
                    "tokens choose among this many experts per layer (mimics a trained model's correlated "
                    "routing; outputs are labelled)")
@@ -132,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     msg.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
     g.add_argument("--max-new-tokens", type=_positive, default=256)
-    g.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
+    g.add_argument("--exact", action="store_true", help=_EXACT_HELP)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -166,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
     s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block)")
-    s.add_argument("--exact", action="store_true", help="exact mode: each token's target computation gets the same bits in any batch, window or chunk, so speculative greedy output equals target-only output on the GPU too (slower; see README)")
+    s.add_argument("--exact", action="store_true", help=_EXACT_HELP)
     s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")

@@ -11,7 +11,9 @@ Design: one tile shape for every ``M`` (:data:`BLOCK_M` rows, ``tl.dot``'s minim
 ``BLOCK_K`` from :func:`exact_config`), and the K range cut into a number of splits fixed by the
 weight's shape ``(N, K)`` alone. Program ``(column tile, row tile, split)`` sums its split's K steps in
 order into an fp32 tile with ``tl.dot`` and writes it to an ``[splits, M, N]`` workspace; a second
-kernel sums each element's splits in order ``0 .. splits - 1`` and rounds once to ``x``'s dtype. An
+kernel sums each element's splits in order ``0 .. splits - 1`` and rounds once to ``x``'s dtype. A
+shape planned with one split (wide products such as the LM head) rounds its tile directly, in one
+launch. An
 output element therefore depends only on its own row of ``x``, its column of ``weight`` and the
 shape's fixed plan: a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows,
 or the last row of a prefill chunk get the same bits. The MMA instruction is chosen by the tile
@@ -59,10 +61,10 @@ def exact_config(N: int, K: int) -> ExactConfig:
 
 @triton.jit(do_not_specialize=["M"])
 def _exact_partial_kernel(
-    x_ptr, w_ptr, ws_ptr,
+    x_ptr, w_ptr, ws_ptr, out_ptr,
     M, N, K, steps,
-    stride_xm, stride_wn, stride_ws, stride_wsm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_wn, stride_ws, stride_wsm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: x may come from the predecessor
@@ -85,8 +87,12 @@ def _exact_partial_kernel(
         if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    offs = pid_s.to(tl.int64) * stride_ws + rows64[:, None] * stride_wsm + cols64[None, :]
-    tl.store(ws_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    if DIRECT:   # one split (a plan of the shape, whatever M): round once, no workspace pass
+        tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs = pid_s.to(tl.int64) * stride_ws + rows64[:, None] * stride_wsm + cols64[None, :]
+        tl.store(ws_ptr + offs, acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -126,15 +132,18 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or exact_config(N, K)
-    ws = torch.empty((cfg.splits, M, N), dtype=torch.float32, device=x.device)
+    direct = cfg.splits == 1
+    ws = out if direct else torch.empty((cfg.splits, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, BLOCK_M), cfg.splits)
     _exact_partial_kernel[grid](
-        x, weight, ws, M, N, K, cfg.steps, x.stride(0), weight.stride(0), ws.stride(0), ws.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, weight, ws, out, M, N, K, cfg.steps, x.stride(0), weight.stride(0), ws.stride(0), ws.stride(1),
+        out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
         UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
         num_warps=4, num_stages=3, **pdl_kwargs(x),
     )
+    if direct:
+        return out
     block = 1024
     _exact_reduce_kernel[(triton.cdiv(M * N, block),)](
         ws, out, M, N, cfg.splits, ws.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_kwargs(x),

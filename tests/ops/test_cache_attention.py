@@ -122,6 +122,7 @@ def test_opcheck_reference() -> None:
 def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     interpret_triton(monkeypatch)
     torch.library.opcheck(torch.ops.lfmspark.cache_attention, _op_args())
+    torch.library.opcheck(torch.ops.lfmspark.cache_attention, (*_op_args(), True))   # exact mode's plan
 
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,15 +14,7 @@ import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.linear.exact_linear import (ExactConfig, exact_config, exact_linear_reference,
                                               exact_linear_triton)
 from lfmspark.ops.linear.skinny_linear import skinny_linear_triton
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def _inputs(device: str, dtype: torch.dtype, M: int, N: int, K: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(device, dtype)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
-    return x, w
+from test_skinny_linear import TOL, _inputs
 
 
 def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -56,10 +48,12 @@ def test_the_plan_depends_on_the_shape_only_and_covers_k(N: int, K: int) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("N, K", [(96, 640), (96, 128)], ids=["two_splits", "one_split"])
+def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, N: int, K: int) -> None:
     """Each of 16 rows alone, and at every position of 2-, 10- and 16-row launches among other rows,
-    gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree)."""
-    N, K = 96, 640                                    # several splits (exact_config) and a column tail
+    gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree); with the
+    workspace and its reduce (two splits) and rounded in the product's own launch (one split)."""
+    assert (exact_config(N, K).splits > 1) == (K == 640)
     x, w = _inputs(triton_device, dtype, 16, N, K, seed=7)
     others, _ = _inputs(triton_device, dtype, 16, N, K, seed=8)
     alone = torch.cat([exact_linear_triton(x[r:r + 1], w) for r in range(16)])
