@@ -849,8 +849,10 @@ class Engine:
         width = self._choose_width(slots_np, mode)
         out = self.runner.run(self.step_kind, slots, mode, width)
         n = len(rows)
-        tokens_host, n_new_host, confidence_host = self._host_buffer()
-        tokens_host = tokens_host[:n, :out.tokens.shape[1]]
+        tokens_flat, n_new_host, confidence_host = self._host_buffer()
+        # a contiguous [n, W] view: a copy into a strided slice of a wider buffer is not an async memcpy
+        # (torch stages it through pageable memory and waits for the round, stalling the pipeline)
+        tokens_host = tokens_flat[:n * out.tokens.shape[1]].view(n, out.tokens.shape[1])
         n_new_host = n_new_host[:n]
         tokens_host.copy_(out.tokens[:n], non_blocking=True)
         n_new_host.copy_(out.n_new[:n], non_blocking=True)
@@ -890,12 +892,12 @@ class Engine:
         return lp.to_host(), {i: j for j, i in enumerate(want)}
 
     def _host_buffer(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Two alternating sets of host buffers (tokens, committed counts, confidences): one is being
-        filled by the launched round while the other is read."""
+        """Two alternating sets of host buffers (tokens, flat, for a round of any width; committed
+        counts; confidences): one is being filled by the launched round while the other is read."""
         if not self._host_buffers:
             pin = self.device.type == "cuda"
             self._host_buffers = [
-                (torch.zeros(self.max_batch, self.verify_width, dtype=torch.int64, pin_memory=pin),
+                (torch.zeros(self.max_batch * self.verify_width, dtype=torch.int64, pin_memory=pin),
                  torch.zeros(self.max_batch, dtype=torch.int64, pin_memory=pin),
                  torch.zeros(self.max_batch, self.block_size, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
         self._flip ^= 1

@@ -231,6 +231,30 @@ def test_scheduled_greedy_rounds_equal_target_only_with_mixed_caps(mode, moe):
     assert sum(o.stats.draft_tokens_accepted for o in out) > 0        # drafts were accepted along the way
 
 
+def test_every_round_width_copies_its_tokens_into_a_contiguous_host_buffer():
+    """A round's tokens go to the host as an async copy only into a contiguous buffer: a narrower
+    round's [n, W] view of the widest round's buffer must not be a strided slice (on CUDA a strided
+    destination makes torch stage the copy and wait for the round it just launched: measured, the
+    width-1 rounds at batch 128 took 2.4 ms per token against 1.55 ms for target-only steps)."""
+    target, draft = partial_agreement_pair()
+    engine = Engine(target, draft, max_batch=4, max_seq_len=96, verify_widths=[1, 3, 5])
+    set_costs(engine, lambda b, w: {1: 1.0, 3: 1.0 + (0 if b <= 2 else 9), 5: 1.0 + (0 if b <= 1 else 9)}[w])
+    seen = {}
+    launch = engine._launch
+
+    def recording():
+        inflight = launch()
+        if inflight is not None:
+            seen[inflight.tokens.shape[1]] = seen.get(inflight.tokens.shape[1], True) and inflight.tokens.is_contiguous()
+        return inflight
+
+    engine._launch = recording
+    engine.generate([[3 + i, 17, 9] for i in range(4)],
+                    [SamplingParams(max_new_tokens=6 + 6 * i, ignore_eos=True) for i in range(4)])
+    assert set(engine.speculation_stats["rounds_by_width"]) == {1, 3, 5}
+    assert len(seen) >= 2 and all(seen.values()), seen
+
+
 def test_a_request_without_speculation_shares_rounds_and_accepts_no_draft():
     target, draft = partial_agreement_pair()
     params = [SamplingParams(max_new_tokens=16, ignore_eos=True),
