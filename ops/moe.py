@@ -55,7 +55,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import moe_decode
 from ._dispatch import pdl_kwargs, use_triton
 
 
@@ -395,8 +394,6 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if k == 0:
         return out.zero_()
     P = N * k
-    if not exact and config is None and P <= moe_decode.max_pairs():
-        return moe_decode.moe_decode_triton(x, topk_ids, topk_weights, w13, w2)
     cfg = config or (exact_config(E, x.element_size()) if exact else default_config(P, E, x.element_size()))
     bm = cfg.block_m
     slot_pair, block_expert, block_rows = moe_plan(topk_ids, E, bm, cfg.plan_chunk)

@@ -173,8 +173,6 @@ for step in $STEPS; do
              # speculative held at LOOP_WIDTHS, at LOOP_BATCH (scripts/loop_probe.py)
       timeout ${T_LOOP:-240} python3 scripts/loop_probe.py --preset ${LOOP_PRESET:-lfm2.5-1.2b} --batch ${LOOP_BATCH:-128} \
         --widths ${LOOP_WIDTHS:-1} --json $RUN/loop.json 2>&1 | tee $RUN/loop.log | grep -v "^USDT" | tail -32 ;;
-    moedecode)  # issue 38: the MoE decode path (two launches) against the planned grouped kernel, per batch size
-      timeout ${T_MOEDECODE:-120} python3 benchmarks/kernels/moe.py --decode 2>&1 | tee $RUN/moe_decode.log | tail -30 ;;
     multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off
       timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${MULTITURN_ARGS:-} > $RUN/multiturn.log 2>&1 \
         || tail -15 $RUN/multiturn.log

@@ -10,8 +10,6 @@ model's MoE layers do), so no layer finds its experts in L2; the reported time i
     python benchmarks/kernels/moe.py            # the report table
     python benchmarks/kernels/moe.py --sweep    # time candidate tile configs per N (tuning aid)
     python benchmarks/kernels/moe.py --profile  # device time of each of the op's kernels
-    python benchmarks/kernels/moe.py --decode   # the two-launch decode path (ops/moe_decode.py) vs the
-                                                # general path at 1-4 tokens, with its tile candidates
 
 Seen on the H200 (triton 3.6, graph replay, per layer): N=1 34 us (88 MB, 2.6 TB/s), N=10 151 us
 (573 MB, 3.8 TB/s), N=40 184 us, N=160 196 us (706 MB, 3.6 TB/s), N=10 on 4 experts 39 us; the
@@ -30,7 +28,6 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.moe import MoeConfig, default_config, moe_config, moe_experts_reference, moe_experts_triton
-from lfmspark.ops.moe_decode import DecodeConfig, moe_decode_triton
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -93,26 +90,6 @@ def run(copy_gbps: float) -> list[dict]:
             rows.append(row("moe_experts", shape, ms, n_bytes, copy_gbps, experts=distinct, graph=False))
             ms = _per_layer_ms(moe_experts_reference, layers, x, ids, w, use_graph=False)
             rows.append(row("moe_experts_reference", shape, ms, n_bytes, copy_gbps, experts=distinct, graph=False))
-    return rows
-
-
-def decode(copy_gbps: float) -> list[dict]:
-    """The decode path against the general path (its own config forced, whatever ``LFMSPARK_TUNE``'s
-    ``moe_decode.max_pairs``) at 1-4 tokens of random routing, and the decode path's tile candidates."""
-    layers = _weights(LAYERS)
-    rows = []
-    for N in (1, 2, 4):
-        x, ids, w = _tokens(N, "random", seed=N)
-        n_bytes, distinct = _bytes(x, ids, w)
-        general = default_config(N * K, E, DTYPE.itemsize)
-        op = lambda *a, cfg=general: moe_experts_triton(*a, config=cfg)  # noqa: E731
-        rows.append(row("moe_experts (general)", f"N={N}", _per_layer_ms(op, layers, x, ids, w), n_bytes,
-                        copy_gbps, experts=distinct))
-        for bn1, bn2, bk, nw in itertools.product([8, 16, 32], [16, 32], [128, 256, 512], [4, 8]):
-            cfg = DecodeConfig(block_n1=bn1, block_n2=bn2, block_k=bk, num_warps=nw)
-            op = lambda *a, cfg=cfg: moe_decode_triton(*a, config=cfg)  # noqa: E731
-            rows.append(row("moe_decode", f"N={N} {cfg}", _per_layer_ms(op, layers, x, ids, w), n_bytes, copy_gbps,
-                            experts=distinct))
     return rows
 
 
@@ -184,7 +161,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs instead")
     parser.add_argument("--profile", action="store_true", help="device time of each kernel instead")
-    parser.add_argument("--decode", action="store_true", help="the decode path vs the general path instead")
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 10, 40, 160, 2048, 8192])
     parser.add_argument("--budget", type=float, default=420.0, help="seconds the sweep may take")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -193,8 +169,7 @@ if __name__ == "__main__":
         print(tabulate(profile(args.sizes), headers="keys"))
         raise SystemExit
     copy_gbps = copy_bandwidth_gbps()
-    rows = (sweep(copy_gbps, args.sizes, args.budget) if args.sweep else decode(copy_gbps) if args.decode
-            else run(copy_gbps))
+    rows = sweep(copy_gbps, args.sizes, args.budget) if args.sweep else run(copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy_gbps, "rows": rows}, f, indent=1)
