@@ -8,6 +8,8 @@
 #   WARMUP_OLD_TREE=.devrun/old STEPS=warmup bash scripts/device_run.sh  # warm-up cold/warm at every size, TPOT vs an old tree
 #   STEPS=multiturn bash scripts/device_run.sh     # multi-turn chat TTFT with the prefix cache on and off
 #   STEPS=exact bash scripts/device_run.sh         # exact mode: identity tests, identity rates and cost
+#   STEPS=serveray bash scripts/device_run.sh      # serve vs one Ray Serve replica (carry .whl_ray: scripts/ray_carry.sh)
+#   STEPS=loop bash scripts/device_run.sh          # a step's host launch / GPU wait / collect, target-only vs width 1
 # The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
@@ -97,6 +99,15 @@ for step in $STEPS; do
              #  --platform manylinux2014_x86_64 -d .whl): the device has no network
       timeout ${T_SERVE:-420} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} --json $RUN/serve_probe.json \
         --server-log $RUN/serve.log 2>&1 | tail -6 ;;
+    serveray)  # issue 40's one-GPU figure: scripts/serve_probe.py against `lfmspark serve`, then against the same
+               # server as one Ray Serve replica; needs the wheels of scripts/ray_carry.sh carried in .whl_ray/
+      python3 -m pip install -q --no-index --no-deps .whl_ray/*.whl > $RUN/pip_ray.log 2>&1 || tail -5 $RUN/pip_ray.log
+      for replicas in 0 1; do
+        echo "--- replicas $replicas"
+        timeout ${T_SERVERAY:-240} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} \
+          --clients ${SERVERAY_CLIENTS:-8} --cuda-graph-sizes 1,8 $([ $replicas = 0 ] || echo --replicas $replicas) \
+          --json $RUN/serveray_$replicas.json --server-log $RUN/serveray_$replicas.log 2>&1 | tail -4
+      done ;;
     servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
                  # (SERVE_ARGS="--capacity-fraction 0.7": at 70% of each engine's measured capacity)
       timeout ${T_SERVEBENCH:-480} lfmspark bench serve --preset ${SERVE_PRESET:-lfm2.5-1.2b} --max-batch ${SERVE_BATCH:-64} \

@@ -9,6 +9,7 @@ Starts ``lfmspark serve`` in a subprocess (a preset with its draft, imposed acce
 2. ``--clients`` concurrent streaming clients: errors, tokens, client TPOT and throughput.
 
     python scripts/serve_probe.py --preset lfm2.5-1.2b --json out.json
+    python scripts/serve_probe.py --preset lfm2.5-1.2b --replicas 1 --json ray.json   # the same on Ray Serve
 """
 
 from __future__ import annotations
@@ -80,12 +81,18 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=480)
     ap.add_argument("--json")
     ap.add_argument("--server-log", default="serve.log")
+    ap.add_argument("--replicas", type=int, help="start the server as this many Ray Serve replicas "
+                    "(lfmspark serve --replicas; the ray extra)")
     args = ap.parse_args()
 
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "lfmspark.runtime.cli", "serve", "--preset", args.preset, "--port", str(args.port),
            "--max-batch", str(args.clients), "--cuda-graph-sizes", args.cuda_graph_sizes,
            "--imposed-acceptance", args.imposed_acceptance, "--max-seq-len", "2048"]
+    if args.replicas:
+        cmd += ["--replicas", str(args.replicas)]
+    # replicas post their metrics to the ingress every second (serve/ray_app.py): read them after that
+    settle = lambda: time.sleep(2.5 if args.replicas else 0.0)  # noqa: E731
     t0 = time.perf_counter()
     with open(args.server_log, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -111,10 +118,12 @@ def main() -> int:
         name_count = "lfmspark:time_per_output_token_seconds_count"
         for phase, n, concurrent, out_len in (("batch1", args.sequential, False, args.output_len),
                                               (f"concurrent{args.clients}", args.clients, True, 128)):
+            settle()
             s0, c0 = metric(url, name_sum), metric(url, name_count)
             t = time.perf_counter()
             rows = asyncio.run(run_phase(url, [prompt() for _ in range(n)], out_len, concurrent))
             wall = time.perf_counter() - t
+            settle()
             engine_tpot = (metric(url, name_sum) - s0) / max(metric(url, name_count) - c0, 1)
             ok = [r for r in rows if "error" not in r]
             client_tpot = statistics.median(r["tpot_s"] for r in ok) if ok else float("nan")
