@@ -78,3 +78,15 @@ def test_exact_mode_refuses_a_model_in_two_dtypes():
     norm = RMSNorm(16, 1e-6)                       # fp32 weight
     with exact_scope(True), pytest.raises(ValueError, match="exact mode needs one dtype"):
         norm(torch.ones(2, 16, dtype=torch.bfloat16))
+
+
+def test_exact_seeded_sampling_does_not_depend_on_the_batch(monkeypatch):
+    """Seeded sampling (temperature, top-k, top-p: the sampled round's transforms and draws) gives a
+    request the same tokens and log-probabilities alone and beside another request."""
+    interpret_triton(monkeypatch)
+    target, draft = models("often", moe=False)
+    params = dict(temperature=0.8, top_k=20, top_p=0.9, seed=11, logprobs=0)
+    alone = generate(target, draft, PROMPTS[:1], **params)[0]
+    batched = generate(target, draft, PROMPTS, **params)[0]
+    assert batched.token_ids == alone.token_ids
+    assert [t.logprob for t in batched.logprobs] == [t.logprob for t in alone.logprobs]
