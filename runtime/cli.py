@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-widths", type=_int_list, help="verify widths the scheduler picks from (default: 1 and "
                    "the whole block)")
     s.add_argument("--exact", action="store_true", help=_EXACT_HELP)
+    s.add_argument("--prefix-cache-outputs", action="store_true", help="also keep each finished request's output "
+                   "in the prefix cache (a chat's next turn repeats it): its full blocks are prefilled once more as "
+                   "it finishes")
     s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")
@@ -321,7 +324,7 @@ def _serve(args) -> int:
     dtype = _dtype(args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     kw = dict(dtype=dtype, device=device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
               batch_sizes=args.cuda_graph_sizes, prefill_budget=args.prefill_budget,
-              verify_widths=args.verify_widths, exact=args.exact)
+              verify_widths=args.verify_widths, exact=args.exact, prefix_cache_outputs=args.prefix_cache_outputs)
     if args.imposed_acceptance is not None:
         kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     if args.target:
@@ -348,7 +351,8 @@ def _serve_replicas(args) -> int:
         raise SystemExit(f"lfmspark serve: error: {e.name} is missing: install the Ray extra with "
                          "pip install 'lfmspark[ray]'") from None
     engine_kw = dict(max_batch=args.max_batch, max_seq_len=args.max_seq_len, batch_sizes=args.cuda_graph_sizes,
-                     prefill_budget=args.prefill_budget, verify_widths=args.verify_widths, exact=args.exact)
+                     prefill_budget=args.prefill_budget, verify_widths=args.verify_widths, exact=args.exact,
+                     prefix_cache_outputs=args.prefix_cache_outputs)
     if args.imposed_acceptance is not None:
         engine_kw["imposed_acceptance"] = _imposed_rates(args.imposed_acceptance, args)
     config = {"engine": engine_kw, "device": args.device, "dtype": args.dtype}

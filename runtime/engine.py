@@ -93,6 +93,10 @@ class Engine:
     (None): half the slots' worth, ``max_batch * max_seq_len // 2``; 0 turns it off. An engine whose
     ``max_seq_len`` is shorter than a block keeps none. Prefill chunks end at multiples of
     ``prefix_block`` whether the cache is on or off (that is what makes a hit exact).
+    ``prefix_cache_outputs=True`` also keeps each finished request's output (a chat's finished turn,
+    which the next turn's prompt repeats): its full blocks are prefilled once more as the request
+    finishes, in its slot, so the cache holds the state a prompt's prefill computes, not the decode
+    steps' (whose roundings differ); the cost is that prefill, about the output's length in tokens.
 
     ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
     anchor and that many drafts less one); each round the scheduler picks the one with the most
@@ -122,7 +126,8 @@ class Engine:
                  prefill_budget: int = 256, prefill_graph_tokens: int = 1024, chat: bool = True, markov_walk: str = "jacobi",
                  sampling_defaults: dict | None = None, logprobs_mode: str = "raw",
                  verify_widths: Sequence[int] | None = None, prefix_cache_tokens: int | None = None,
-                 prefix_block: int = DEFAULT_BLOCK, routing_locality: int | None = None, exact: bool = False):
+                 prefix_block: int = DEFAULT_BLOCK, prefix_cache_outputs: bool = False,
+                 routing_locality: int | None = None, exact: bool = False):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         if markov_walk not in WALKS:
             raise ValueError(f"markov_walk={markov_walk!r}: use one of {', '.join(WALKS)}")
@@ -182,6 +187,12 @@ class Engine:
         self.prefix_cache = (PrefixCache(self.tcache, self.dcache, prefix_blocks, prefix_block)
                              if prefix_blocks else None)
         self.prefill_alignment = prefix_block      # prefill chunks end at its multiples (_next_chunks)
+        if not isinstance(prefix_cache_outputs, bool):
+            raise ValueError(f"prefix_cache_outputs must be True or False, got {prefix_cache_outputs!r}")
+        if prefix_cache_outputs and self.prefix_cache is None:
+            raise ValueError("prefix_cache_outputs=True needs the prefix cache: leave prefix_cache_tokens at None "
+                             "or give it a budget of at least one prefix_block")
+        self.prefix_cache_outputs = prefix_cache_outputs
         self.imposed_acceptance = self._imposed(imposed_acceptance)
         self.state = SlotState(max_batch, cfg.vocab_size, self.device)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance, markov_walk,
@@ -1017,6 +1028,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> GenerationOutput:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
+        if self.prefix_cache_outputs and reason in ("stop", "length") and req.slot is not None:
+            self._cache_output(req)
         if req.slot is not None:
             self.pool.release(req.slot)
             req.slot = None
@@ -1037,6 +1050,29 @@ class Engine:
                                 stop_reason=req.stop_reason, sample=req.sample,
                                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                                 prompt_logprobs=req.prompt_logprobs)
+
+    def _cache_output(self, req: Request) -> None:
+        """Store the full blocks of a finished request's prompt and output (``prefix_cache_outputs``):
+        reload the longest cached prefix into its slot and prefill the rest up to the last full
+        block, in the chunks any prefill of these tokens runs (ending on the block grid, at most
+        ``prefill_chunk``), so the stored state is what a later prompt's prefill would compute. The
+        work queues behind the round in flight, which may still write this slot but runs first."""
+        cache, b = self.prefix_cache, self.prefix_cache.block
+        tokens = req.prompt_ids + req.output
+        n = len(tokens) // b * b
+        if n <= len(req.prompt_ids) // b * b:
+            return                                  # the output completes no block beyond the prompt's
+        try:
+            pos = cache.load(cache.match(tokens[:n]), req.slot)
+            while pos < n:
+                take = min(n - pos, self.prefill_chunk, (pos // b + 1) * b - pos)
+                self.prefill_runner.run([tokens[pos:pos + take]], [req.slot], [pos])
+                pos += take
+                if pos % b == 0:
+                    self.tcache.block_state[:, req.slot, pos // b - 1] = self.tcache.conv_state[:, req.slot]
+            cache.insert(tokens, req.slot, n)
+        except Exception:                           # the request itself succeeded: only the cache misses out
+            log.warning("could not cache the output of %s", req.request_id, exc_info=True)
 
     def _leave_prefill(self, req: Request) -> None:
         """Take a finishing request out of the prefill: a leader's first waiting sample takes its place,

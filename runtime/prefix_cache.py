@@ -15,16 +15,19 @@ states come from the prefill: its chunks never cross a multiple of ``block`` (ru
 which the engine stores per slot (``TargetCache.block_state``) and inserts, with the blocks, after
 each prefill forward.
 
-**Exactness, and why only prompts are kept.** A hit of ``n`` tokens (a multiple of ``block``)
+**Exactness, and how outputs are kept.** A hit of ``n`` tokens (a multiple of ``block``)
 copies the blocks' K/V, draft K/V and conv states into the request's slot, and the prefill
 continues from ``n``. Without the hit the same prompt is cut into chunks at the same multiples of
 ``block`` (cache on or off), so the resumed prefill runs the very chunk a miss runs, on the same
 state: on the CPU in fp32 (the tests) outputs with the cache equal outputs without it bit for bit,
 tokens and log-probabilities, greedy and seeded sampling, speculative or not. A request's output
-tokens are not kept: their state was computed by decode steps and verify windows, whose
-reductions differ from a prefill's, and a later prompt that repeats them (the next chat turn) would
-get different low-order bits than prefilling them, so they are prefilled as part of that prompt,
-and kept from then on. On the GPU the reused state is the same bits when the forwards that computed
+tokens have state computed by decode steps and verify windows, whose reductions differ from a
+prefill's: a later prompt that repeats them (the next chat turn) would get different low-order bits
+from that state than from prefilling them. So by default outputs are prefilled as part of the next
+prompt and kept from then on; with ``Engine(prefix_cache_outputs=True)`` a finished request's
+output is prefilled once more in its slot as it finishes (``Engine._cache_output``: the cached
+prefix reloaded, then the chunks a prefill of those tokens runs, on the block grid), and those
+blocks are stored, so the next turn finds its previous turn cached up to the last full block. On the GPU the reused state is the same bits when the forwards that computed
 it batched rows alike; the default kernels do not promise that across batch compositions (a
 product's reduction order may follow the row count), the limit today's outputs already have
 across loads. A request asking for ``prompt_logprobs`` needs every prompt position's logits, so it

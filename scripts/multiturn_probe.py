@@ -54,11 +54,14 @@ def main() -> None:
     ap.add_argument("--reply-len", type=int, default=64)
     ap.add_argument("--block", type=int, default=256, help="Engine(prefix_block=...)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-outputs", action="store_true", help="Engine(prefix_cache_outputs=True): keep the "
+                    "finished turns too")
     args = ap.parse_args()
     need = args.system_len + args.turns * (args.turn_len + args.reply_len) + 64
     results = {}
     for name, tokens in (("cache", None), ("no-cache", 0)):
-        kw = dict(max_batch=args.chats, max_seq_len=need, prefix_cache_tokens=tokens, prefix_block=args.block)
+        kw = dict(max_batch=args.chats, max_seq_len=need, prefix_cache_tokens=tokens, prefix_block=args.block,
+                  prefix_cache_outputs=args.cache_outputs and tokens != 0)
         draft = DEFAULT_DRAFT.get(args.preset)
         if draft is not None:
             kw["imposed_acceptance"] = [0.8] * draft_preset(draft).block_size

@@ -163,3 +163,16 @@ def test_serve_answers_on_its_port_and_stops_cleanly():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in proc.stdout.read()
+
+
+def test_serve_passes_the_engine_flags(monkeypatch):
+    """``serve --prefix-cache-outputs --exact`` builds the engine with them (the server itself is
+    replaced: tests/test_server.py runs it)."""
+    import lfmspark.serve as serve_pkg
+    from lfmspark.runtime.cli import main
+
+    built = {}
+    monkeypatch.setattr(serve_pkg, "run_server", lambda engine, name, **kw: built.update(engine=engine, name=name))
+    assert main(["serve", "--preset", "tiny", "--device", "cpu", "--no-warmup", "--prefix-cache-outputs",
+                 "--exact"]) == 0
+    assert built["engine"].prefix_cache_outputs and built["engine"].exact and built["name"] == "tiny"

@@ -98,8 +98,8 @@ def test_shared_prefix_batches_and_a_prompt_cached_to_its_last_token():
 
 
 def test_outputs_are_cached_once_a_prompt_repeats_them():
-    """A request's output is not stored (decode steps and verify windows round differently from a
-    prefill); the next turn, whose prompt repeats it, prefills it, and the turn after reuses it."""
+    """By default a request's output is not stored (decode steps and verify windows round differently
+    from a prefill); the next turn, whose prompt repeats it, prefills it, and the turn after reuses it."""
     target, draft = random_tiny_target(seed=9), random_tiny_draft(block=4, seed=10)
     on, off = engine(target, draft, None), engine(target, draft, 0)
     prompt = [3, 14, 15, 9, 2, 6]
@@ -112,6 +112,38 @@ def test_outputs_are_cached_once_a_prompt_repeats_them():
     assert third.stats.prompt_tokens_cached == len(second_prompt) // BLOCK * BLOCK
     assert_same([second, third], [off.generate([p], q)[0] for p, q in ((second_prompt, params(1)),
                                                                         (third_prompt, params(0)))])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
+def test_finished_turns_are_cached_and_change_no_output(moe, speculative):
+    """``prefix_cache_outputs=True``: each turn finds the previous turn's prompt and output cached up
+    to their last full block (the output re-prefilled as it finished), and every output equals the
+    uncached engine's."""
+    target = random_tiny_target(moe=moe, seed=3)
+    draft = random_tiny_draft(block=4, seed=4) if speculative else None
+    n_conv = 3
+    with_cache, cached = conversations(engine(target, draft, None, prefix_cache_outputs=True), n_conv, 4, seed=1)
+    without, _ = conversations(engine(target, draft, 0), n_conv, 4, seed=1)
+    assert_same(with_cache, without)
+    for turn in range(1, 4):
+        previous = with_cache[(turn - 1) * n_conv:turn * n_conv]
+        want = [(len(o.prompt_token_ids) + len(o.token_ids)) // BLOCK * BLOCK for o in previous]
+        assert cached[turn] == want
+        assert any(w > len(o.prompt_token_ids) // BLOCK * BLOCK for w, o in zip(want, previous))
+
+
+def test_cached_outputs_survive_eviction_and_need_the_cache():
+    target, draft = random_tiny_target(seed=5), random_tiny_draft(block=4, seed=6)
+    small = engine(target, draft, 3 * BLOCK, prefix_cache_outputs=True)
+    with_cache, _ = conversations(small, 3, 4, seed=2)
+    without, _ = conversations(engine(target, draft, 0), 3, 4, seed=2)
+    assert_same(with_cache, without)
+    assert small.prefix_cache_stats["evicted_blocks"] > 0
+    with pytest.raises(ValueError, match="prefix_cache_outputs=True needs the prefix cache"):
+        engine(target, draft, 0, prefix_cache_outputs=True)
+    with pytest.raises(ValueError, match="prefix_cache_outputs must be True or False"):
+        engine(target, draft, None, prefix_cache_outputs="yes")
 
 
 def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
