@@ -27,7 +27,8 @@ kernels whose per-row arithmetic does not depend on the rows sharing the launch,
 target logits are the same bits in a decode step and in a verify window, alone or batched (greedy
 speculative output == target-only output; a request's output independent of its batch). None of
 the routes above is taken there. Not covered: the same token computed by a prefill chunk (eager
-pointwise ops there, compiled ones in the steps) and the sampling transforms (Inductor reductions);
+pointwise ops there, compiled ones in the steps) and, on the GPU, the sampling transforms (Inductor
+reductions; their batch invariance is tested only under the interpreter, tests/test_exact_mode.py);
 the attention's key slices follow the cache length, so compare engines of one ``max_seq_len``.
 The draft keeps the default routes (``runtime/steps.py`` leaves the scope around it): its numerics
 never reach the output. The scope is process-wide while it lasts (the engine enters it around its
