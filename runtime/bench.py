@@ -104,6 +104,47 @@ def copy_bandwidth_gbps(device: torch.device, n_bytes: int = 1 << 31) -> float |
     return 2 * n_bytes / percentile(times, 50) / 1e9
 
 
+def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
+    """A bf16 ``n x n x n`` product's throughput (TFLOP/s, median of 10): the tensor-core ceiling a
+    long prefill is held to, measured like the copy bandwidth rather than taken from a data sheet."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del a, b
+    return 2 * n ** 3 / percentile(times, 50) / 1e12
+
+
+def prefill_flops(engine: Engine, rows: int, tokens: int) -> int:
+    """The useful FLOPs (a multiply-add is 2) of prefilling ``rows`` prompts of ``tokens`` tokens from
+    position 0: every weight matrix of the layers once per token (of an MoE layer's experts, the
+    ``k`` of ``E`` a token is routed to), the causal attention's scores and weighted values, and the
+    LM head once per row (a prefill computes only the last token's logits)."""
+    from ..models.lfm2_moe import Lfm2MoeExperts
+
+    cfg = engine.config
+    per_token = 0.0
+    for module in engine.target.model.layers.modules():
+        weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+        if isinstance(module, Lfm2MoeExperts):
+            weights *= cfg.num_experts_per_tok / cfg.num_experts
+        per_token += 2 * weights
+    causal_pairs = tokens * (tokens + 1) // 2          # (query, key) pairs of one prompt
+    attention = len(cfg.attention_layers) * 4 * cfg.num_attention_heads * cfg.head_dim * causal_pairs
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    return int(rows * (tokens * per_token + attention + head))
+
+
 def module_bytes(module: torch.nn.Module) -> int:
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
@@ -318,7 +359,8 @@ def _traced_launches(prof) -> list[tuple[str, float, float, str]]:
         return trace_kernel_launches(json.loads(trace.read_text()))
 
 
-def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None) -> dict:
+def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None,
+                   matmul_peak: float | None = None) -> dict:
     """One row: ``cfg.runs`` batches of requests through ``engine``, then step timings."""
     gen = torch.Generator().manual_seed(cfg.seed + batch)
     vocab = engine.config.vocab_size
@@ -372,7 +414,10 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         "loop_step_ms": percentile(loop_step, 50) * 1e3,
         "peak_memory_bytes": peak,
         "prefill_ms": prefill_s * 1e3, "prefill_bucket": bucket,
+        "prefill_tflops": prefill_flops(engine, batch, cfg.prompt_len) / prefill_s / 1e12,
     }
+    if matmul_peak:
+        row["prefill_over_matmul_peak"] = row["prefill_tflops"] / matmul_peak
     if copy_gbps:
         row["floor_ms"] = n_bytes / (copy_gbps * 1e9) * 1e3
         row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
@@ -449,6 +494,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device), "config": asdict(cfg)}
     copy_gbps = copy_bandwidth_gbps(device)
     report["copy_gbps"] = copy_gbps
+    matmul_peak = matmul_tflops(device)
+    report["matmul_tflops"] = matmul_peak
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)       # the probe's buffers are not the engine's
@@ -511,14 +558,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     phase_rows: list[tuple[dict, list[float] | None]] = []
     for batch in cfg.batch_sizes:
         log.info("batch %d: target-only", batch)
-        results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps))
+        results["target_only"].append(measure_engine(engine_for("target_only"), cfg, batch, copy_gbps, matmul_peak))
         if draft is not None:
             for profile in profiles or [None]:
                 log.info("batch %d: speculative%s", batch, f", imposed acceptance {profile}" if profile else "")
                 engine = engine_for("speculative")
                 if profile is not None:
                     engine.set_imposed_acceptance(profile)
-                row = measure_engine(engine, cfg, batch, copy_gbps)
+                row = measure_engine(engine, cfg, batch, copy_gbps, matmul_peak)
                 row["imposed_profile"] = profile
                 results["speculative"].append(row)
                 phase_rows.append((row, profile))
@@ -633,6 +680,8 @@ def table(report: dict) -> str:
     text = tabulate(rows, headers=headers)
     if report.get("copy_gbps"):
         text += f"\nmeasured copy bandwidth: {report['copy_gbps']:.0f} GB/s"
+    if report.get("matmul_tflops"):
+        text += f"\nmeasured bf16 matmul: {report['matmul_tflops']:.0f} TFLOP/s (8192^3)"
     for r in res["speculative"]:
         if "draft_ms" in r:
             rates = r.get("imposed_profile")
@@ -664,7 +713,10 @@ def table(report: dict) -> str:
         bucket = r.get("prefill_bucket")
         text += (f"\nprefill at batch {r['batch']}: {r['prefill_ms']:.3f} ms per "
                  + (f"replay (bucket {bucket[0]}x{bucket[1]})" if bucket else "eager forward")
-                 + (f", weights floor {r['prefill_weights_floor_ms']:.3f} ms" if "prefill_weights_floor_ms" in r else ""))
+                 + (f", weights floor {r['prefill_weights_floor_ms']:.3f} ms" if "prefill_weights_floor_ms" in r else "")
+                 + f", {r['prefill_tflops']:.1f} TFLOP/s"
+                 + (f" ({r['prefill_over_matmul_peak']:.0%} of the measured bf16 matmul peak)"
+                    if "prefill_over_matmul_peak" in r else ""))
     for kind, w in report.get("warmup", {}).items():
         text += f"\nwarm-up {kind}: {w['seconds']:.1f} s ({w['mode']})"
     return text

@@ -41,7 +41,7 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     for r in res["target_only"] + res["speculative"]:
         for key in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_warmup_request", "tpot_ms_p50", "tpot_ms_p99",
                     "tok_s_per_user", "tok_s_total", "step_ms", "loop_step_ms", "step_bytes", "step_gbps",
-                    "prefill_ms"):
+                    "prefill_ms", "prefill_tflops"):
             assert isinstance(r[key], float | int) and r[key] > 0, key
         assert r["prefill_bucket"] == [r["batch"], 16]          # 6-token prompts: the narrowest bucket
     for r in res["speculative"]:
