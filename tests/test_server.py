@@ -475,3 +475,29 @@ def test_a_device_failure_answers_every_waiter_and_shows_on_health(ckpt):
         assert err.value.status_code == 503
     finally:
         s.stop()
+
+
+def test_a_chats_next_turn_hits_the_previous_reply_with_cached_outputs(ckpt):
+    """``prefix_cache_outputs=True`` (serve --prefix-cache-outputs): the second turn of a chat, which
+    repeats the first turn's reply, finds it cached beyond the first prompt's blocks, and answers as
+    an engine without the cache does."""
+    replies, cached = {}, {}
+    for name, kw in (("outputs", dict(prefix_cache_outputs=True)), ("off", dict(prefix_cache_tokens=0))):
+        s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8, **kw), MODEL, warmup=False))
+        try:
+            c = s.client()
+            chat = [{"role": "user", "content": " ".join(f"w{3 + i % 17}" for i in range(20))}]
+            first = c.chat.completions.create(model=MODEL, messages=chat, max_tokens=12, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+            chat += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "w5 w6 w7"}]
+            second = c.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, temperature=0.0,
+                                               extra_body={"ignore_eos": True})
+            replies[name] = (first.choices[0].message.content, second.choices[0].message.content)
+            cached[name] = (first.usage.prompt_tokens, second.usage.prompt_tokens_details.cached_tokens)
+        finally:
+            s.stop()
+    assert replies["outputs"] == replies["off"]
+    first_prompt, hit = cached["outputs"]
+    assert hit > first_prompt // 8 * 8 and hit % 8 == 0          # blocks of the reply, not only the prompt's
+    assert cached["off"][1] == 0
