@@ -81,7 +81,7 @@ def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, m
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(bench, "measure_engine", recorded("row", bench.measure_engine, lambda e, cfg, b, c: b))
+    monkeypatch.setattr(bench, "measure_engine", recorded("row", bench.measure_engine, lambda e, cfg, b, *a: b))
     monkeypatch.setattr(bench, "time_round_phases", recorded("phases", bench.time_round_phases, lambda e, b, **kw: b))
     monkeypatch.setattr(bench, "_hf_row", recorded("hf", bench._hf_row, lambda t, cfg, b, *a, **kw: b))
     code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "5",
