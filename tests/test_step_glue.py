@@ -27,7 +27,13 @@ ALLOWED: dict[str, str] = {}
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     """The draft's context injection is a region of its own (runtime/steps.py ``round_inject``), and on
-    CUDA the glue around it forks and joins a side stream (no tensor op either)."""
+    CUDA the glue around it forks and joins a side stream (no tensor op either). Dynamo's state is reset
+    first: its memory of which values varied between calls is per function and process-wide, and an
+    earlier test's engines (tests/test_context_injection.py's, whose drafts' float settings differ)
+    made it compile ``draft_head`` with a symbolic float, which the glue then wraps as a tensor each
+    call (``aten.lift_fresh``, torch's ``_as_tensor_fullprec``). An engine in a fresh process, as
+    served, starts from nothing."""
+    torch._dynamo.reset()
     return Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64,
                               compile=True)
 
