@@ -302,6 +302,32 @@ class Replica:
         await self.engine.shutdown()
 
 
+# defined before the ingress class: Ray Serve captures the routes' globals when the class is decorated
+def _replica_failed(error: BaseException) -> JSONResponse:
+    log.warning("a replica failed a request before answering it: %s", error)
+    return JSONResponse(error_json(f"the replica serving this request failed: {type(error).__name__}",
+                                   "service_unavailable", code="replica_failed"), status_code=503)
+
+
+async def relay(stream: AsyncIterator[Any]) -> Response:
+    """The client's response from a replica's :func:`asgi_exchange` stream (``(status, headers)``, then
+    the body's chunks). An event stream is passed on as it comes; any other body is read whole first,
+    so that a replica dying between its response's start and its body (Ray replaces it) is a clean 503,
+    as a death before the start is, not a 200 whose body breaks off."""
+    try:
+        status, response_headers = await stream.__anext__()
+    except Exception as e:         # the replica died or failed before answering
+        return _replica_failed(e)
+    keep = {k: v for k, v in response_headers if k.lower() not in ("content-length", "transfer-encoding")}
+    if keep.get("content-type", "").startswith("text/event-stream"):
+        return StreamingResponse(stream, status_code=status, headers=keep)
+    try:
+        content = b"".join([chunk async for chunk in stream])
+    except Exception as e:
+        return _replica_failed(e)
+    return Response(content, status_code=status, headers=keep)
+
+
 ingress_app = FastAPI(title="lfmspark (Ray Serve)")
 
 
@@ -324,14 +350,7 @@ class Ingress:
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
         stream = self.replicas.options(stream=True).forward.remote(
             routing_text("/" + path, body), request.method, "/" + path, request.url.query.encode(), headers, body)
-        try:
-            status, response_headers = await stream.__anext__()
-        except Exception as e:     # the replica died or failed before answering (Ray replaces a dead one)
-            log.warning("a replica failed a request before answering: %s", e)
-            return JSONResponse(error_json(f"the replica serving this request failed: {type(e).__name__}",
-                                           "service_unavailable", code="replica_failed"), status_code=503)
-        keep = {k: v for k, v in response_headers if k.lower() not in ("content-length", "transfer-encoding")}
-        return StreamingResponse(stream, status_code=status, headers=keep)
+        return await relay(stream)
 
 
 def deployments(config: dict, model_name: str, replicas: int, *, warmup: bool = True, max_waiting: int = 256,

@@ -19,7 +19,7 @@ from lfmspark.runtime import Engine, SamplingParams
 
 ray = pytest.importorskip("ray", reason="the ray extra (pip install 'lfmspark[ray]') is not installed")
 serve = pytest.importorskip("ray.serve")
-from lfmspark.serve.ray_app import (PrefixAffinityRouter, merge_metrics, prefix_keys,  # noqa: E402
+from lfmspark.serve.ray_app import (PrefixAffinityRouter, merge_metrics, prefix_keys, relay,  # noqa: E402
                                     routing_text)
 
 MODEL = "tiny"
@@ -190,3 +190,27 @@ def test_merge_metrics_labels_each_replica_once_per_family():
     merged = merge_metrics({"a": text, "b": text.replace("3.0", "4.0")})
     assert merged.count("# TYPE c counter") == 1
     assert 'c_total{model_name="m",replica="a"} 3.0' in merged and 'replica="b"} 4.0' in merged
+
+
+def _replica_stream(*items):
+    """A replica's asgi_exchange stream: each item yielded, or raised where it is an exception."""
+    async def gen():
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    return gen()
+
+
+def test_relay_turns_a_replica_dying_after_its_response_start_into_a_503():
+    import asyncio
+
+    json_start = (200, [("content-type", "application/json"), ("content-length", "7")])
+    died = asyncio.run(relay(_replica_stream(json_start, RuntimeError("actor died"))))
+    assert died.status_code == 503 and b"replica_failed" in died.body
+    before = asyncio.run(relay(_replica_stream(RuntimeError("actor died"))))
+    assert before.status_code == 503
+    whole = asyncio.run(relay(_replica_stream(json_start, b'{"a":', b"1}")))
+    assert whole.status_code == 200 and whole.body == b'{"a":1}' and whole.headers["content-length"] == "7"
+    sse = asyncio.run(relay(_replica_stream((200, [("content-type", "text/event-stream")]), b"data: 1\n\n")))
+    assert sse.status_code == 200 and sse.media_type is None and hasattr(sse, "body_iterator")
