@@ -706,11 +706,7 @@ class Engine:
         whole budget; a second joins only when the first's prompt is nearly in."""
         rows, chunks, width = [], [], 0
         for req in self._prefilling:
-            take = min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
-            # chunks end at multiples of the prefix block, cache on or off, so that a prefix-cache hit
-            # resumes where a miss cuts a chunk too (runtime/prefix_cache.py "Exactness")
-            block = self.prefill_alignment
-            take = min(take, (req.prefilled // block + 1) * block - req.prefilled)
+            take = self._chunk_len(req.prefilled, len(req.prompt_ids))
             if budget is not None:
                 cap = budget // (1 << len(rows).bit_length())     # rows 1, 2, 3-4, 5-8, ...: budget / that
                 if width > cap or cap == 0:
@@ -720,6 +716,13 @@ class Engine:
             chunks.append(req.prompt_ids[req.prefilled:req.prefilled + take])
             width = max(width, take)
         return rows, chunks
+
+    def _chunk_len(self, done: int, total: int) -> int:
+        """The tokens the next prefill chunk of ``total`` takes after ``done``: at most ``prefill_chunk``,
+        ending no later than the next multiple of the prefix block, cache on or off, so that a
+        prefix-cache hit resumes where a miss cuts a chunk too (runtime/prefix_cache.py "Exactness")."""
+        block = self.prefill_alignment
+        return min(total - done, self.prefill_chunk, (done // block + 1) * block - done)
 
     def _reuse_prefix(self, req: Request) -> None:
         """Start ``req``'s prefill after the longest cached prefix of its prompt (runtime/prefix_cache.py),
@@ -1054,8 +1057,8 @@ class Engine:
     def _cache_output(self, req: Request) -> None:
         """Store the full blocks of a finished request's prompt and output (``prefix_cache_outputs``):
         reload the longest cached prefix into its slot and prefill the rest up to the last full
-        block, in the chunks any prefill of these tokens runs (ending on the block grid, at most
-        ``prefill_chunk``), so the stored state is what a later prompt's prefill would compute. The
+        block, in the chunks any prefill of these tokens runs (:meth:`_chunk_len`), so the stored
+        state is what a later prompt's prefill would compute. The
         work queues behind the round in flight, which may still write this slot but runs first."""
         cache, b = self.prefix_cache, self.prefix_cache.block
         tokens = req.prompt_ids + req.output
@@ -1065,7 +1068,7 @@ class Engine:
         try:
             pos = cache.load(cache.match(tokens[:n]), req.slot)
             while pos < n:
-                take = min(n - pos, self.prefill_chunk, (pos // b + 1) * b - pos)
+                take = self._chunk_len(pos, n)
                 self.prefill_runner.run([tokens[pos:pos + take]], [req.slot], [pos])
                 pos += take
                 if pos % b == 0:
