@@ -33,7 +33,7 @@ from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
 from ..ops.routing import exact_scope
 from .distributions import SamplingMode, sampling_mode
-from ..models.lfm2_moe import Lfm2MoeBlock
+from ..models.lfm2_moe import Lfm2MoeBlock, Lfm2MoeExperts
 from .engine import Engine
 from .sampling import SamplingParams
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
@@ -130,8 +130,6 @@ def prefill_flops(engine: Engine, rows: int, tokens: int) -> int:
     position 0: every weight matrix of the layers once per token (of an MoE layer's experts, the
     ``k`` of ``E`` a token is routed to), the causal attention's scores and weighted values, and the
     LM head once per row (a prefill computes only the last token's logits)."""
-    from ..models.lfm2_moe import Lfm2MoeExperts
-
     cfg = engine.config
     per_token = 0.0
     for module in engine.target.model.layers.modules():
