@@ -36,22 +36,6 @@ class Lfm2MoeExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, ffn))
 
 
-def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest of each row of ``scores [N, E]``, in descending order, like
-    ``torch.topk(...).indices`` for distinct scores; ties go to the lower expert index (torch.topk
-    leaves tie order unspecified, so bf16 router scores without an expert bias may pick another of
-    two tied experts than HF does). Computed from pairwise ranks,
-    which Inductor fuses into one small kernel; ``torch.topk`` costs a sort and a gather kernel
-    per layer (~9 us of a ~2 ms LFM2-8B-A1B decode step, 22 times)."""
-    E = scores.shape[-1]
-    idx = torch.arange(E, device=scores.device)
-    s_i, s_j = scores[:, :, None], scores[:, None, :]
-    beats = (s_j > s_i) | ((s_j == s_i) & (idx[None, :] < idx[:, None])[None])   # [N, i, j]: j ranks above i
-    rank = beats.sum(-1)                                                          # [N, E], a permutation of 0..E-1
-    slot = torch.arange(k, device=scores.device)
-    return ((rank[:, None, :] == slot[None, :, None]) * idx).sum(-1)              # [N, k]: the expert at each rank
-
-
 class Lfm2MoeBlock(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -68,16 +52,9 @@ class Lfm2MoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [N, k], topk_weights [N, k])`` for tokens ``x [N, H]``; ``bias [N, E]`` (the
-        routing-locality mode's) is added to the selection scores only."""
-        probs = self.gate(x).sigmoid()
-        scores = probs + self.expert_bias if self.use_expert_bias else probs   # fp32 scores select
-        if bias is not None:
-            scores = scores + bias
-        ids = top_k_ids(scores, self.top_k)
-        weights = probs.gather(1, ids)                                          # unbiased weights
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        return ids, weights * self.routed_scaling_factor
+        routing-locality mode's) is added to the selection scores only (``lfmspark::moe_route``)."""
+        return lfm.moe_route(self.gate(x), self.expert_bias if self.use_expert_bias else None, bias,
+                             self.top_k, self.norm_topk_prob, self.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """``x [B, T, H]`` (or ``[N, H]``); ``slots [B]``: each row's slot, which the routing-locality
