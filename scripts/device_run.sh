@@ -80,9 +80,10 @@ for step in $STEPS; do
       python3 scripts/ab_summary.py $RUN/ab_*.json | tee $RUN/ab_summary.txt ;;
     oldnew)  # the benchmark on another checkout (OLD_TREE, carried: e.g. `git archive COMMIT | tar x -C .devrun/old`)
              # and on this one, in one call: LFM2.5-1.2B batch 1 and 8, LFM2-8B-A1B batch 1, imposed 0.8, no HF;
-             # each tree installed in turn, each with its own compile cache (OLDNEW_ARGS: more bench flags, e.g. --exact)
+             # each tree installed in turn, each with its own compile cache (OLDNEW_ARGS: more bench flags, e.g. --exact;
+             # OLDNEW_TAG: a prefix for this comparison's files, so that two comparisons in one call keep theirs)
       for tree in ${OLD_TREE:-.devrun/old} .; do
-        name=$([ "$tree" = . ] && echo new || echo old)
+        name=${OLDNEW_TAG:-}$([ "$tree" = . ] && echo new || echo old)
         python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_$name.log 2>&1 || { tail $RUN/install_$name.log; continue; }
         for preset in ${OLDNEW_PRESETS:-lfm2.5-1.2b:1,8 lfm2-8b-a1b:1}; do
           p=${preset%%:*}; b=${preset#*:}
@@ -93,7 +94,8 @@ for step in $STEPS; do
             || tail -20 $RUN/oldnew_${name}_$p.log
         done
       done
-      python3 scripts/ab_summary.py $RUN/oldnew_*.json | tee $RUN/oldnew_summary.txt ;;
+      python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log
+      python3 scripts/ab_summary.py $RUN/oldnew_${OLDNEW_TAG:-}*.json | tee $RUN/oldnew_${OLDNEW_TAG:-}summary.txt ;;
     serve)   # the server's figures (scripts/serve_probe.py); needs the serve extra's wheels carried in .whl/
              # (pip download fastapi uvicorn prometheus-client httpx --python-version 3.12 --only-binary=:all:
              #  --platform manylinux2014_x86_64 -d .whl): the device has no network
@@ -184,6 +186,9 @@ for step in $STEPS; do
              # speculative held at LOOP_WIDTHS, at LOOP_BATCH (scripts/loop_probe.py)
       timeout ${T_LOOP:-240} python3 scripts/loop_probe.py --preset ${LOOP_PRESET:-lfm2.5-1.2b} --batch ${LOOP_BATCH:-128} \
         --widths ${LOOP_WIDTHS:-1} --json $RUN/loop.json 2>&1 | tee $RUN/loop.log | grep -v "^USDT" | tail -32 ;;
+    moesweep)  # issue 38: the MoE expert kernels' candidate tiles at decode and verify sizes, then their kernels' times
+      timeout ${T_MOESWEEP:-200} python3 benchmarks/kernels/moe.py --sweep --sizes ${MOE_SIZES:-1 10} --budget ${MOE_BUDGET:-150} \
+        --json $RUN/moe_sweep.json 2>&1 | tee $RUN/moe_sweep.log | tail -${MOESWEEP_LINES:-40} ;;
     multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off
       timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${MULTITURN_ARGS:-} > $RUN/multiturn.log 2>&1 \
         || tail -15 $RUN/multiturn.log

@@ -174,11 +174,7 @@ if __name__ == "__main__":
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy_gbps, "rows": rows}, f, indent=1)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s")
-    if args.decode:
-        for N in (1, 2, 4):
-            ok = sorted((r for r in rows if r["shape"].startswith(f"N={N}")), key=lambda r: r["us"])
-            print(tabulate(ok[:6], headers="keys"))
-    elif args.sweep:
+    if args.sweep:
         for N in args.sizes:
             ok = sorted((r for r in rows if r["N"] == N and "us" in r), key=lambda r: r["us"])
             print(tabulate(ok[:5], headers="keys"))
