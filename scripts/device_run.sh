@@ -107,7 +107,7 @@ for step in $STEPS; do
       for replicas in 0 1; do
         echo "--- replicas $replicas"
         timeout ${T_SERVERAY:-240} python3 scripts/serve_probe.py --preset ${SERVE_PRESET:-lfm2.5-1.2b} \
-          --clients ${SERVERAY_CLIENTS:-8} --cuda-graph-sizes 1,8 $([ $replicas = 0 ] || echo --replicas $replicas) \
+          --clients ${SERVERAY_CLIENTS:-8} --cuda-graph-sizes ${SERVERAY_SIZES:-1,8} $([ $replicas = 0 ] || echo --replicas $replicas) \
           --json $RUN/serveray_$replicas.json --server-log $RUN/serveray_$replicas.log 2>&1 | tail -4
       done ;;
     servebench)  # the open-loop serving benchmark, target-only and speculative on one trace
