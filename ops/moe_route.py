@@ -15,8 +15,9 @@ in the logits' dtype, as HF ``Lfm2MoeSparseMoeBlock`` routes (reference/lfm2.md 
 Why an op: left to Inductor, this was the top-k's pairwise-rank kernel, a gather and the
 normalisation's reduction, about three small launches per MoE layer at every decode step (with the
 plan kernel, ~160 us of LFM2-8B-A1B's 1.54 ms step on the H100, session 30). Here one program
-routes ``BLOCK_T`` tokens, with every reduction over a token's own experts: a token's results do not
-depend on the other tokens of the launch (exact mode needs nothing more).
+routes a few tokens (one, for 32 experts: :func:`route_launch`), with every reduction over a
+token's own experts: a token's results do not depend on the other tokens of the launch (exact mode
+needs nothing more).
 
 Numerics: the selection scores are the reference's bits (the sigmoid rounded as HF rounds it, then
 the fp32 additions); the weights are normalised and scaled in fp32 and rounded once, where the
@@ -32,7 +33,17 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 
-BLOCK_T = 16  # tokens per program: [16, E, E] pairwise comparisons stay in registers for E <= 64
+PAIRWISE_PER_PROGRAM = 1024  # (token, expert, expert) comparisons one program holds: 32 per thread of one warp
+
+
+def route_launch(n_tokens: int, n_experts: int) -> tuple[int, int]:
+    """``(tokens per program, warps)``. The pairwise ranks are ``[tokens, E, E]`` tensors held in
+    registers: at most ``PAIRWISE_PER_PROGRAM`` comparisons per warp (16 tokens of 32 experts per
+    program spilled, and made LFM2-8B-A1B's decode step 6% slower than Inductor's kernels on the H100)."""
+    e_pad = max(2, triton.next_power_of_2(n_experts))
+    block_t = min(triton.next_power_of_2(max(n_tokens, 1)), max(1, PAIRWISE_PER_PROGRAM // (e_pad * e_pad)))
+    warps = min(4, max(1, block_t * e_pad * e_pad // PAIRWISE_PER_PROGRAM))
+    return block_t, warps
 
 
 @triton.jit
@@ -123,17 +134,18 @@ def moe_route_triton(logits: torch.Tensor, expert_bias: torch.Tensor | None, sel
         return ids, weights
     placeholder = ids  # pointer for an absent bias (never read: the constexpr drops the load)
     sel = selection_bias if selection_bias is not None else placeholder
-    _moe_route_kernel[(triton.cdiv(N, BLOCK_T),)](
+    block_t, warps = route_launch(N, E)
+    _moe_route_kernel[(triton.cdiv(N, block_t),)](
         logits, expert_bias if expert_bias is not None else placeholder, sel, ids, weights,
         N, float(scale),
         logits.stride(0), logits.stride(1),
         sel.stride(0) if selection_bias is not None else 0, sel.stride(1) if selection_bias is not None else 0,
         E=E, E_PAD=max(2, triton.next_power_of_2(E)), TOPK=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_T=BLOCK_T, HAS_EXPERT_BIAS=expert_bias is not None,
+        BLOCK_T=block_t, HAS_EXPERT_BIAS=expert_bias is not None,
         ROUND_BIASED=expert_bias is not None and torch.promote_types(logits.dtype, expert_bias.dtype) == logits.dtype
         and logits.dtype != torch.float32,
         HAS_SEL_BIAS=selection_bias is not None,
-        NORMALIZE=normalize, num_warps=4, **pdl_kwargs(logits),
+        NORMALIZE=normalize, num_warps=warps, **pdl_kwargs(logits),
     )
     return ids, weights
 
