@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the whole block)")
     s.add_argument("--exact", action="store_true", help=_EXACT_HELP)
     s.add_argument("--prefix-cache-outputs", action="store_true", help="also keep each finished request's output "
-                   "in the prefix cache (a chat's next turn repeats it): its full blocks are prefilled once more as "
-                   "it finishes")
+                   "in the prefix cache (a chat's next turn repeats it): its full blocks are prefilled once more, at "
+                   "a step where nothing decodes")
     s.add_argument("--replicas", type=_positive, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")

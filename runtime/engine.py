@@ -57,6 +57,9 @@ from .steps import Steps
 
 log = logging.getLogger("lfmspark")
 
+# a cache job's prefill reads no sampling setting; _prefill_chunk asks whether it wants prompt logprobs
+_CACHE_JOB_PARAMS = SamplingParams()
+
 
 @dataclass
 class _InFlight:
@@ -94,9 +97,12 @@ class Engine:
     ``max_seq_len`` is shorter than a block keeps none. Prefill chunks end at multiples of
     ``prefix_block`` whether the cache is on or off (that is what makes a hit exact).
     ``prefix_cache_outputs=True`` also keeps each finished request's output (a chat's finished turn,
-    which the next turn's prompt repeats): its full blocks are prefilled once more as the request
-    finishes, in its slot, so the cache holds the state a prompt's prefill computes, not the decode
-    steps' (whose roundings differ); the cost is that prefill, about the output's length in tokens.
+    which the next turn's prompt repeats): its full blocks are prefilled once more, so the cache holds
+    the state a prompt's prefill computes, not the decode steps' (whose roundings differ). That
+    prefill (about the output's length in tokens) is a queued job that runs in a free slot at a step
+    where no request is decoding, before the requests queued at that time are admitted, so it never
+    stalls a stream; under load that never leaves the engine without a decoding request the jobs
+    wait, the oldest dropped past ``max_batch`` of them.
 
     ``verify_widths`` (speculative engines): the verify windows a round may take, in columns (the
     anchor and that many drafts less one); each round the scheduler picks the one with the most
@@ -221,6 +227,7 @@ class Engine:
         self._followers: dict[int, list[Request]] = {}   # id(prefilling leader) -> the other samples of its prompt
         self._active: list[Request] = []
         self._live: dict[str, Request] = {}        # queued and active requests by id
+        self._cache_jobs: deque[Request] = deque()  # finished turns to prefill into the prefix cache (_queue_cache_job)
         self._ids = itertools.count()
         self._dead: BaseException | None = None    # the device-level failure that ended the engine
         self._inflight: _InFlight | None = None
@@ -332,8 +339,10 @@ class Engine:
                 "block": pc.block}
 
     def clear_prefix_cache(self) -> int:
-        """Drop every cached prefix (running requests keep what they copied); returns the blocks dropped."""
+        """Drop every cached prefix and the finished turns waiting to be cached (running requests keep
+        what they copied); returns the blocks dropped."""
         with self._lock:
+            self._cache_jobs.clear()
             return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     @property
@@ -540,7 +549,8 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._prefilling and not self._active and self._inflight is None
+        return (not self._queue and not self._prefilling and not self._active and self._inflight is None
+                and not self._cache_jobs)
 
     @property
     def num_waiting(self) -> int:
@@ -580,7 +590,9 @@ class Engine:
             self._dead = error
             concerned = list(self._live.values())
         for req in concerned:
-            if not req.finished:
+            if req.cache_only:
+                self._release_cache_job(req, error)
+            elif not req.finished:
                 events.append(self._end(req, "error", error))
         if self._dead is not None:
             log.error("device failure, engine stopped: %s", describe(error))
@@ -650,7 +662,12 @@ class Engine:
 
     def _admit(self, events: list[StreamEvent]) -> None:
         """Give queued requests free slots (first come, first served; the samples of one prompt
-        together, as they share its prefill), then run this step's prefill (:meth:`_prefill_step`)."""
+        together, as they share its prefill), then run this step's prefill (:meth:`_prefill_step`).
+        At a step where nothing decodes, the finished turns waiting to be cached go first, and the
+        queued requests wait for the next step, when their prompts can match those blocks."""
+        if self._admit_cache_jobs():
+            self._prefill_step(events)
+            return
         while self._queue and self.pool.n_free:
             head = self._queue[0]
             members = [head] if head.group is None else [r for r in self._queue if r.group == head.group]
@@ -670,6 +687,35 @@ class Engine:
                 self._followers[id(members[0])] = members[1:]
         if self._prefilling:
             self._prefill_step(events)
+
+    def _admit_cache_jobs(self) -> bool:
+        """Start the waiting cache jobs (:meth:`_queue_cache_job`) that free slots allow, at a step
+        where no request decodes or prefills; whether any is prefilling now."""
+        if self._active or self._prefilling or self._inflight is not None:
+            return False
+        cache = self.prefix_cache
+        while self._cache_jobs and self.pool.n_free:
+            job = self._cache_jobs.popleft()
+            job.slot = self.pool.acquire()
+            try:
+                job.prefilled = cache.load(cache.match(job.prompt_ids), job.slot)
+            except Exception:
+                log.warning("could not load the cached prefix of %s", job.request_id, exc_info=True)
+                job.prefilled = len(job.prompt_ids)
+            if job.prefilled < len(job.prompt_ids):
+                self._prefilling.append(job)
+            else:                                   # cached meanwhile (or unusable): nothing to run
+                self._release_cache_job(job)
+        return bool(self._prefilling)
+
+    def _release_cache_job(self, job: Request, error: BaseException | None = None) -> None:
+        if error is not None:   # only the cache misses out: the request it came from had succeeded
+            log.warning("could not cache the output of %s: %s", job.request_id, describe(error))
+        if job in self._prefilling:
+            self._prefilling.remove(job)
+        if job.slot is not None:
+            self.pool.release(job.slot)
+            job.slot = None
 
     def _prefill_step(self, events: list[StreamEvent]) -> None:
         """Prefill what this step may: while requests are decoding, one forward of at most
@@ -758,6 +804,10 @@ class Engine:
         if self.prefix_cache is not None:
             self._cache_prefilled(rows)
         done = [i for i, r in enumerate(rows) if r.prefilled == len(r.prompt_ids)]
+        for i in done:
+            if rows[i].cache_only:                  # its blocks are in the cache now: nothing to pick
+                self._release_cache_job(rows[i])
+        done = [i for i in done if not rows[i].cache_only]
         if not done:
             return []
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt_ids)]
@@ -1031,8 +1081,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> GenerationOutput:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
-        if self.prefix_cache_outputs and reason in ("stop", "length") and req.slot is not None:
-            self._cache_output(req)
+        if self.prefix_cache_outputs and reason in ("stop", "length"):
+            self._queue_cache_job(req)
         if req.slot is not None:
             self.pool.release(req.slot)
             req.slot = None
@@ -1054,28 +1104,21 @@ class Engine:
                                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
                                 prompt_logprobs=req.prompt_logprobs)
 
-    def _cache_output(self, req: Request) -> None:
-        """Store the full blocks of a finished request's prompt and output (``prefix_cache_outputs``):
-        reload the longest cached prefix into its slot and prefill the rest up to the last full
-        block, in the chunks any prefill of these tokens runs (:meth:`_chunk_len`), so the stored
-        state is what a later prompt's prefill would compute. The
-        work queues behind the round in flight, which may still write this slot but runs first."""
-        cache, b = self.prefix_cache, self.prefix_cache.block
+    def _queue_cache_job(self, req: Request) -> None:
+        """Queue the prefill of a finished request's prompt and output, up to its last full block, into
+        the prefix cache (``prefix_cache_outputs``). It runs as a prompt's prefill does, in the chunks
+        any prefill of these tokens runs (:meth:`_chunk_len`), after the longest cached prefix, so the
+        stored state is what a later prompt's prefill would compute (:meth:`_admit_cache_jobs`)."""
+        b = self.prefix_cache.block
         tokens = req.prompt_ids + req.output
         n = len(tokens) // b * b
         if n <= len(req.prompt_ids) // b * b:
             return                                  # the output completes no block beyond the prompt's
-        try:
-            pos = cache.load(cache.match(tokens[:n]), req.slot)
-            while pos < n:
-                take = self._chunk_len(pos, n)
-                self.prefill_runner.run([tokens[pos:pos + take]], [req.slot], [pos])
-                pos += take
-                if pos % b == 0:
-                    self.tcache.block_state[:, req.slot, pos // b - 1] = self.tcache.conv_state[:, req.slot]
-            cache.insert(tokens, req.slot, n)
-        except Exception:                           # the request itself succeeded: only the cache misses out
-            log.warning("could not cache the output of %s", req.request_id, exc_info=True)
+        if len(self._cache_jobs) >= self.max_batch:
+            dropped = self._cache_jobs.popleft()
+            log.debug("cache job queue full: %s not cached", dropped.request_id)
+        self._cache_jobs.append(Request(f"{req.request_id}:cache", 0, tokens[:n], _CACHE_JOB_PARAMS, frozenset(), 0,
+                                        time.perf_counter(), cache_only=True))
 
     def _leave_prefill(self, req: Request) -> None:
         """Take a finishing request out of the prefill: a leader's first waiting sample takes its place,

@@ -25,9 +25,10 @@ tokens have state computed by decode steps and verify windows, whose reductions 
 prefill's: a later prompt that repeats them (the next chat turn) would get different low-order bits
 from that state than from prefilling them. So by default outputs are prefilled as part of the next
 prompt and kept from then on; with ``Engine(prefix_cache_outputs=True)`` a finished request's
-output is prefilled once more in its slot as it finishes (``Engine._cache_output``: the cached
-prefix reloaded, then the chunks a prefill of those tokens runs, on the block grid), and those
-blocks are stored, so the next turn finds its previous turn cached up to the last full block. On the GPU the reused state is the same bits when the forwards that computed
+output is prefilled once more as a queued job (``Engine._queue_cache_job``: in a free slot at a step
+where nothing decodes, the cached prefix loaded, then the chunks a prefill of those tokens runs, on
+the block grid, batched with the other jobs), and those blocks are stored, so the next turn finds
+its previous turn cached up to the last full block. On the GPU the reused state is the same bits when the forwards that computed
 it batched rows alike; the default kernels do not promise that across batch compositions (a
 product's reduction order may follow the row count), the limit today's outputs already have
 across loads. A request asking for ``prompt_logprobs`` needs every prompt position's logits, so it

@@ -82,6 +82,8 @@ class Request:
     sample: int = 0                     # which of them
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # with SamplingParams.logprobs
     prompt_logprobs: list[TokenLogprobs | None] | None = None    # with SamplingParams.prompt_logprobs
+    cache_only: bool = False            # a finished turn's tokens prefilled into the prefix cache only
+                                        # (Engine(prefix_cache_outputs=True)): no output, no events
 
     @property
     def finished(self) -> bool:

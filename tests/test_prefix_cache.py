@@ -146,6 +146,36 @@ def test_cached_outputs_survive_eviction_and_need_the_cache():
         engine(target, draft, None, prefix_cache_outputs="yes")
 
 
+def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_of_them():
+    """A finished turn's cache job never shares a forward with a decoding request (it would stall
+    that stream): the short requests that finish while a long one decodes queue their jobs, then the
+    long one its own, at most ``max_batch`` of them (the oldest dropped), which run once nothing
+    decodes; a prompt that repeats a kept turn then finds its output cached, one that repeats a
+    dropped turn only its prompt."""
+    target = random_tiny_target(seed=16)
+    eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
+    rng = random.Random(5)
+    long = [rng.randrange(60) for _ in range(5)]
+    shorts = [[rng.randrange(60) for _ in range(2 * BLOCK - 3)] for _ in range(4)]   # + 9 tokens: 2 full blocks
+    forwards: list[tuple[int, int]] = []    # (cache-job rows, decoding requests) of each prefill forward
+    real = eng._prefill_forward
+
+    def spy(rows, chunks):
+        forwards.append((sum(r.cache_only for r in rows), len(eng._active)))
+        return real(rows, chunks)
+
+    eng._prefill_forward = spy
+    outs = eng.generate([long] + shorts, [SamplingParams(max_new_tokens=70, ignore_eos=True)]
+                        + [SamplingParams(max_new_tokens=9, ignore_eos=True)] * 4)
+    assert not eng.idle and not any(jobs for jobs, _ in forwards)     # two jobs wait; none ran yet
+    while not eng.idle:
+        eng.step()
+    assert any(jobs for jobs, _ in forwards) and not any(jobs and decoding for jobs, decoding in forwards)
+    follow_ups = [p + o.token_ids + [1, 2, 3] for p, o in zip([long] + shorts, outs)]
+    cached = [o.stats.prompt_tokens_cached for o in eng.generate(follow_ups, SamplingParams(max_new_tokens=1))]
+    assert cached == [9 * BLOCK, BLOCK, BLOCK, BLOCK, 2 * BLOCK]     # kept: the long one's and the last short's
+
+
 def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
     """Room for two blocks: two requests admitted together hit the same two-block entry, and a third
     one admitted with them, with another prompt, evicts that entry to store its own blocks while the
