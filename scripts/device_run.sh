@@ -190,9 +190,15 @@ for step in $STEPS; do
       timeout ${T_MOESWEEP:-200} python3 benchmarks/kernels/moe.py --sweep --sizes ${MOE_SIZES:-1 10} --budget ${MOE_BUDGET:-150} \
         --json $RUN/moe_sweep.json 2>&1 | tee $RUN/moe_sweep.log | tail -${MOESWEEP_LINES:-40} ;;
     multiturn)  # issue 37's figure: multi-turn chats, TTFT per turn with the prefix cache on and off
-      timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${MULTITURN_ARGS:-} > $RUN/multiturn.log 2>&1 \
-        || tail -15 $RUN/multiturn.log
-      grep -E "^(turn|\{)" $RUN/multiturn.log | cut -c1-400 ;;
+                # (MULTITURN_ARGS: the probe's flags; several runs separated by ";", logged as multiturn_<i>.log)
+      IFS=";" read -ra runs <<< "${MULTITURN_ARGS:- }"
+      for i in "${!runs[@]}"; do
+        echo "--- ${runs[$i]}"
+        timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${runs[$i]} > $RUN/multiturn_$i.log 2>&1 \
+          || tail -15 $RUN/multiturn_$i.log
+        grep -E "^turn" $RUN/multiturn_$i.log
+        tar czf $OUT/results.tgz -C $OUT run
+      done ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
