@@ -506,6 +506,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     engines: dict[str, Engine] = {}
 
     profiles = cfg.imposed_acceptance
+    if profiles is not None and draft is None:
+        raise ValueError("--imposed-acceptance needs a draft (it sets the draft's acceptance), and this run has "
+                         "none: drop it, or give a draft (--draft-preset, --draft)")
     if draft is not None and source.startswith("preset") and profiles is None:
         profiles = [[DEFAULT_IMPOSED_RATE]]
         log.info("random-weight draft: imposing a per-position acceptance rate of %.2f (outputs are labelled)",

@@ -81,7 +81,8 @@ for step in $STEPS; do
     oldnew)  # the benchmark on another checkout (OLD_TREE, carried: e.g. `git archive COMMIT | tar x -C .devrun/old`)
              # and on this one, in one call: LFM2.5-1.2B batch 1 and 8, LFM2-8B-A1B batch 1, imposed 0.8, no HF;
              # each tree installed in turn, each with its own compile cache (OLDNEW_ARGS: more bench flags, e.g. --exact;
-             # OLDNEW_TAG: a prefix for this comparison's files, so that two comparisons in one call keep theirs)
+             # OLDNEW_TAG: a prefix for this comparison's files, so that two comparisons in one call keep theirs;
+             # OLDNEW_IMPOSED="" for runs without a draft)
       for tree in ${OLD_TREE:-.devrun/old} .; do
         name=${OLDNEW_TAG:-}$([ "$tree" = . ] && echo new || echo old)
         python3 -m pip install -q --no-deps --no-build-isolation -e $tree > $RUN/install_$name.log 2>&1 || { tail $RUN/install_$name.log; continue; }
@@ -90,7 +91,7 @@ for step in $STEPS; do
           echo "--- $name $p $b"
           (cd $tree && LFMSPARK_CACHE_DIR=/tmp/oldnew_$name TORCHINDUCTOR_CACHE_DIR=/tmp/oldnew_$name timeout ${T_OLDNEW:-240} \
             python3 -m lfmspark.runtime.cli bench --preset $p --batch-sizes $b --runs 2 --no-hf --no-phase-split \
-            --imposed-acceptance 0.8 ${OLDNEW_ARGS:-} --json $RUN/oldnew_${name}_$p.json > $RUN/oldnew_${name}_$p.log 2>&1) \
+            ${OLDNEW_IMPOSED---imposed-acceptance 0.8} ${OLDNEW_ARGS:-} --json $RUN/oldnew_${name}_$p.json > $RUN/oldnew_${name}_$p.log 2>&1) \
             || tail -20 $RUN/oldnew_${name}_$p.log
         done
       done

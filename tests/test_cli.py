@@ -111,6 +111,8 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
     (["bench", "--imposed-acceptance", "1.5"], "in [0, 1]"),
     (["bench", "--preset", "tiny", "--device", "cpu", "--imposed-acceptance", "0.5", "--imposed-acceptance",
       "0.5,0.5"], "needs one rate or 4"),
+    (["bench", "--preset", "tiny", "--device", "cpu", "--draft-preset", "none", "--imposed-acceptance", "0.8"],
+     "needs a draft"),
     (["bench", "--preset", "nope"], "invalid choice"),
     (["bench", "--preset", "tiny", "--target", "x"], "not allowed with"),
     (["bench", "--draft", "somewhere"], "--draft needs --target"),
