@@ -54,6 +54,7 @@ from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .speculation import VerifyScheduler, default_verify_widths
 from .state import NO_DRAFT_LIMIT, SlotPool, SlotState
 from .steps import Steps
+from .transfer import to_device
 
 log = logging.getLogger("lfmspark")
 
@@ -785,8 +786,8 @@ class Engine:
         block = self.prefix_cache.block
         ends = [r for r in rows if r.prefilled % block == 0]
         if ends:
-            slots = torch.tensor([r.slot for r in ends], device=self.device)
-            index = torch.tensor([r.prefilled // block - 1 for r in ends], device=self.device)
+            slots = to_device([r.slot for r in ends], self.device)
+            index = to_device([r.prefilled // block - 1 for r in ends], self.device)
             self.tcache.block_state[:, slots, index] = self.tcache.conv_state[:, slots]
         for req in rows:
             if req.prefilled >= block:
@@ -813,7 +814,7 @@ class Engine:
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt_ids)]
         mode = sampling_mode((r.params for i in done for r in (rows[i], *self._followers.get(id(rows[i]), []))),
                              self.config.vocab_size)
-        t = lambda v: torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        t = lambda v: to_device(v, self.device)  # noqa: E731
         index = t(done)
         picked, scores = self.steps.prefill_pick(logits.index_select(0, index), t([rows[i].slot for i in done]),
                                                  t([len(rows[i].prompt_ids) for i in done]), mode)
@@ -897,7 +898,7 @@ class Engine:
         self.tcache.copy_prefix(lead.slot, dst, n)
         if self.dcache is not None:
             self.dcache.copy_prefix(lead.slot, dst, n)
-        slots = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        slots = to_device(dst, self.device)
         picked, scores = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n),
                                                  mode)
         return [(req, picked[j], scores[j]) for j, req in enumerate(others)]
@@ -949,7 +950,7 @@ class Engine:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return None, None
-        index = torch.tensor(want, dtype=torch.int64).to(out.tokens.device, non_blocking=True)
+        index = to_device(want, out.tokens.device)
         scores, tokens = out.scores.index_select(0, index), out.tokens.index_select(0, index)
         lp = token_logprobs(scores.reshape(-1, scores.shape[-1]), tokens.reshape(-1),
                             max(rows[i].params.logprobs for i in want))

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.cache import DraftCache, TargetCache
+from .transfer import to_device
 
 DEFAULT_BLOCK = 256
 
@@ -123,7 +124,7 @@ class PrefixCache:
         for node in nodes:
             node.last_used = now
         n, b = len(nodes), self.block
-        idx = torch.tensor([node.block for node in nodes], device=self.k.device)
+        idx = to_device([node.block for node in nodes], self.k.device)
         t = self.tcache
         t.k[:, slot, :n * b] = self.k[:, idx].flatten(1, 2)
         t.v[:, slot, :n * b] = self.v[:, idx].flatten(1, 2)
@@ -159,8 +160,8 @@ class PrefixCache:
             path.add(id(child))
             node = child
         if new:
-            dst = torch.tensor([blk for blk, _ in new], device=self.k.device)
-            src = torch.tensor([j for _, j in new], device=self.k.device)
+            dst = to_device([blk for blk, _ in new], self.k.device)
+            src = to_device([j for _, j in new], self.k.device)
             t = self.tcache
             cols = (src[:, None] * b + torch.arange(b, device=self.k.device)).flatten()
             self.k[:, dst] = t.k[:, slot, cols].unflatten(1, (len(new), b))
