@@ -176,6 +176,34 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     assert cached == [9 * BLOCK, BLOCK, BLOCK, BLOCK, 2 * BLOCK]     # kept: the long one's and the last short's
 
 
+def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
+    """A cache job whose prefill raises is dropped with a warning: its slot comes back, the requests
+    queued behind it run and answer as an engine without output caching does."""
+    target = random_tiny_target(seed=17)
+    eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
+    prompt = list(range(1, 2 * BLOCK - 2))
+    eng.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert not eng.idle                                   # its cache job waits
+    real = eng._prefill_chunk
+
+    def failing(rows, chunks, starts):
+        if any(r.cache_only for r in rows):
+            raise RuntimeError("injected failure")
+        return real(rows, chunks, starts)
+
+    eng._prefill_chunk = failing
+    follow_up = [prompt + [5, 6, 7], list(range(3, 20))]
+    with caplog.at_level("WARNING", logger="lfmspark"):
+        outs = eng.generate(follow_up, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert "injected failure" in caplog.text
+    ref = engine(target, None, 0, max_batch=2).generate(follow_up, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert all(o.finish_reason == "length" for o in outs)
+    while not eng.idle:
+        eng.step()
+    assert eng.pool.n_free == 2
+
+
 def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
     """Room for two blocks: two requests admitted together hit the same two-block entry, and a third
     one admitted with them, with another prompt, evicts that entry to store its own blocks while the
