@@ -84,24 +84,30 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _median_seconds(fn, runs: int, warmup: int = 3) -> float:
+    """The median device time of ``fn()`` over ``runs`` calls (CUDA events), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return percentile(times, 50)
+
+
 def copy_bandwidth_gbps(device: torch.device, n_bytes: int = 1 << 31) -> float | None:
     """Device-to-device copy bandwidth (bytes read + written per second), median of 20 copies."""
     if device.type != "cuda":
         return None
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
+    seconds = _median_seconds(lambda: dst.copy_(src), runs=20)
     del src, dst
-    return 2 * n_bytes / percentile(times, 50) / 1e9
+    return 2 * n_bytes / seconds / 1e9
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
@@ -111,18 +117,9 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
         return None
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    seconds = _median_seconds(lambda: a @ b, runs=10)
     del a, b
-    return 2 * n ** 3 / percentile(times, 50) / 1e12
+    return 2 * n ** 3 / seconds / 1e12
 
 
 def prefill_flops(engine: Engine, rows: int, tokens: int) -> int:
