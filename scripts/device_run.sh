@@ -174,11 +174,12 @@ for step in $STEPS; do
         tar czf $OUT/results.tgz -C $OUT run
       done ;;
     exact)   # issue 39: exact mode's GPU identity tests, then its identity rates and cost against the default
-             # mode per preset (scripts/exact_probe.py; EXACT_PROMPTS, EXACT_PRESETS)
+             # mode per preset (scripts/exact_probe.py; EXACT_PROMPTS, EXACT_PRESETS; EXACT_PROBE_PROMPTS: the
+             # probe's own prompt count; EXACT_TEST_ARGS: e.g. -k to run some of the tests)
       LFMSPARK_EXACT_PROMPTS=${EXACT_PROMPTS:-200} timeout ${T_EXACT_TESTS:-300} python3 -m pytest -q -p no:cacheprovider \
-        -rfs --tb=short -p no:logging tests/test_exact_mode_gpu.py 2>&1 | tee $RUN/exact_tests.log | tail -8
+        -rfs --tb=short -p no:logging ${EXACT_TEST_ARGS:-} tests/test_exact_mode_gpu.py 2>&1 | tee $RUN/exact_tests.log | tail -8
       for preset in ${EXACT_PRESETS:-lfm2.5-1.2b lfm2-8b-a1b}; do
-        timeout ${T_EXACT:-300} python3 scripts/exact_probe.py --preset $preset --prompts ${EXACT_PROMPTS:-200} \
+        timeout ${T_EXACT:-300} python3 scripts/exact_probe.py --preset $preset --prompts ${EXACT_PROBE_PROMPTS:-${EXACT_PROMPTS:-200}} \
           --json $RUN/exact_$preset.json > $RUN/exact_$preset.log 2>&1 || tail -5 $RUN/exact_$preset.log
         grep -E "^(default|exact) " $RUN/exact_$preset.log
         tar czf $OUT/results.tgz -C $OUT run
@@ -200,6 +201,9 @@ for step in $STEPS; do
         grep -E "^turn" $RUN/multiturn_$i.log
         tar czf $OUT/results.tgz -C $OUT run
       done ;;
+    moeprofile)  # issue 38: device time of each kernel of the MoE op per call (MOE_SIZES tokens)
+      timeout ${T_MOEPROFILE:-60} python3 benchmarks/kernels/moe.py --profile --sizes ${MOE_SIZES:-1 10} 2>&1 \
+        | tee $RUN/moe_profile.log | tail -${MOEPROFILE_LINES:-20} ;;
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
