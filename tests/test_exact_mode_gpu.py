@@ -77,3 +77,27 @@ def test_exact_speculation_with_an_often_accepted_draft(moe: bool):
         outs[name] = engine.generate(batch, SamplingParams(max_new_tokens=128, ignore_eos=True))
     assert [o.token_ids for o in outs["spec"]] == [o.token_ids for o in outs["plain"]]
     assert sum(o.stats.tau for o in outs["spec"]) / len(batch) > 2      # the draft was accepted often
+
+
+def test_exact_seeded_sampling_does_not_depend_on_the_batch():
+    """Seeded sampling with the model card's kind of settings (temperature, top-k, top-p; per-request
+    seeds): each of 32 prompts gets the same tokens and log-probabilities alone, in batches of 8 and
+    in one batch of 32, speculative and target-only (the dense preset: the sampled rounds' warm-up
+    is the longest of the file; the MoE layers' exactness is the greedy tests')."""
+    preset = "lfm2.5-1.2b"
+    batch = prompts(32, 1000, seed=2)
+    for draft in ("default", None):
+        engine = Engine.from_preset(preset, draft, max_batch=32, max_seq_len=256, batch_sizes=[1, 8, 32], exact=True)
+        engine.warmup(progress=False)
+
+        def run(group: list[list[int]], first: int) -> list:
+            params = [SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=0.3, top_k=50, top_p=0.9,
+                                     seed=100 + first + i, logprobs=0) for i in range(len(group))]
+            return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in engine.generate(group, params)]
+
+        together = run(batch, 0)
+        by_eight = [o for i in range(0, 32, 8) for o in run(batch[i:i + 8], i)]
+        alone = [run([p], i)[0] for i, p in enumerate(batch[:8])]
+        assert by_eight == together, draft
+        assert alone == together[:8], draft
+        del engine
