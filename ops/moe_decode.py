@@ -24,8 +24,9 @@ counter. A down task waits only on gate/up tasks whose numbers were all taken be
 programs that are running and never wait, so the wait ends whatever the residency or the order the
 hardware starts programs in (the dynamic numbering of CUB's single-pass scan, for the same reason).
 Synchronisation: a gate/up task's threads store, a CTA barrier, then one release increment of a
-``done`` counter at GPU scope; a down task polls ``done`` with volatile loads, then one acquire
-read, and reads the scratch past L1 (``.cg``). The last program to finish (a third counter) resets
+``done`` counter at GPU scope; a down task polls ``done`` with acquire loads (the grid barrier
+of ops/markov_walk/persistent.py polls so), then a CTA barrier, and reads the scratch past L1
+(``.cg``). The last program to finish (a third counter) resets
 the three counters to zero, so each launch leaves them as it found them (the counter buffer of
 ops/linear/skinny_linear.py, index :data:`COUNTERS`, whose ordering rule applies: launches that
 use it must be ordered on the device, as PDL keeps consecutive kernels).
@@ -55,7 +56,8 @@ from .moe_route import _check, _route_rows, moe_route_reference, route_constexpr
 from .tuning import tuned
 
 COUNTERS = 2  # index of this op's counter buffer (0 and 1: the split-K products' main and side streams)
-_TASK, _DONE, _FINISHED = 0, 1, 2   # the counters: tasks taken, gate/up tasks stored, programs finished
+# the counters: tasks taken, gate/up tasks stored, programs finished
+_TASK, _DONE, _FINISHED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -87,6 +89,7 @@ def _moe_decode_kernel(
                                out_ptr.dtype.element_ty)
     slots = tl.arange(0, K_PAD)
     ids = tl.reshape(ids, [K_PAD])
+    weights = tl.reshape(weights, [K_PAD])
     if task < n_up_tasks:
         # gate/up: expert slot j (the fastest index, so neighbouring tasks read different experts), columns c
         j = task % TOPK
@@ -117,14 +120,14 @@ def _moe_decode_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None, None] & (cols < H)[None, :, None] & (ks < I)[None, None, :],
                     other=0.0)
         if PHASE == 0:
-            while tl.load(cnt_ptr + _DONE, volatile=True) < n_up_tasks:
-                pass
-            tl.atomic_add(cnt_ptr + _DONE, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
+            stored = 0
+            while stored < n_up_tasks:   # acquire loads: polls need no read-modify-write at the counter
+                stored = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [cnt_ptr + _DONE],
+                                                   dtype=tl.uint32, is_pure=False, pack=1).to(tl.int32)
+            tl.debug_barrier()   # no thread reads the scratch before the acquire
         a = tl.load(inter_ptr + slots[:, None] * I + ks[None, :], mask=k_ok[:, None] & (ks < I)[None, :],
                     other=0.0, cache_modifier=".cg").to(tl.float32)
         per_expert = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)          # [K_PAD, BLOCK_N2]
-        weights = tl.reshape(weights, [K_PAD])
         total = tl.sum(per_expert * weights[:, None], axis=0)
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
     if PHASE == 0:
