@@ -61,6 +61,62 @@ _TASK, _DONE, _FINISHED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
+def _gate_up_task(x_ptr, w13_ptr, inter_ptr, ids, slots, j, c, stride_w13e, stride_w13n,
+                  H: tl.constexpr, I: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N1: tl.constexpr):
+    """Columns ``c`` of ``silu(x w1_e^T) * (x w3_e^T)`` for the expert ``e`` in slot ``j``, stored to
+    the scratch row ``j``: one load of each weight tile whole, fp32 sums, rounded once."""
+    e = tl.sum(tl.where(slots == j, ids, 0)).to(tl.int64)
+    cols = c * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    ks = tl.arange(0, BLOCK_H)
+    mask = (cols < I)[:, None] & (ks < H)[None, :]
+    g_ptrs = w13_ptr + e * stride_w13e + cols[:, None] * stride_w13n + ks[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
+    u = tl.load(g_ptrs + I * stride_w13n, mask=mask, other=0.0)
+    xk = tl.load(x_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+    gate = tl.sum(g.to(tl.float32) * xk[None, :], axis=1)
+    up = tl.sum(u.to(tl.float32) * xk[None, :], axis=1)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(inter_ptr + j * I + cols, h.to(inter_ptr.dtype.element_ty), mask=cols < I)
+
+
+@triton.jit
+def _down_weights(w2_ptr, ids, slots, c, stride_w2e, stride_w2n, H: tl.constexpr, I: tl.constexpr,
+                  TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Rows ``c`` (``BLOCK_N2`` columns of the output) of every chosen expert's ``w2``,
+    ``[K_PAD, BLOCK_N2, BLOCK_I]``: they depend on the routing only, so they load before the wait."""
+    cols = c * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+    ks = tl.arange(0, BLOCK_I)
+    ptrs = (w2_ptr + ids.to(tl.int64)[:, None, None] * stride_w2e + cols[None, :, None] * stride_w2n
+            + ks[None, None, :])
+    return tl.load(ptrs, mask=(slots < TOPK)[:, None, None] & (cols < H)[None, :, None] & (ks < I)[None, None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _down_task(w, inter_ptr, out_ptr, weights, slots, c, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+               BLOCK_I: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Columns ``c`` of ``sum_j weight_j * (scratch_j w2_j^T)`` from the loaded ``w``, rounded once."""
+    cols = c * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+    ks = tl.arange(0, BLOCK_I)
+    a = tl.load(inter_ptr + slots[:, None] * I + ks[None, :], mask=(slots < TOPK)[:, None] & (ks < I)[None, :],
+                other=0.0, cache_modifier=".cg").to(tl.float32)   # written by other programs: past L1
+    per_expert = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)          # [K_PAD, BLOCK_N2]
+    total = tl.sum(per_expert * weights[:, None], axis=0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
+def _wait_for(counter_ptr, target):
+    """Return once ``*counter_ptr >= target`` (an acquire: what was released before the increments
+    is visible to every thread of the program after it)."""
+    seen = 0
+    while seen < target:   # acquire loads: polls need no read-modify-write at the counter
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [counter_ptr],
+                                         dtype=tl.uint32, is_pure=False, pack=1).to(tl.int32)
+    tl.debug_barrier()   # no thread reads past this before the acquire
+
+
+@triton.jit
 def _moe_decode_kernel(
     x_ptr, logits_ptr, expert_bias_ptr, sel_bias_ptr, w13_ptr, w2_ptr, inter_ptr, out_ptr, cnt_ptr,
     scale,
@@ -91,45 +147,17 @@ def _moe_decode_kernel(
     ids = tl.reshape(ids, [K_PAD])
     weights = tl.reshape(weights, [K_PAD])
     if task < n_up_tasks:
-        # gate/up: expert slot j (the fastest index, so neighbouring tasks read different experts), columns c
-        j = task % TOPK
-        c = task // TOPK
-        e = tl.sum(tl.where(slots == j, ids, 0)).to(tl.int64)
-        cols = c * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-        ks = tl.arange(0, BLOCK_H)
-        mask = (cols < I)[:, None] & (ks < H)[None, :]
-        g_ptrs = w13_ptr + e * stride_w13e + cols[:, None] * stride_w13n + ks[None, :]
-        g = tl.load(g_ptrs, mask=mask, other=0.0)
-        u = tl.load(g_ptrs + I * stride_w13n, mask=mask, other=0.0)
-        xk = tl.load(x_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
-        gate = tl.sum(g.to(tl.float32) * xk[None, :], axis=1)
-        up = tl.sum(u.to(tl.float32) * xk[None, :], axis=1)
-        h = gate * tl.sigmoid(gate) * up
-        tl.store(inter_ptr + j * I + cols, h.to(inter_ptr.dtype.element_ty), mask=cols < I)
+        # expert slot j the fastest index, so neighbouring tasks read different experts
+        _gate_up_task(x_ptr, w13_ptr, inter_ptr, ids, slots, task % TOPK, task // TOPK, stride_w13e, stride_w13n,
+                      H, I, BLOCK_H, BLOCK_N1)
         if PHASE == 0:
             tl.debug_barrier()   # every thread's stores before the one-thread release
             tl.atomic_add(cnt_ptr + _DONE, 1, sem="release", scope="gpu")
     else:
-        # down: columns c of H for all k experts; the weights first, then the wait for the scratch
-        c = task - n_up_tasks
-        cols = c * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-        ks = tl.arange(0, BLOCK_I)
-        k_ok = slots < TOPK
-        w_ptrs = (w2_ptr + ids.to(tl.int64)[:, None, None] * stride_w2e + cols[None, :, None] * stride_w2n
-                  + ks[None, None, :])
-        w = tl.load(w_ptrs, mask=k_ok[:, None, None] & (cols < H)[None, :, None] & (ks < I)[None, None, :],
-                    other=0.0)
+        w = _down_weights(w2_ptr, ids, slots, task - n_up_tasks, stride_w2e, stride_w2n, H, I, TOPK, BLOCK_I, BLOCK_N2)
         if PHASE == 0:
-            stored = 0
-            while stored < n_up_tasks:   # acquire loads: polls need no read-modify-write at the counter
-                stored = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [cnt_ptr + _DONE],
-                                                   dtype=tl.uint32, is_pure=False, pack=1).to(tl.int32)
-            tl.debug_barrier()   # no thread reads the scratch before the acquire
-        a = tl.load(inter_ptr + slots[:, None] * I + ks[None, :], mask=k_ok[:, None] & (ks < I)[None, :],
-                    other=0.0, cache_modifier=".cg").to(tl.float32)
-        per_expert = tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)          # [K_PAD, BLOCK_N2]
-        total = tl.sum(per_expert * weights[:, None], axis=0)
-        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
+            _wait_for(cnt_ptr + _DONE, n_up_tasks)
+        _down_task(w, inter_ptr, out_ptr, weights, slots, task - n_up_tasks, H, I, TOPK, BLOCK_I, BLOCK_N2)
     if PHASE == 0:
         tl.debug_barrier()
         finished = tl.atomic_add(cnt_ptr + _FINISHED, 1, sem="acq_rel", scope="gpu")

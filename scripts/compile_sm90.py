@@ -75,10 +75,14 @@ def main() -> None:
                                                      STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
                                                      UPCAST=False, POLL_ASM=True, PDL=True), num_warps=8)
 
-    for phase, sel in ((0, False), (0, True), (1, False), (2, False)):   # LFM2-8B-A1B's one-token MoE layer
-        compile_one(_moe_decode_kernel, dict(H=2048, I=1792, BLOCK_H=2048, BLOCK_I=2048, BLOCK_N1=2, BLOCK_N2=2, E=32,
-                                             E_PAD=32, TOPK=4, K_PAD=4, HAS_EXPERT_BIAS=True, ROUND_BIASED=False,
-                                             HAS_SEL_BIAS=sel, NORMALIZE=True, PHASE=phase, PDL=1))
+    # the one-token MoE layer: LFM2-8B-A1B's shapes, and shapes whose two task kinds tile differently
+    for (h, i, n1, n2), phase, sel in [((2048, 1792, 2, 2), 0, False), ((2048, 1792, 2, 2), 0, True),
+                                       ((2048, 1792, 4, 1), 1, False), ((2048, 1792, 1, 4), 2, False),
+                                       ((40, 24, 4, 8), 0, False)]:
+        compile_one(_moe_decode_kernel, dict(H=h, I=i, BLOCK_H=triton.next_power_of_2(h), BLOCK_I=triton.next_power_of_2(i),
+                                             BLOCK_N1=n1, BLOCK_N2=n2, E=32, E_PAD=32, TOPK=4, K_PAD=4,
+                                             HAS_EXPERT_BIAS=True, ROUND_BIASED=False, HAS_SEL_BIAS=sel,
+                                             NORMALIZE=True, PHASE=phase, PDL=1))
 
 
 if __name__ == "__main__":
