@@ -4,8 +4,7 @@
 Routing: sigmoid of the router logits; the fp32 ``expert_bias`` is added for **selection only**,
 the weights are the unbiased sigmoids of the chosen experts, renormalised (``/ (sum + 1e-6)``) and
 scaled by ``routed_scaling_factor``. There are no shared experts. The experts run through the
-``lfmspark::moe_experts`` op, which reads only the selected experts; a single token (the batch-1
-decode step) takes ``lfmspark::moe_decode``, routing and experts in one launch.
+``lfmspark::moe_experts`` op, which reads only the selected experts.
 
 **Routing locality (benchmark mode).** With random weights a sequence's tokens route almost
 uniformly, so a verify window of 10 tokens reads ~24 of 32 experts per layer; a trained model's
@@ -66,13 +65,6 @@ class Lfm2MoeBlock(nn.Module):
         if self.routing_bias is not None and slots is not None:
             per_row = self.routing_bias[slots.clamp(min=0)]                      # padding rows (-1): any subset
             bias = per_row[:, None, :].expand(-1, x.shape[0] // slots.shape[0], -1).reshape(x.shape[0], -1)
-        if x.shape[0] == 1 and not exact_mode():
-            # one decode token: routing and experts in one launch (ops/moe_decode.py); exact mode keeps the
-            # grouped kernels, whose per-token bits do not depend on how many tokens share the call
-            out = lfm.moe_decode(x, self.gate(x), self.expert_bias if self.use_expert_bias else None, bias,
-                                 self.top_k, self.norm_topk_prob, self.routed_scaling_factor,
-                                 self.experts.w13, self.experts.w2)
-            return out.view(shape)
         ids, weights = self.route(x, bias)
         return lfm.moe_experts(x, ids, weights, self.experts.w13, self.experts.w2, exact_mode()).view(shape)
 

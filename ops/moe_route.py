@@ -58,17 +58,24 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _route_rows(logit, tokens, t_ok, expert_bias_ptr, sel_bias_ptr, scale, stride_bn, stride_be,
-                E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr,
-                HAS_EXPERT_BIAS: tl.constexpr, ROUND_BIASED: tl.constexpr, HAS_SEL_BIAS: tl.constexpr,
-                NORMALIZE: tl.constexpr, W_DTYPE: tl.constexpr):
-    """The routing of the rows ``logit [BLOCK_T, E_PAD]`` (tokens ``tokens``, padding experts and
-    tokens masked): ``(ids [BLOCK_T, K_PAD] int32, weights [BLOCK_T, K_PAD] fp32)``, the weights
-    already rounded to ``W_DTYPE``; slots past ``TOPK`` hold expert 0 and weight 0. Shared by this
-    op's kernel and the one-token MoE kernel (ops/moe_decode.py), so both route alike."""
+def _moe_route_kernel(
+    logits_ptr, expert_bias_ptr, sel_bias_ptr, ids_ptr, weights_ptr,
+    N, scale,
+    stride_ln, stride_le, stride_bn, stride_be,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_EXPERT_BIAS: tl.constexpr, ROUND_BIASED: tl.constexpr, HAS_SEL_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, E_PAD)
+    t_ok = tokens < N
     e_ok = experts < E
     ok = t_ok[:, None] & e_ok[None, :]
+    logit = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * stride_ln + experts[None, :] * stride_le,
+                    mask=ok, other=0.0)
     # HF's sigmoid runs in the logits' dtype: round it there, then select in fp32
     p = _round_to(tl.sigmoid(logit.to(tl.float32)), logit.dtype)
     score = p
@@ -87,38 +94,15 @@ def _route_rows(logit, tokens, t_ok, expert_bias_ptr, sel_bias_ptr, scale, strid
     beats = (s_j > s_i) | ((s_j == s_i) & lower[None, :, :])
     rank = tl.sum(beats.to(tl.int32), axis=2)              # [BLOCK_T, E_PAD], a permutation per token
     slots = tl.arange(0, K_PAD)
-    k_ok = slots < TOPK
-    at_slot = (rank[:, None, :] == slots[None, :, None]) & k_ok[None, :, None]   # [BLOCK_T, K_PAD, E_PAD]
+    at_slot = rank[:, None, :] == slots[None, :, None]     # [BLOCK_T, K_PAD, E_PAD]
     ids = tl.sum(tl.where(at_slot, experts[None, None, :], 0), axis=2)
     w = tl.sum(tl.where(at_slot, p[:, None, :], 0.0), axis=2)     # [BLOCK_T, K_PAD]
+    k_ok = slots < TOPK
     if NORMALIZE:
-        total = tl.sum(w, axis=1)
+        total = tl.sum(tl.where(k_ok[None, :], w, 0.0), axis=1)
         w = w / (total[:, None] + 1e-6)
-    return ids, _round_to(w * scale, W_DTYPE)   # exact in the output dtype: a store keeps it
-
-
-@triton.jit
-def _moe_route_kernel(
-    logits_ptr, expert_bias_ptr, sel_bias_ptr, ids_ptr, weights_ptr,
-    N, scale,
-    stride_ln, stride_le, stride_bn, stride_be,
-    E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_EXPERT_BIAS: tl.constexpr, ROUND_BIASED: tl.constexpr, HAS_SEL_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, E_PAD)
-    t_ok = tokens < N
-    logit = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * stride_ln + experts[None, :] * stride_le,
-                    mask=t_ok[:, None] & (experts < E)[None, :], other=0.0)
-    ids, w = _route_rows(logit, tokens, t_ok, expert_bias_ptr, sel_bias_ptr, scale, stride_bn, stride_be,
-                         E, E_PAD, TOPK, K_PAD, HAS_EXPERT_BIAS, ROUND_BIASED, HAS_SEL_BIAS, NORMALIZE,
-                         weights_ptr.dtype.element_ty)
-    slots = tl.arange(0, K_PAD)
-    out_ok = t_ok[:, None] & (slots < TOPK)[None, :]
+    w = _round_to(w * scale, weights_ptr.dtype.element_ty)   # exact in the output dtype: the store keeps it
+    out_ok = t_ok[:, None] & k_ok[None, :]
     offs = tokens[:, None].to(tl.int64) * TOPK + slots[None, :]
     tl.store(ids_ptr + offs, ids.to(tl.int64), mask=out_ok)
     tl.store(weights_ptr + offs, w.to(weights_ptr.dtype.element_ty), mask=out_ok)
@@ -139,19 +123,6 @@ def _check(logits: torch.Tensor, expert_bias: torch.Tensor | None, selection_bia
                          f"{selection_bias.dtype} {tuple(selection_bias.shape)}")
 
 
-def route_constexprs(logits: torch.Tensor, expert_bias: torch.Tensor | None, selection_bias: torch.Tensor | None,
-                     top_k: int, normalize: bool) -> dict[str, int | bool]:
-    """The routing's compile-time arguments of :func:`_route_rows` (and of the kernels that call it)."""
-    E = logits.shape[1]
-    return dict(
-        E=E, E_PAD=max(2, triton.next_power_of_2(E)), TOPK=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        HAS_EXPERT_BIAS=expert_bias is not None,
-        ROUND_BIASED=expert_bias is not None and logits.dtype != torch.float32
-        and torch.promote_types(logits.dtype, expert_bias.dtype) == logits.dtype,
-        HAS_SEL_BIAS=selection_bias is not None, NORMALIZE=normalize,
-    )
-
-
 def moe_route_triton(logits: torch.Tensor, expert_bias: torch.Tensor | None, selection_bias: torch.Tensor | None,
                      top_k: int, normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on the Triton kernel."""
@@ -167,9 +138,14 @@ def moe_route_triton(logits: torch.Tensor, expert_bias: torch.Tensor | None, sel
     _moe_route_kernel[(triton.cdiv(N, block_t),)](
         logits, expert_bias if expert_bias is not None else placeholder, sel, ids, weights,
         N, float(scale),
-        logits.stride(0), logits.stride(1), sel.stride(0), sel.stride(1),
-        BLOCK_T=block_t, num_warps=warps, **route_constexprs(logits, expert_bias, selection_bias, top_k, normalize),
-        **pdl_kwargs(logits),
+        logits.stride(0), logits.stride(1),
+        sel.stride(0) if selection_bias is not None else 0, sel.stride(1) if selection_bias is not None else 0,
+        E=E, E_PAD=max(2, triton.next_power_of_2(E)), TOPK=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
+        BLOCK_T=block_t, HAS_EXPERT_BIAS=expert_bias is not None,
+        ROUND_BIASED=expert_bias is not None and torch.promote_types(logits.dtype, expert_bias.dtype) == logits.dtype
+        and logits.dtype != torch.float32,
+        HAS_SEL_BIAS=selection_bias is not None,
+        NORMALIZE=normalize, num_warps=warps, **pdl_kwargs(logits),
     )
     return ids, weights
 

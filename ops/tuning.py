@@ -16,8 +16,7 @@ gate/up product), ``norm_gemv`` and ``norm_swiglu`` (the one-row products with t
 prologue, ops/linear/add_rmsnorm_gemv.py), ``walk`` (the Markov walk step, ops/markov_walk/op.py), ``walk_grid``
 (the persistent walk: ``resident`` column blocks kept on chip, 0-2, ops/markov_walk/persistent.py),
 ``walk_jacobi`` (the Jacobi walk, the same keys, ops/markov_walk/jacobi.py), ``attention`` (``num_splits``: the key-range splits of the attention launches the heuristic splits,
-i.e. the few-row decode / verify / draft windows, not prefill; ops/attention/cache_attention.py), ``moe_decode``
-(the one-token MoE kernel's gate/up and down column tiles and warps, ops/moe_decode.py).
+i.e. the few-row decode / verify / draft windows, not prefill; ops/attention/cache_attention.py).
 
 The product kinds (``gemv``, ``tile``, ``tile_swiglu``) also take ``kind@NxK.parameter=integer``:
 it applies only to products with ``N`` output columns (gate columns for ``tile_swiglu``) and
@@ -42,7 +41,7 @@ from ..environment import environment
 log = logging.getLogger(__name__)
 
 _ZERO_OK = ("resident",)
-_POWER_OF_TWO = ("block_n", "block_n1", "block_n2", "block_k", "block_v", "block_r", "num_warps")
+_POWER_OF_TWO = ("block_n", "block_k", "block_v", "block_r", "num_warps")
 KNOBS: dict[str, tuple[str, ...]] = {
     "gemv": ("block_n", "block_k", "num_warps", "num_stages"),
     "tile": ("block_n", "block_k", "split_k", "num_warps", "num_stages"),
@@ -53,7 +52,6 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "walk_grid": ("block_v", "resident", "num_warps", "num_stages"),
     "walk_jacobi": ("block_v", "resident", "num_warps", "num_stages"),
     "attention": ("num_splits",),
-    "moe_decode": ("block_n1", "block_n2", "num_warps"),
 }
 
 

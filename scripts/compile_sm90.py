@@ -1,4 +1,4 @@
-"""Compile the weight-streaming, Markov-walk and one-token MoE kernels for sm_90 (the H200) with the installed
+"""Compile the weight-streaming and Markov-walk kernels for sm_90 (the H200) with the installed
 Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
 
 Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
@@ -22,12 +22,11 @@ from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
 from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
-from lfmspark.ops.moe_decode import _moe_decode_kernel
 
 # pointer parameters by name (every other pointer: bf16)
 INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
             "tok_ptr": "*i64", "stats_ptr": "*i64"}
-F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr", "expert_bias_ptr", "sel_bias_ptr"}
+F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
 
 
 def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) -> None:
@@ -38,13 +37,13 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
             continue
         if n.endswith("_ptr"):
             sig[n] = INT_PTRS.get(n, "*fp32" if n in F32_PTRS else "*bf16")
-        elif n in ("eps", "inv_k", "scale"):
+        elif n in ("eps", "inv_k"):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
     k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "PHASE", "HAS_SEL_BIAS")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
 
 
@@ -74,15 +73,6 @@ def main() -> None:
     compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
                                                      STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
                                                      UPCAST=False, POLL_ASM=True, PDL=True), num_warps=8)
-
-    # the one-token MoE layer: LFM2-8B-A1B's shapes, and shapes whose two task kinds tile differently
-    for (h, i, n1, n2), phase, sel in [((2048, 1792, 2, 2), 0, False), ((2048, 1792, 2, 2), 0, True),
-                                       ((2048, 1792, 4, 1), 1, False), ((2048, 1792, 1, 4), 2, False),
-                                       ((40, 24, 4, 8), 0, False)]:
-        compile_one(_moe_decode_kernel, dict(H=h, I=i, BLOCK_H=triton.next_power_of_2(h), BLOCK_I=triton.next_power_of_2(i),
-                                             BLOCK_N1=n1, BLOCK_N2=n2, E=32, E_PAD=32, TOPK=4, K_PAD=4,
-                                             HAS_EXPERT_BIAS=True, ROUND_BIASED=False, HAS_SEL_BIAS=sel,
-                                             NORMALIZE=True, PHASE=phase, PDL=1))
 
 
 if __name__ == "__main__":

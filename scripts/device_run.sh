@@ -205,9 +205,6 @@ for step in $STEPS; do
       timeout ${T_PREFILL:-150} lfmspark bench --preset ${PREFILL_PRESET:-lfm2-8b-a1b} --draft-preset none --batch-sizes 1 \
         --prompt-len ${PREFILL_LEN:-1024} --runs 1 --no-hf --no-phase-split --json $RUN/prefill.json 2>&1 \
         | tee $RUN/prefill.log | tail -${PREFILL_LINES:-25} ;;
-    moedecode)  # issue 38: one token, lfmspark::moe_decode's tiles against moe_route + moe_experts
-      timeout ${T_MOEDECODE:-120} python3 benchmarks/kernels/moe.py --decode --json $RUN/moe_decode.json 2>&1 \
-        | tee $RUN/moe_decode.log | tail -${MOEDECODE_LINES:-30} ;;
     moeprofile)  # issue 38: device time of each kernel of the MoE op per call (MOE_SIZES tokens)
       timeout ${T_MOEPROFILE:-60} python3 benchmarks/kernels/moe.py --profile --sizes ${MOE_SIZES:-1 10} 2>&1 \
         | tee $RUN/moe_profile.log | tail -${MOEPROFILE_LINES:-20} ;;

@@ -10,8 +10,6 @@ model's MoE layers do), so no layer finds its experts in L2; the reported time i
     python benchmarks/kernels/moe.py            # the report table
     python benchmarks/kernels/moe.py --sweep    # time candidate tile configs per N (tuning aid)
     python benchmarks/kernels/moe.py --profile  # device time of each of the op's kernels
-    python benchmarks/kernels/moe.py --decode   # one token: lfmspark::moe_decode (routing + experts in one
-                                                # launch) against moe_route + moe_experts, with its tile candidates
 
 Seen on the H200 (triton 3.6, graph replay, per layer): N=1 34 us (88 MB, 2.6 TB/s), N=10 151 us
 (573 MB, 3.8 TB/s), N=40 184 us, N=160 196 us (706 MB, 3.6 TB/s), N=10 on 4 experts 39 us; the
@@ -29,8 +27,7 @@ from collections.abc import Callable
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.moe import MoeConfig, moe_config, moe_experts_reference, moe_experts_triton
-from lfmspark.ops.moe_decode import DecodeConfig, decode_config, moe_decode_triton
+from lfmspark.ops.moe import MoeConfig, default_config, moe_config, moe_experts_reference, moe_experts_triton
 
 try:
     from .common import copy_bandwidth_gbps, row, time_ms
@@ -134,35 +131,6 @@ def sweep(copy_gbps: float, sizes: list[int], budget_s: float = 420.0) -> list[d
     return rows
 
 
-def decode(copy_gbps: float) -> list[dict]:
-    """One token, routing included on both sides: ``moe_decode`` (its default and candidate tiles)
-    against ``moe_route`` + ``moe_experts`` (the path of several tokens)."""
-    layers = _weights(LAYERS)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1, H, generator=gen, device="cuda").to(DTYPE)
-    logits = torch.randn(1, E, generator=gen, device="cuda").to(DTYPE)
-    bias = torch.randn(E, generator=gen, device="cuda") * 0.1
-    ids, w = torch.ops.lfmspark.moe_route(logits, bias, None, K, True, 1.0)
-    n_bytes, distinct = _bytes(x, ids, w)
-
-    def grouped(x, logits, w13, w2):
-        ids, w = torch.ops.lfmspark.moe_route(logits, bias, None, K, True, 1.0)
-        return torch.ops.lfmspark.moe_experts(x, ids, w, w13, w2)
-
-    def per_layer_ms(op) -> float:
-        return time_ms(lambda: [op(x, logits, w13, w2) for w13, w2 in layers]) / len(layers)
-
-    rows = [row("moe_route + moe_experts", "N=1", per_layer_ms(grouped), n_bytes, copy_gbps, experts=distinct)]
-    for cfg in [decode_config()] + [DecodeConfig(n1, n2, nw) for n1, n2, nw in
-                                    itertools.product([1, 2, 4, 8], [1, 2, 4], [4, 8])]:
-        op = lambda x, lg, w13, w2, cfg=cfg: moe_decode_triton(x, lg, bias, None, K, True, 1.0, w13, w2, config=cfg)  # noqa: E731
-        try:
-            rows.append(row("moe_decode", f"N=1 {cfg}", per_layer_ms(op), n_bytes, copy_gbps, experts=distinct))
-        except Exception as exc:  # e.g. out of registers or shared memory for a large tile
-            rows.append({"kernel": "moe_decode", "shape": f"N=1 {cfg}", "error": type(exc).__name__})
-    return rows
-
-
 def profile(sizes: list[int]) -> list[dict]:
     """Average device time of each kernel the op launches (eager calls under the profiler)."""
     from torch.profiler import ProfilerActivity
@@ -193,7 +161,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate tile configs instead")
     parser.add_argument("--profile", action="store_true", help="device time of each kernel instead")
-    parser.add_argument("--decode", action="store_true", help="one token: moe_decode vs route + experts instead")
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 10, 40, 160, 2048, 8192])
     parser.add_argument("--budget", type=float, default=420.0, help="seconds the sweep may take")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -202,8 +169,7 @@ if __name__ == "__main__":
         print(tabulate(profile(args.sizes), headers="keys"))
         raise SystemExit
     copy_gbps = copy_bandwidth_gbps()
-    rows = (sweep(copy_gbps, args.sizes, args.budget) if args.sweep else decode(copy_gbps) if args.decode
-            else run(copy_gbps))
+    rows = sweep(copy_gbps, args.sizes, args.budget) if args.sweep else run(copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy_gbps, "rows": rows}, f, indent=1)

@@ -535,21 +535,20 @@ SIDE_STREAM_STAGES = 3
 def _split_counters(device: torch.device, side_stream: bool) -> torch.Tensor:
     """The split-K arrival counters of ``device`` for the main stream's launches (set 0) or the side
     stream's (set 1; see the module doc)."""
-    return counter_buffer(device, 1 if side_stream else 0)
+    return _counter_buffer(device, 1 if side_stream else 0)
 
 
 @functools.lru_cache(maxsize=None)
-def counter_buffer(device: torch.device, index: int) -> torch.Tensor:
-    """Arrival counters ``index`` of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once, shared by
-    every launch there with that index and left all-zero by each (module doc: the last program of a
-    tile resets its counter). Indices 0 and 1 are the split-K products' (main and side stream), 2
-    the one-token MoE kernel's (ops/moe_decode.py). Launches using one buffer must be ordered on the
+def _counter_buffer(device: torch.device, index: int) -> torch.Tensor:
+    """Split-K arrival counters ``index`` of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once,
+    shared by every split-K launch there with that index and left all-zero by each (module doc: the
+    last program of a tile resets its counter). Launches using one buffer must be ordered on the
     device (one stream), which the PDL contract keeps for consecutive kernels (their counter
     accesses follow ``gdc_wait``)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("lfmspark: the per-device arrival counters are created (zeroed) on first use, "
-                           "which cannot be captured in a CUDA graph; run a split-K product or moe_decode on this "
-                           "device once before capturing (a warm-up run does)")
+        raise RuntimeError("lfmspark split-K: the per-device arrival counters are created (zeroed) on first use, "
+                           "which cannot be captured in a CUDA graph; run a split-K product on this device once "
+                           "before capturing (a warm-up run does)")
     counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # zero before any stream uses them

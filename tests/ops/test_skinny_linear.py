@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.linear.skinny_linear import (MAX_M, SIDE_STREAM_STAGES, SkinnyConfig, counter_buffer,
+from lfmspark.ops.linear.skinny_linear import (MAX_M, SIDE_STREAM_STAGES, SkinnyConfig, _counter_buffer,
                                                _split_counters, skinny_config, skinny_linear_reference,
                                                skinny_linear_triton, split_k_plan, swap_ab_config)
 from env_vars import interpret_triton, set_env
@@ -165,10 +165,10 @@ def test_side_stream_launches_use_their_own_counters(triton_device: str) -> None
     x, w = _inputs(triton_device, torch.float32, M, N, K)
     want = skinny_linear_triton(x, w, cfg)
     assert torch.equal(skinny_linear_triton(x, w, cfg, side_stream=True), want)
-    assert _split_counters(x.device, side_stream=True) is counter_buffer(x.device, 1)
-    assert _split_counters(x.device, side_stream=False) is counter_buffer(x.device, 0)
-    assert counter_buffer(x.device, 1) is not counter_buffer(x.device, 0)
-    assert not counter_buffer(x.device, 1).any() and not counter_buffer(x.device, 0).any()
+    assert _split_counters(x.device, side_stream=True) is _counter_buffer(x.device, 1)
+    assert _split_counters(x.device, side_stream=False) is _counter_buffer(x.device, 0)
+    assert _counter_buffer(x.device, 1) is not _counter_buffer(x.device, 0)
+    assert not _counter_buffer(x.device, 1).any() and not _counter_buffer(x.device, 0).any()
 
 
 def test_side_stream_caps_the_pipeline_depth(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -619,7 +619,7 @@ def test_gpu_split_k_on_two_concurrent_streams_with_their_own_counters() -> None
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(out, want) for out in outs)
-    assert not counter_buffer(x.device, 0).any() and not counter_buffer(x.device, 1).any()
+    assert not _counter_buffer(x.device, 0).any() and not _counter_buffer(x.device, 1).any()
 
 
 @pytest.mark.gpu
@@ -630,4 +630,4 @@ def test_gpu_counters_are_not_created_during_capture() -> None:
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(graph):
-            counter_buffer.__wrapped__(x.device, 0)  # the uncached body: what a first use would run
+            _counter_buffer.__wrapped__(x.device, 0)  # the uncached body: what a first use would run
