@@ -1,4 +1,4 @@
-"""Compile the weight-streaming and Markov-walk kernels for sm_90 (the H200) with the installed
+"""Compile the weight-streaming (exact mode's too) and Markov-walk kernels for sm_90 (the H200) with the installed
 Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
 
 Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
+from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
 from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
@@ -65,6 +66,9 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    for split in (False, True):
+        compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT=split, DOT_PRECISION="tf32",
+                                               UPCAST=False, PDL=1), num_stages=3)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,
                                                      RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,

@@ -10,19 +10,21 @@ decoding on the GPU. Exact mode routes every product through this op, which fixe
 Design: one tile shape for every ``M`` (:data:`BLOCK_M` rows, ``tl.dot``'s minimum; ``BLOCK_N`` x
 ``BLOCK_K`` from :func:`exact_config`), and the K range cut into a number of splits fixed by the
 weight's shape ``(N, K)`` alone. Program ``(row tile, column tile, split)`` sums its split's K steps in
-order into an fp32 tile with ``tl.dot`` and writes it to an ``[splits, M, N]`` workspace; a second
-kernel sums each element's splits in order ``0 .. splits - 1`` and rounds once to ``x``'s dtype. A
-shape planned with one split (wide products such as the LM head) rounds its tile directly, in one
-launch. An
-output element therefore depends only on its own row of ``x``, its column of ``weight`` and the
-shape's fixed plan: a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows,
-or the last row of a prefill chunk get the same bits. The MMA instruction is chosen by the tile
-shape, which never changes; padding rows are zeros and never stored.
+order into an fp32 tile with ``tl.dot``. With one split (a plan of the shape: wide products such as
+the LM head) it rounds the tile and stores it. With several it writes the tile to an ``[splits, M,
+N]`` workspace and arrives at the tile's counter; the tile's last program to arrive sums the
+workspace's partials in split order ``0 .. splits - 1``, whichever program it is, rounds once and
+resets the counter: the serial split-K fix-up of skinny_linear.py (its counters, set 2, and its
+synchronisation), in the product's own launch. An output element therefore depends only on its own
+row of ``x``, its column of ``weight`` and the shape's fixed plan: a row alone (padded to a tile with
+masked zero rows), one of 2, 10 or 16 rows, or the last row of a prefill chunk get the same bits.
+The MMA instruction is chosen by the tile shape, which never changes; padding rows are zeros and
+never stored. A launch holds at most ``MAX_SPLIT_TILES`` (row tile, column tile) counters; a longer
+split product runs as several launches over consecutive row ranges, which changes no row's bits.
 
 Cost: the splits follow the shape so that a one-row product still has about :data:`TARGET_PROGRAMS`
-programs streaming the weight, which a prefill chunk pays as extra partial traffic; the fp32
-workspace round trip is a second launch. The fast default mode is unchanged; exact mode's price is
-measured per model (docs/benchmarks.md).
+programs streaming the weight, which a prefill chunk pays as extra partial traffic through L2. The
+fast default mode is unchanged; exact mode's price is measured per model (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import triton
 import triton.language as tl
 
 from .._dispatch import pdl_kwargs, use_triton
+from .skinny_linear import MAX_SPLIT_TILES, _arrives_last, _counter_buffer, _sum_partials
+
+EXACT_COUNTERS = 2      # the counter set of these launches (skinny_linear's main and side streams use 0 and 1)
 
 BLOCK_M = 16            # rows per tile, for every M (tl.dot's minimum)
 TARGET_PROGRAMS = 256   # programs a one-row product aims for (two per SM of an H100 / H200)
@@ -60,11 +65,11 @@ def exact_config(N: int, K: int) -> ExactConfig:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _exact_partial_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr,
+def _exact_linear_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr,
     M, N, K, steps,
     stride_xm, stride_wn, stride_ws, stride_wsm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: x may come from the predecessor
@@ -91,28 +96,17 @@ def _exact_partial_kernel(
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
-    if DIRECT:   # one split (a plan of the shape, whatever M): round once, no workspace pass
-        tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        offs = pid_s.to(tl.int64) * stride_ws + rows64[:, None] * stride_wsm + cols64[None, :]
-        tl.store(ws_ptr + offs, acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _exact_reduce_kernel(
-    ws_ptr, out_ptr, M, N, splits, stride_ws, stride_om,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < M * N
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):          # in split order, whatever M
-        total += tl.load(ws_ptr + s * stride_ws + i, mask=ok, other=0.0)
-    row, col = i // N, i % N
-    tl.store(out_ptr + row * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=ok)
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
+    if SPLIT:    # the partial to the workspace; the tile's last program sums them in split order
+        ws_offs = rows64[:, None] * stride_wsm + cols64[None, :]
+        tl.store(ws_ptr + pid_s.to(tl.int64) * stride_ws + ws_offs, acc, mask=mask)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if _arrives_last(cnt_ptr + tile, tl.num_programs(2)):
+            total = _sum_partials(ws_ptr + ws_offs, mask, stride_ws, tl.num_programs(2))
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)  # reusable by the next launch
+    else:        # one split (a plan of the shape, whatever M): round once
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -135,22 +129,22 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or exact_config(N, K)
-    direct = cfg.splits == 1
-    ws = out if direct else torch.empty((cfg.splits, M, N), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg.block_n), cfg.splits)
-    _exact_partial_kernel[grid](
-        x, weight, ws, out, M, N, K, cfg.steps, x.stride(0), weight.stride(0), ws.stride(0), ws.stride(1),
-        out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DIRECT=direct,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
-        UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-        num_warps=4, num_stages=3, **pdl_kwargs(x),
-    )
-    if direct:
-        return out
-    block = 1024
-    _exact_reduce_kernel[(triton.cdiv(M * N, block),)](
-        ws, out, M, N, cfg.splits, ws.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_kwargs(x),
-    )
+    split = cfg.splits > 1
+    col_tiles = triton.cdiv(N, cfg.block_n)
+    # a launch's (row tile, column tile) counters fit the counter set: longer split products run in row ranges
+    rows_per_launch = M if not split else max(1, MAX_SPLIT_TILES // col_tiles) * BLOCK_M
+    ws = torch.empty((cfg.splits, min(M, rows_per_launch), N), dtype=torch.float32, device=x.device) if split else out
+    counters = _counter_buffer(x.device, EXACT_COUNTERS) if split else out
+    for r0 in range(0, M, rows_per_launch):
+        xs, outs = x[r0:r0 + rows_per_launch], out[r0:r0 + rows_per_launch]
+        grid = (triton.cdiv(xs.shape[0], BLOCK_M), col_tiles, cfg.splits)
+        _exact_linear_kernel[grid](
+            xs, weight, ws, outs, counters, xs.shape[0], N, K, cfg.steps, xs.stride(0), weight.stride(0),
+            ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
+            UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            num_warps=4, num_stages=3, **pdl_kwargs(x),
+        )
     return out
 
 

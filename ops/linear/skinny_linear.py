@@ -207,7 +207,7 @@ def _skinny_linear_kernel(
         tl.store(ws_ptr + split * stride_ws + ws_offs, acc, mask=ws_mask)
         if SWIGLU:
             tl.store(ws_ptr + split * stride_ws + N + ws_offs, acc_u, mask=ws_mask)
-        if _arrives_last(cnt_ptr + pid_n):
+        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
             total = _sum_partials(ws_ptr + ws_offs, ws_mask, stride_ws, tl.num_programs(1))
             if SWIGLU:
                 total_u = _sum_partials(ws_ptr + N + ws_offs, ws_mask, stride_ws, tl.num_programs(1))
@@ -259,15 +259,15 @@ def _tile_offsets(rows, cols, row_ok, N, stride_m):
 
 
 @triton.jit
-def _arrives_last(counter_ptr):
-    # Split-K arrival, after the program stored its partial: true in the tile's last program. The
+def _arrives_last(counter_ptr, n_splits):
+    # Split-K arrival, after the program stored its partial: true in the tile's last of n_splits programs. The
     # barrier orders all threads' partial stores before the increment, which one thread issues:
     # its release (gpu scope) publishes them, its acquire makes every earlier program's partial
     # visible here; Triton broadcasts the scalar result behind a barrier, so the caller's loads of
     # the partials come after the acquire in every thread (module doc, "Synchronization")
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    return arrived == tl.num_programs(1) - 1
+    return arrived == n_splits - 1
 
 
 @triton.jit
@@ -369,7 +369,7 @@ def _gemv_kernel(
     col_ok = cols < N
     if SPLIT:
         tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
-        if _arrives_last(cnt_ptr + pid_n):
+        if _arrives_last(cnt_ptr + pid_n, tl.num_programs(1)):
             total = _sum_partials(ws_ptr + cols, col_ok, stride_ws, tl.num_programs(1))
             _store_out(out_ptr + cols, col_ok, total, total, False)
             tl.store(cnt_ptr + pid_n, 0)  # reusable by the next launch
@@ -542,7 +542,8 @@ def _split_counters(device: torch.device, side_stream: bool) -> torch.Tensor:
 def _counter_buffer(device: torch.device, index: int) -> torch.Tensor:
     """Split-K arrival counters ``index`` of ``device``: ``MAX_SPLIT_TILES`` int32, zeroed once,
     shared by every split-K launch there with that index and left all-zero by each (module doc: the
-    last program of a tile resets its counter). Launches using one buffer must be ordered on the
+    last program of a tile resets its counter). Indices 0 and 1: this module's main and side stream
+    sets; 2: exact mode's products (exact_linear.py). Launches using one buffer must be ordered on the
     device (one stream), which the PDL contract keeps for consecutive kernels (their counter
     accesses follow ``gdc_wait``)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.linear.exact_linear import (ExactConfig, exact_config, exact_linear_reference,
+import lfmspark.ops.linear.exact_linear as el
+from lfmspark.ops.linear.exact_linear import (EXACT_COUNTERS, ExactConfig, exact_config, exact_linear_reference,
                                               exact_linear_triton)
-from lfmspark.ops.linear.skinny_linear import skinny_linear_triton
+from lfmspark.ops.linear.skinny_linear import _counter_buffer, skinny_linear_triton
 from test_skinny_linear import TOL, _inputs
 
 
@@ -52,7 +53,7 @@ def test_the_plan_depends_on_the_shape_only_and_covers_k(N: int, K: int) -> None
 def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, N: int, K: int) -> None:
     """Each of 16 rows alone, and at every position of 2-, 10- and 16-row launches among other rows,
     gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree); with the
-    workspace and its reduce (two splits) and rounded in the product's own launch (one split)."""
+    workspace summed by each tile's last program (two splits) and with one split."""
     assert (exact_config(N, K).splits > 1) == (K == 640)
     x, w = _inputs(triton_device, dtype, 16, N, K, seed=7)
     others, _ = _inputs(triton_device, dtype, 16, N, K, seed=8)
@@ -65,6 +66,26 @@ def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torc
             assert torch.equal(exact_linear_triton(batch, w)[pos], alone[3]), (rows, pos)
     long_chunk = torch.cat([others, others, x[3:4]])  # the last row of a 33-row chunk (three row tiles)
     assert torch.equal(exact_linear_triton(long_chunk, w)[-1], alone[3])
+
+
+def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None:
+    """Each tile's last program resets its counter, so the next launch (here the same product again)
+    starts from zero: its result is the same, and the counters end all-zero."""
+    x, w = _inputs(triton_device, torch.float32, 20, 96, 640, seed=3)
+    assert exact_config(96, 640).splits > 1
+    first = exact_linear_triton(x, w)
+    assert not _counter_buffer(x.device, EXACT_COUNTERS).any()
+    assert torch.equal(exact_linear_triton(x, w), first)
+
+
+def test_a_product_past_the_counters_runs_in_row_ranges_with_the_same_bits(triton_device: str, monkeypatch) -> None:
+    """More (row tile, column tile) counters than the set holds: the launcher splits the rows into
+    ranges of whole tiles, one launch each, and every row keeps its bits."""
+    x, w = _inputs(triton_device, torch.bfloat16, 40, 96, 640, seed=4)
+    whole = exact_linear_triton(x, w)
+    monkeypatch.setattr(el, "MAX_SPLIT_TILES", 2)   # two column tiles: one row tile (16 rows) per launch
+    assert torch.equal(exact_linear_triton(x, w), whole)
+    assert _rel_err(whole, x, w) < TOL[torch.bfloat16]
 
 
 def test_the_default_skinny_product_is_not_batch_invariant(triton_device: str) -> None:
