@@ -669,6 +669,10 @@ class Engine:
         if self._admit_cache_jobs():
             self._prefill_step(events)
             return
+        if self._cache_jobs and not self._active and not self._prefilling and self._inflight is not None:
+            # only the finished rows' last round is out (their slots may not be reused before it is
+            # collected, this step): the jobs start at the next step, still ahead of the queue
+            return
         while self._queue and self.pool.n_free:
             head = self._queue[0]
             members = [head] if head.group is None else [r for r in self._queue if r.group == head.group]

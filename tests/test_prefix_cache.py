@@ -176,6 +176,30 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     assert cached == [9 * BLOCK, BLOCK, BLOCK, BLOCK, 2 * BLOCK]     # kept: the long one's and the last short's
 
 
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "speculative"])
+def test_a_next_turn_added_as_the_last_one_finishes_finds_its_output_cached(with_draft):
+    """The next turn is added at the step that ends the previous one (as a server's client sends it
+    the moment the answer arrives), while that turn's last round may still be in flight (a
+    speculative round is launched before the previous one is collected): the cache job still runs
+    before the new prompt is admitted, so the prompt finds the previous output's full blocks."""
+    target = random_tiny_target(seed=18)
+    draft = random_tiny_draft(seed=19) if with_draft else None
+    eng = engine(target, draft, None, max_batch=2, prefix_cache_outputs=True)
+
+    def run(prompt: list[int], n: int, request_id: str):
+        eng.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), request_id=request_id)
+        while True:
+            for event in eng.step():
+                if event.finished:
+                    return event.output
+
+    prompt = list(range(1, 2 * BLOCK - 2))                      # 13 tokens: one full block
+    first = run(prompt, 12, "first")
+    assert eng._cache_jobs                                      # its job waits (and, speculative, a round is out)
+    second = run(prompt + first.token_ids + [5, 6, 7], 2, "second")   # the output completes 3 blocks
+    assert second.stats.prompt_tokens_cached == 3 * BLOCK
+
+
 def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
     """A cache job whose prefill raises is dropped with a warning: its slot comes back, the requests
     queued behind it run and answer as an engine without output caching does."""
