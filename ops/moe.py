@@ -45,7 +45,9 @@ Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the n
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
 launches with any other pair count of that variant need. The engine's prefill warm-up relies on
 this (runtime/prefill_warmup.py ``prefill_warm_shapes``): a first request that compiled a plan
-variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200.
+variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200. The down and combine kernels'
+``stride_split`` (``P * H``) is specialized, which puts every ``P`` in one class as long as ``H`` is a
+multiple of 16 (every LFM2 shape; an unspecialized stride would cost the stores' vectorization).
 """
 
 from __future__ import annotations
@@ -251,8 +253,8 @@ def _moe_combine_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOPK):  # fixed order (pair, then its down splits): deterministic
         for s in tl.static_range(SPLITS):
-            acc += tl.load(pair_out_ptr + s * stride_split + (n * TOPK + j).to(tl.int64) * H + cols, mask=col_ok,
-                           other=0.0)
+            acc += tl.load(pair_out_ptr + s * stride_split.to(tl.int64) + (n * TOPK + j).to(tl.int64) * H + cols,
+                           mask=col_ok, other=0.0)
     tl.store(out_ptr + n.to(tl.int64) * stride_on + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -414,6 +416,8 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     n_blocks = block_expert.shape[0]
     inter = torch.empty(n_blocks * bm, I, dtype=x.dtype, device=x.device)
     bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
+    if cfg.split_k2 < 1:
+        raise ValueError(f"moe_experts: split_k2={cfg.split_k2} must be >= 1")
     k_tiles2 = triton.cdiv(I, bk2)
     k_per_split = triton.cdiv(k_tiles2, min(cfg.split_k2, k_tiles2)) * bk2
     splits2 = triton.cdiv(I, k_per_split)

@@ -670,8 +670,8 @@ class Engine:
             self._prefill_step(events)
             return
         if self._cache_jobs and not self._active and not self._prefilling and self._inflight is not None:
-            # only the finished rows' last round is out (their slots may not be reused before it is
-            # collected, this step): the jobs start at the next step, still ahead of the queue
+            # only the finished rows' last round is out: the jobs start once it is collected (this step,
+            # _admit_cache_jobs), and the queue waits with them so that they still go first
             return
         while self._queue and self.pool.n_free:
             head = self._queue[0]

@@ -364,7 +364,8 @@ class Steps:
         2048 at the LFM2.5-1.2B shape: 4 splits), and products beside it may be too (a vocabulary under
         ~8.4k tokens splits the LM head, an ``LFMSPARK_TUNE`` ``tile.split_k`` any product).
         Concurrent split-K launches must not share arrival counters, so the side stream's take their
-        own set (``skinny_linear(..., side_stream=True)``); the other kernels use no counters, and
+        own set (``skinny_linear(..., side_stream=True)``); exact mode's products (counter set 2) run on
+        the main stream only (the injection leaves exact mode), the other kernels use no counters, and
         launches within each stream stay ordered by the PDL contract, as on one stream."""
         if not verified.injected:
             self.fork_injection(verified.aux, verified.rows)

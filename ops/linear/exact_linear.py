@@ -131,6 +131,9 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
     cfg = config or exact_config(N, K)
     split = cfg.splits > 1
     col_tiles = triton.cdiv(N, cfg.block_n)
+    if split and col_tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"exact_linear: a split plan over {col_tiles} column tiles needs one counter each, at most "
+                         f"{MAX_SPLIT_TILES}; plan one split for so wide a product (exact_config does)")
     # a launch's (row tile, column tile) counters fit the counter set: longer split products run in row ranges
     rows_per_launch = M if not split else max(1, MAX_SPLIT_TILES // col_tiles) * BLOCK_M
     ws = torch.empty((cfg.splits, min(M, rows_per_launch), N), dtype=torch.float32, device=x.device) if split else out

@@ -279,7 +279,7 @@ def _sum_partials(ptrs, mask, stride_ws, splits):
     total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     for s0 in range(1, splits, 4):
         for i in tl.static_range(4):
-            part = tl.load(ptrs + tl.minimum(s0 + i, splits - 1) * stride_ws, mask=mask, other=0.0,
+            part = tl.load(ptrs + tl.minimum(s0 + i, splits - 1).to(tl.int64) * stride_ws, mask=mask, other=0.0,
                            cache_modifier=".cg")
             total = tl.where(s0 + i < splits, total + part, total)
     return total

@@ -88,6 +88,13 @@ def test_a_product_past_the_counters_runs_in_row_ranges_with_the_same_bits(trito
     assert _rel_err(whole, x, w) < TOL[torch.bfloat16]
 
 
+def test_a_split_plan_wider_than_the_counters_is_refused(monkeypatch) -> None:
+    x, w = _inputs("cpu", torch.float32, 4, 96, 640, seed=5)
+    monkeypatch.setattr(el, "MAX_SPLIT_TILES", 2)   # three column tiles of 32
+    with pytest.raises(ValueError, match="one counter each"):
+        exact_linear_triton(x, w, ExactConfig(32, 64, splits=2, steps=5))
+
+
 def test_the_default_skinny_product_is_not_batch_invariant(triton_device: str) -> None:
     """Contrast (why exact mode has its own product): the default op sums one row with its GEMV kernel
     and ten rows with the split-K ``tl.dot`` kernel, and some row's bits differ."""

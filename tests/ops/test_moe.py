@@ -125,6 +125,12 @@ def test_down_reduction_in_splits(triton_device, dtype, N, split):
     _check(args, moe_experts_triton(*args, config=cfg), triton_device)
 
 
+def test_split_k2_below_one_is_refused():
+    args = _inputs(1, 4, 8, 64, 100, torch.float32, "cpu", seed=1)
+    with pytest.raises(ValueError, match="split_k2=0"):
+        moe_experts_triton(*args, config=MoeConfig(16, 32, 32, 32, 32, split_k2=0))
+
+
 def test_precounted_plan(triton_device):
     # 280 pairs in chunks of 16: the plan goes through the per-chunk counts (the prefill path)
     args = _inputs(70, 4, 8, 64, 32, torch.float32, triton_device, seed=13)
