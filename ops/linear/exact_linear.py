@@ -135,7 +135,7 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
         raise ValueError(f"exact_linear: a split plan over {col_tiles} column tiles needs one counter each, at most "
                          f"{MAX_SPLIT_TILES}; plan one split for so wide a product (exact_config does)")
     # a launch's (row tile, column tile) counters fit the counter set: longer split products run in row ranges
-    rows_per_launch = M if not split else max(1, MAX_SPLIT_TILES // col_tiles) * BLOCK_M
+    rows_per_launch = MAX_SPLIT_TILES // col_tiles * BLOCK_M if split else M
     ws = torch.empty((cfg.splits, min(M, rows_per_launch), N), dtype=torch.float32, device=x.device) if split else out
     counters = _counter_buffer(x.device, EXACT_COUNTERS) if split else out
     for r0 in range(0, M, rows_per_launch):
