@@ -10,7 +10,7 @@
 #   STEPS=exact bash scripts/device_run.sh         # exact mode: identity tests, identity rates and cost
 #   STEPS=serveray bash scripts/device_run.sh      # serve vs one Ray Serve replica (carry .whl_ray: scripts/ray_carry.sh)
 #   STEPS=loop bash scripts/device_run.sh          # a step's host launch / GPU wait / collect, target-only vs width 1
-# The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step); Inductor's
+# The device returns at most 8 files, so logs and JSON are packed into $OUT/results.tgz (after each step; RESULTS names it otherwise); Inductor's
 # cache is packed into $OUT/inductor_cache.txz (the custom ops' Triton kernels into triton_cache.txz) and, when a
 # later call carries them back in .carry/, unpacked first (a warm-cache warm-up).
 set -u
@@ -130,7 +130,7 @@ for step in $STEPS; do
           python3 scripts/sampling_probe.py ${SAMPLING_ARGS:-} > $RUN/sampling_probe_${name}_full.log 2>&1) \
           || tail -15 $RUN/sampling_probe_${name}_full.log
         grep -E "^(speculative|target-only|profile|  |\{)" $RUN/sampling_probe_${name}_full.log | tee $RUN/sampling_probe_$name.log
-        tar czf $OUT/results.tgz -C $OUT run
+        tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run
       done
       python3 -m pip install -q --no-deps --no-build-isolation -e . > $RUN/install.log 2>&1 || tail -5 $RUN/install.log ;;
     warmup)  # issue 35's warm-up figure: every default size to max_batch 64, cold (a fresh cache dir) then warm (the
@@ -147,7 +147,7 @@ for step in $STEPS; do
           grep -E "^(speculative|target-only)" $RUN/warmup_new_${kind}_$cache.log
         done
       done
-      tar czf $OUT/results.tgz -C $OUT run
+      tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run
       if [ -n "${WARMUP_OLD_TREE:-}" ]; then
         probe=$PWD/scripts/warmup_probe.py
         python3 -m pip install -q --no-deps --no-build-isolation -e $WARMUP_OLD_TREE > $RUN/install_old.log 2>&1 || tail -5 $RUN/install_old.log
@@ -171,7 +171,7 @@ for step in $STEPS; do
           --tpot-sizes ${SPEC_SIZES:-1,8,32,64,128} --json $RUN/specrows_$name.json > $RUN/specrows_$name.log 2>&1 \
           || tail -5 $RUN/specrows_$name.log
         grep -E "^(speculative|target-only)" $RUN/specrows_$name.log
-        tar czf $OUT/results.tgz -C $OUT run
+        tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run
       done ;;
     exact)   # issue 39: exact mode's GPU identity tests, then its identity rates and cost against the default
              # mode per preset (scripts/exact_probe.py; EXACT_PROMPTS, EXACT_PRESETS; EXACT_PROBE_PROMPTS: the
@@ -182,7 +182,7 @@ for step in $STEPS; do
         timeout ${T_EXACT:-300} python3 scripts/exact_probe.py --preset $preset --prompts ${EXACT_PROBE_PROMPTS:-${EXACT_PROMPTS:-200}} \
           --json $RUN/exact_$preset.json > $RUN/exact_$preset.log 2>&1 || tail -5 $RUN/exact_$preset.log
         grep -E "^(default|exact) " $RUN/exact_$preset.log
-        tar czf $OUT/results.tgz -C $OUT run
+        tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run
       done ;;
     loop)    # where a generation step's time goes (host launch, GPU wait, host collect, kernels), target-only vs
              # speculative held at LOOP_WIDTHS, at LOOP_BATCH (scripts/loop_probe.py)
@@ -199,7 +199,7 @@ for step in $STEPS; do
         timeout ${T_MULTITURN:-300} python3 scripts/multiturn_probe.py ${runs[$i]} > $RUN/multiturn_$i.log 2>&1 \
           || tail -15 $RUN/multiturn_$i.log
         grep -E "^turn" $RUN/multiturn_$i.log
-        tar czf $OUT/results.tgz -C $OUT run
+        tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run
       done ;;
     prefill)  # issue 38's prefill figure: target-only, one PREFILL_LEN-token prompt (TFLOP/s against the matmul ceiling)
       timeout ${T_PREFILL:-150} lfmspark bench --preset ${PREFILL_PRESET:-lfm2-8b-a1b} --draft-preset none --batch-sizes 1 \
@@ -211,10 +211,12 @@ for step in $STEPS; do
     profiles)
       for f in $RUN/profile_*/*.txt; do echo "--- $f"; head -${PROFILE_LINES:-14} $f | cut -c1-110; done ;;
   esac
-  tar czf $OUT/results.tgz -C $OUT run  # after every step: a call cut short still returns what ran
+  tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run  # after every step: a call cut short still returns what ran
 done
 echo "=== done $(date +%T)"
-tar czf $OUT/results.tgz -C $OUT run && rm -rf $RUN
-XZ_OPT=-T0 tar cJf $OUT/inductor_cache.txz -C $LFMSPARK_CACHE_DIR --exclude=./triton_ops . 2>/dev/null
-XZ_OPT=-T0 tar cJf $OUT/triton_cache.txz -C $LFMSPARK_CACHE_DIR ./triton_ops 2>/dev/null
+tar czf $OUT/${RESULTS:-results}.tgz -C $OUT run && rm -rf $RUN
+if [ "${PACK_CACHES:-1}" = 1 ]; then  # PACK_CACHES=0: a call that runs this script several times packs once
+  XZ_OPT=-T0 tar cJf $OUT/inductor_cache.txz -C $LFMSPARK_CACHE_DIR --exclude=./triton_ops . 2>/dev/null
+  XZ_OPT=-T0 tar cJf $OUT/triton_cache.txz -C $LFMSPARK_CACHE_DIR ./triton_ops 2>/dev/null
+fi
 ls -la $OUT
