@@ -51,17 +51,20 @@ class ExactConfig:
     block_k: int
     splits: int         # K splits, each ``steps`` K steps of ``block_k`` (the last may be shorter)
     steps: int
+    num_warps: int = 4  # launch parameters, fixed per shape like the tiles
+    num_stages: int = 3
 
 
-def exact_config(N: int, K: int) -> ExactConfig:
+def exact_config(N: int, K: int, *, block_n: int = 64, block_k: int = 64, target_programs: int = TARGET_PROGRAMS,
+                 min_split_steps: int = MIN_SPLIT_STEPS, num_warps: int = 4, num_stages: int = 3) -> ExactConfig:
     """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
-    device, which is what makes the op batch-invariant (module doc)."""
-    block_n, block_k = 64, 64
+    device, which is what makes the op batch-invariant (module doc). The keywords are the rule's
+    constants, for the tuning sweep (benchmarks/kernels/exact_linear.py); the op uses the defaults."""
     k_steps = max(1, triton.cdiv(K, block_k))
-    want = triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, block_n))
-    splits = max(1, min(want, k_steps // MIN_SPLIT_STEPS))
+    want = triton.cdiv(target_programs, triton.cdiv(N, block_n))
+    splits = max(1, min(want, k_steps // min_split_steps))
     steps = triton.cdiv(k_steps, splits)
-    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps)
+    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -146,7 +149,7 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
             ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=4, num_stages=3, **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
         )
     return out
 
