@@ -17,11 +17,9 @@ safe):
    ``-1`` and their programs return at once.
 2. ``gate_up``: per (block, tile of ``I``): ``silu(x w1^T) * (x w3^T)`` for the block's pairs, fp32
    accumulation, stored in the activation dtype (``inter``, one row per slot).
-3. ``down``: per (block, tile of ``H``, split of ``I``): ``inter w2^T`` over the split's part of ``I``
-   times the pair's routing weight, stored in fp32 at the pair's own row ``token*k + j`` of the
-   split's slice (one split except at decode sizes, :func:`moe_config`).
-4. ``combine``: per token, the ``k`` pairs' fp32 rows, each pair's splits in order, summed in order
-   ``j = 0..k-1``, cast once.
+3. ``down``: per (block, tile of ``H``): ``inter w2^T`` times the pair's routing weight, stored in
+   fp32 at the pair's own row ``token*k + j``.
+4. ``combine``: per token, the ``k`` fp32 rows summed in order ``j = 0..k-1``, cast once.
 
 Every program of one block reads the same expert, and an expert with at most ``BLOCK_M`` pairs has
 one block, so at decode sizes each selected expert's weights are read once per call (the union over
@@ -45,9 +43,7 @@ Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the n
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
 launches with any other pair count of that variant need. The engine's prefill warm-up relies on
 this (runtime/prefill_warmup.py ``prefill_warm_shapes``): a first request that compiled a plan
-variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200. The down and combine kernels'
-``stride_split`` (``P * H``) is specialized, which puts every ``P`` in one class as long as ``H`` is a
-multiple of 16 (every LFM2 shape; an unspecialized stride would cost the stores' vectorization).
+variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200.
 """
 
 from __future__ import annotations
@@ -198,7 +194,7 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     inter_ptr, w2_ptr, tw_ptr, pair_out_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
-    TOPK, k_per_split, stride_split,
+    TOPK,
     stride_tn, stride_tk, stride_we, stride_wh, stride_wi,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -216,13 +212,11 @@ def _moe_down_kernel(
     pair = tl.load(slot_pair_ptr + slots, mask=row_ok, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    # this program's split of the reduction over I: [k0, k0 + k_per_split), a whole number of K tiles
-    k0 = tl.program_id(2) * k_per_split
-    ks = k0 + tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + slots[:, None] * I + ks[None, :]
     w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wh + ks[:, None] * stride_wi
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(tl.minimum(k_per_split, I - k0), BLOCK_K)):
+    for kk in range(0, tl.cdiv(I, BLOCK_K)):
         k_ok = ks < I - kk * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -234,15 +228,15 @@ def _moe_down_kernel(
     token = pair // TOPK
     rw = tl.load(tw_ptr + token * stride_tn + (pair - token * TOPK) * stride_tk, mask=row_ok, other=0.0)
     acc = acc * rw.to(tl.float32)[:, None]
-    tl.store(pair_out_ptr + tl.program_id(2).to(tl.int64) * stride_split + pair[:, None].to(tl.int64) * H
-             + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * H + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _moe_combine_kernel(
     pair_out_ptr, out_ptr,
-    stride_split, stride_on, stride_oh,
-    H: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    stride_on, stride_oh,
+    H: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -251,10 +245,8 @@ def _moe_combine_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOPK):  # fixed order (pair, then its down splits): deterministic
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(pair_out_ptr + s * stride_split.to(tl.int64) + (n * TOPK + j).to(tl.int64) * H + cols,
-                           mask=col_ok, other=0.0)
+    for j in tl.static_range(TOPK):  # fixed order: deterministic
+        acc += tl.load(pair_out_ptr + (n * TOPK + j).to(tl.int64) * H + cols, mask=col_ok, other=0.0)
     tl.store(out_ptr + n.to(tl.int64) * stride_on + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -272,8 +264,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 4
     plan_chunk: int = 0     # pairs per plan program and counting step (0: automatic)
-    split_k2: int = 1       # down: splits of the reduction over I, summed by the combine (the launcher
-                            # drops splits that would be empty)
 
 
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
@@ -286,11 +276,9 @@ def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
     """
     per_expert = n_pairs / n_experts  # if routing were uniform
     if per_expert <= 1 / 8:  # one decode token of LFM2-8B-A1B (4 pairs, 32 experts): wider column tiles,
-        # 38.9 against 40.8 us per layer with 32 columns (H100, session 31: moe.py --sweep --sizes 1); the
-        # down product's reduction in two splits, so that its 4 x 32 programs become 256 (it streamed at 73%
-        # of copy against gate/up's 86%, H100 session 32: moe.py --profile; the split not yet measured)
+        # 38.9 against 40.8 us per layer with 32 columns (H100, session 31: moe.py --sweep --sizes 1)
         return MoeConfig(block_m=16, block_n1=64, block_k1=256, block_n2=64, block_k2=256,
-                         num_warps=4, num_stages=4, split_k2=2)
+                         num_warps=4, num_stages=4)
     if per_expert <= 16:
         return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=32, block_k2=256,
                          num_warps=4, num_stages=4)
@@ -415,13 +403,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     slot_pair, block_expert, block_rows = moe_plan(topk_ids, E, bm, cfg.plan_chunk)
     n_blocks = block_expert.shape[0]
     inter = torch.empty(n_blocks * bm, I, dtype=x.dtype, device=x.device)
-    bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
-    if cfg.split_k2 < 1:
-        raise ValueError(f"moe_experts: split_k2={cfg.split_k2} must be >= 1")
-    k_tiles2 = triton.cdiv(I, bk2)
-    k_per_split = triton.cdiv(k_tiles2, min(cfg.split_k2, k_tiles2)) * bk2
-    splits2 = triton.cdiv(I, k_per_split)
-    pair_out = torch.empty(splits2, P, H, dtype=torch.float32, device=x.device)
+    pair_out = torch.empty(P, H, dtype=torch.float32, device=x.device)
     # fp32 dots must not run in tf32 (Triton's default); the setting is irrelevant to 16-bit inputs
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies bf16 dot operands as their raw bits: upcast them there
@@ -435,9 +417,10 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
-    _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2), splits2)](
+    bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
+    _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2))](
         inter, w2, topk_weights, pair_out, slot_pair, block_expert, block_rows,
-        k, k_per_split, pair_out.stride(0),
+        k,
         topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision, UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(inter),
@@ -445,8 +428,8 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     block_h = min(triton.next_power_of_2(H), 1024)
     _moe_combine_kernel[(N, triton.cdiv(H, block_h))](
         pair_out, out,
-        pair_out.stride(0), out.stride(0), out.stride(1),
-        H=H, TOPK=k, SPLITS=splits2, BLOCK_H=block_h, **pdl_kwargs(pair_out),
+        out.stride(0), out.stride(1),
+        H=H, TOPK=k, BLOCK_H=block_h, **pdl_kwargs(pair_out),
     )
     return out
 

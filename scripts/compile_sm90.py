@@ -1,4 +1,4 @@
-"""Compile the weight-streaming (exact mode's and the MoE experts' too) and Markov-walk kernels for sm_90 (the H200) with the installed
+"""Compile the weight-streaming (exact mode's too) and Markov-walk kernels for sm_90 (the H200) with the installed
 Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
 
 Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
@@ -23,12 +23,11 @@ from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
 from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
-from lfmspark.ops.moe import _moe_combine_kernel, _moe_down_kernel
 
 # pointer parameters by name (every other pointer: bf16)
-INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64", "tok_ptr": "*i64",
-            "stats_ptr": "*i64", "slot_pair_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32"}
-F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr", "pair_out_ptr"}
+INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
+            "tok_ptr": "*i64", "stats_ptr": "*i64"}
+F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
 
 
 def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) -> None:
@@ -70,10 +69,6 @@ def main() -> None:
     for split in (False, True):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT=split, DOT_PRECISION="tf32",
                                                UPCAST=False, PDL=1), num_stages=3)
-    # the MoE down product with its reduction split (one decode token's tiles) and the combine over the splits
-    compile_one(_moe_down_kernel, dict(H=2048, I=1792, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, DOT_PRECISION="tf32",
-                                       UPCAST=False, PDL=1), num_stages=4)
-    compile_one(_moe_combine_kernel, dict(H=2048, TOPK=4, SPLITS=2, BLOCK_H=1024, PDL=1))
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,
                                                      RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,

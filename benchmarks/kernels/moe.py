@@ -98,13 +98,13 @@ def run(copy_gbps: float) -> list[dict]:
 
 def _candidates(N: int) -> list[MoeConfig]:
     if N * K / E <= 4:  # decode: weight-bandwidth bound, a few pairs per expert
-        grid = itertools.product([16], [16, 32, 64], [128, 256], [4], [3, 4], [1, 2, 4])
+        grid = itertools.product([16], [16, 32, 64], [128, 256], [4], [3, 4])
     elif N * K / E <= 96:  # verify
-        grid = itertools.product([16, 32, 64], [32, 64], [64, 128], [4], [4], [1])
+        grid = itertools.product([16, 32, 64], [32, 64], [64, 128], [4], [4])
     else:  # prefill: matrix-unit bound
-        grid = itertools.product([64, 128], [64, 128], [64], [4, 8], [3, 4], [1])
-    return [MoeConfig(block_m=bm, block_n1=bn, block_k1=bk, block_n2=bn, block_k2=bk, num_warps=nw, num_stages=ns,
-                      split_k2=sk) for bm, bn, bk, nw, ns, sk in grid]
+        grid = itertools.product([64, 128], [64, 128], [64], [4, 8], [3, 4])
+    return [MoeConfig(block_m=bm, block_n1=bn, block_k1=bk, block_n2=bn, block_k2=bk, num_warps=nw, num_stages=ns)
+            for bm, bn, bk, nw, ns in grid]
 
 
 def sweep(copy_gbps: float, sizes: list[int], budget_s: float = 420.0) -> list[dict]:
