@@ -1,6 +1,6 @@
 """Microbenchmark: ``lfmspark::exact_linear`` (exact mode's batch-invariant product) against the
-default mode's ``skinny_linear`` and cuBLAS, at the exact-mode weight shapes of LFM2.5-1.2B and
-LFM2-8B-A1B (their attention, conv and dense products and the LM head; bf16), for M = 1 and 8
+default mode's product (``skinny_linear`` up to 16 rows, cuBLAS past) and cuBLAS, at the exact-mode
+weight shapes of LFM2.5-1.2B and LFM2-8B-A1B (their attention, conv and dense products and the LM head; bf16), for M = 1 and 8
 (target-only decode at batch 1 and 8) and 10 and 80 (a 10-token verify at batch 1 and 8).
 
 Bytes and timing as benchmarks/kernels/skinny_linear.py (the weight streamed from DRAM each call).
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.linear.exact_linear import BLOCK_M, exact_config, exact_linear_triton
+from lfmspark.ops.routing import FEW_ROWS
 
 try:
     from .common import copy_bandwidth_gbps, row
@@ -49,8 +50,8 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
         cfg = exact_config(N, K)
         for M in rows_m:
             x, shape = _x(M, K), f"M={M} N={N} K={K} bf16"
-            for name, fn in [("exact_linear", torch.ops.lfmspark.exact_linear),
-                             ("skinny_linear", torch.ops.lfmspark.skinny_linear), ("F.linear (cuBLAS)", F.linear)]:
+            for name, fn in [("exact_linear", torch.ops.lfmspark.exact_linear), ("default mode", _default_product(M)),
+                             ("F.linear (cuBLAS)", F.linear)]:
                 extra = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits) if name == "exact_linear" else {}
                 rows.append(row(name, shape, _per_product_ms(fn, x, weights), _bytes(M, N, K), copy_gbps, **extra))
         del weights
@@ -71,6 +72,11 @@ USES = {(6144, 2048): 10, (2048, 2048): 16, (16384, 2048): 16, (2048, 8192): 16,
 DEFAULT_RULE = dict(block_n=64, block_k=64, target_programs=256, min_split_steps=4, num_warps=4, num_stages=3)
 
 
+def _default_product(M: int):
+    """The default mode's product of ``M`` rows (ops/routing.py): skinny_linear up to ``FEW_ROWS``, cuBLAS past."""
+    return torch.ops.lfmspark.skinny_linear if M <= FEW_ROWS else F.linear
+
+
 def _fits(rule: dict) -> bool:
     return rule["num_stages"] * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
 
@@ -84,7 +90,7 @@ def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SH
           seed: int = 0) -> list[dict]:
     """The default rule, then rules in a seeded random order until ``budget_s`` is spent, each timed
     at every shape and ``M`` (one compile serves every shape). Returns one row per (rule, shape) with
-    its plan's time per ``M``, plus the default mode's ``skinny_linear`` per shape."""
+    its plan's time per ``M``, plus the default mode's product per shape."""
     weights = {(N, K): _weights(N, K) for N, K in shapes}  # all resident: 512 MB a shape
     xs = {(M, K): _x(M, K) for M in rows_m for _, K in shapes}
     default = DEFAULT_RULE
@@ -92,9 +98,9 @@ def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SH
     random.Random(seed).shuffle(rules)
     results = []
     for N, K in shapes:  # the price of exactness
-        r = {"rule": "skinny_linear (default mode)", "N": N, "K": K}
+        r = {"rule": "default mode", "N": N, "K": K}
         for M in rows_m:
-            r[f"us_M{M}"] = round(_per_product_ms(torch.ops.lfmspark.skinny_linear, xs[M, K], weights[N, K]) * 1e3, 2)
+            r[f"us_M{M}"] = round(_per_product_ms(_default_product(M), xs[M, K], weights[N, K]) * 1e3, 2)
         results.append(r)
     t0 = time.time()
     for i, rule in enumerate([default] + rules):
@@ -129,8 +135,8 @@ def print_sweep(results: list[dict], rows_m=tuple(ROWS)) -> None:
         r["us_sum"] = round(sum(r[c] for c in cols), 2)
     for N, K in dict.fromkeys((r["N"], r["K"]) for r in results):
         mine = [r for r in complete if (r["N"], r["K"]) == (N, K)]
-        ranked = sorted((r for r in mine if not r["rule"].startswith("skinny")), key=lambda r: r["us_sum"])
-        fixed = [r for r in mine if r.get("default") or r["rule"].startswith("skinny")]
+        ranked = sorted((r for r in mine if not r["rule"].startswith("default mode")), key=lambda r: r["us_sum"])
+        fixed = [r for r in mine if r.get("default") or r["rule"].startswith("default mode")]
         print(f"--- N={N} K={K}: {len(ranked)} rules timed")
         print(tabulate([{k: r.get(k) for k in ["rule", "splits"] + cols + ["us_sum"]}
                         for r in ranked[:5] + [r for r in fixed if r not in ranked[:5]]], headers="keys"))
@@ -147,7 +153,7 @@ def print_sweep(results: list[dict], rows_m=tuple(ROWS)) -> None:
     n_shapes = max(t["shapes"] for t in totals.values())
     ranked = sorted((t for t in totals.values() if t["shapes"] == n_shapes), key=lambda t: sum(t[c] for c in cols))
     print("--- per-token totals (us, products weighted by their uses a token)")
-    print(tabulate(ranked[:10] + [t for t in ranked[10:] if t["rule"].startswith("skinny") or
+    print(tabulate(ranked[:10] + [t for t in ranked[10:] if t["rule"].startswith("default mode") or
                                   t["rule"] == _short(DEFAULT_RULE)],
                    headers="keys"))
     errors = [r for r in results if "error" in r]
