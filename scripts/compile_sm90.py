@@ -66,8 +66,8 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             DOT_PRECISION="tf32", UPCAST=False, PDL=1))
-    for split in (False, True):
-        compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT=split, DOT_PRECISION="tf32",
+    for block_n, split in ((64, False), (64, True), (128, False)):   # exact_config's tiles (wide outputs: no split)
+        compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT=split, DOT_PRECISION="tf32",
                                                UPCAST=False, PDL=1), num_stages=3)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,

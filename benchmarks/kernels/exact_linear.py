@@ -58,18 +58,19 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
     return rows
 
 
-# a rule's constants (exact_config's keywords): tiles, the programs a one-row product aims for, the K
+# a rule's constants (exact_config's keywords): K step, column tiles of narrow and wide outputs, the
+# column tiles from which a product is not split, the programs a split product aims for, the K
 # steps a split sums at least, warps, stages
-RULES = [dict(block_n=bn, block_k=bk, target_programs=tp, min_split_steps=ms, num_warps=nw, num_stages=ns)
-         for bn, bk, tp, ms, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (128, 256, 512, 1024), (2, 4, 8),
-                                                         (4, 8), (3, 4))]
+RULES = [dict(block_k=bk, block_n=bn, wide_block_n=wbn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms,
+              num_warps=nw, num_stages=ns)
+         for bk, bn, wbn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64), (64, 128), (48, 64, 96, 1 << 20),
+                                                                (128, 256), (2, 4), (4, 8), (3, 4))]
+DEFAULT_RULE = dict(block_k=256, block_n=64, wide_block_n=128, unsplit_tiles=64, target_programs=128, min_split_steps=2,
+                    num_warps=4, num_stages=3)   # exact_config's defaults
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
 USES = {(6144, 2048): 10, (2048, 2048): 16, (16384, 2048): 16, (2048, 8192): 16, (3072, 2048): 6,
         (65536, 2048): 1, (14336, 2048): 2, (2048, 7168): 2}
-
-
-DEFAULT_RULE = dict(block_n=64, block_k=64, target_programs=256, min_split_steps=4, num_warps=4, num_stages=3)
 
 
 def _default_product(M: int):
@@ -78,12 +79,13 @@ def _default_product(M: int):
 
 
 def _fits(rule: dict) -> bool:
-    return rule["num_stages"] * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
+    widest = max(rule["block_n"], rule["wide_block_n"])
+    return rule["num_stages"] * (widest + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
 
 
 def _short(rule: dict) -> str:
-    return (f"bn{rule['block_n']} bk{rule['block_k']} tp{rule['target_programs']} ms{rule['min_split_steps']} "
-            f"w{rule['num_warps']} s{rule['num_stages']}")
+    return (f"bk{rule['block_k']} bn{rule['block_n']}/{rule['wide_block_n']} ut{rule['unsplit_tiles']} "
+            f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']}")
 
 
 def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES), iters: int = 20,
@@ -96,6 +98,7 @@ def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SH
     default = DEFAULT_RULE
     rules = [r for r in RULES if _fits(r) and r != default]
     random.Random(seed).shuffle(rules)
+    timed: dict[tuple, float] = {}   # (shape, plan, M) -> ms: rules that give a shape the same plan share it
     results = []
     for N, K in shapes:  # the price of exactness
         r = {"rule": "default mode", "N": N, "K": K}
@@ -106,17 +109,17 @@ def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SH
     for i, rule in enumerate([default] + rules):
         if i and time.time() - t0 > budget_s:
             break
-        plans = {}
         for N, K in shapes:
             cfg = exact_config(N, K, **rule)
             r = {"rule": _short(rule), "default": rule == default, "N": N, "K": K, "splits": cfg.splits}
             try:
                 for M in rows_m:
-                    if (cfg, M) not in plans:  # rules that give one plan are timed once
+                    key = (N, K, cfg, M)
+                    if key not in timed:
                         fn = functools.partial(exact_linear_triton, config=cfg)
-                        plans[cfg, M] = _per_product_ms(fn, xs[M, K], weights[N, K], iters)
-                    r[f"us_M{M}"] = round(plans[cfg, M] * 1e3, 2)
-                    r[f"frac_M{M}"] = row("", "", plans[cfg, M], _bytes(M, N, K), copy_gbps)["frac_of_copy"]
+                        timed[key] = _per_product_ms(fn, xs[M, K], weights[N, K], iters)
+                    r[f"us_M{M}"] = round(timed[key] * 1e3, 2)
+                    r[f"frac_M{M}"] = row("", "", timed[key], _bytes(M, N, K), copy_gbps)["frac_of_copy"]
             except Exception as exc:  # e.g. out of shared memory on this device
                 r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             results.append(r)

@@ -22,9 +22,10 @@ The MMA instruction is chosen by the tile shape, which never changes; padding ro
 never stored. A launch holds at most ``MAX_SPLIT_TILES`` (row tile, column tile) counters; a longer
 split product runs as several launches over consecutive row ranges, which changes no row's bits.
 
-Cost: the splits follow the shape so that a one-row product still has about :data:`TARGET_PROGRAMS`
-programs streaming the weight, which a prefill chunk pays as extra partial traffic through L2. The
-fast default mode is unchanged; exact mode's price is measured per model (docs/benchmarks.md).
+Cost: a narrow weight's product is split so that a one-row product still has about 128 programs
+streaming it, which a prefill chunk pays as extra partial traffic through L2; wide ones are not
+split (:func:`exact_config`). The fast default mode is unchanged; exact mode's price is measured
+per model (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from .skinny_linear import MAX_SPLIT_TILES, _arrives_last, _counter_buffer, _sum
 EXACT_COUNTERS = 2      # the counter set of these launches (skinny_linear's main and side streams use 0 and 1)
 
 BLOCK_M = 16            # rows per tile, for every M (tl.dot's minimum)
-TARGET_PROGRAMS = 256   # programs a one-row product aims for (two per SM of an H100 / H200)
-MIN_SPLIT_STEPS = 4     # K steps a split sums at least
 
 
 @dataclass(frozen=True)
@@ -51,20 +50,39 @@ class ExactConfig:
     block_k: int
     splits: int         # K splits, each ``steps`` K steps of ``block_k`` (the last may be shorter)
     steps: int
-    num_warps: int = 4  # launch parameters, fixed per shape like the tiles
+    num_warps: int = 4  # launch parameters (they change no sum's order), fixed per shape like the tiles
     num_stages: int = 3
 
 
-def exact_config(N: int, K: int, *, block_n: int = 64, block_k: int = 64, target_programs: int = TARGET_PROGRAMS,
-                 min_split_steps: int = MIN_SPLIT_STEPS, num_warps: int = 4, num_stages: int = 3) -> ExactConfig:
+def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, wide_block_n: int = 128,
+                 wide_n: int = 8192, unsplit_tiles: int = 64, target_programs: int = 128, min_split_steps: int = 2,
+                 num_warps: int = 4, num_stages: int = 3) -> ExactConfig:
     """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
-    device, which is what makes the op batch-invariant (module doc). The keywords are the rule's
-    constants, for the tuning sweep (benchmarks/kernels/exact_linear.py); the op uses the defaults."""
+    device, which is what makes the op batch-invariant (module doc).
+
+    The rule (the keywords are its constants, for benchmarks/kernels/exact_linear.py's sweep; the op
+    uses the defaults, chosen by that sweep on the H100 in session 33): 256-wide K steps; column
+    tiles of ``wide_block_n`` for outputs of ``wide_n`` or more, else ``block_n``; no K split once
+    the column tiles number ``unsplit_tiles`` (a split costs the workspace's traffic and the tile's
+    serial sum), otherwise splits of at least ``min_split_steps`` K steps up to about
+    ``target_programs`` programs (a one-row product of a narrow weight needs them to stream it)."""
+    block_n = wide_block_n if N >= wide_n else block_n
     k_steps = max(1, triton.cdiv(K, block_k))
-    want = triton.cdiv(target_programs, triton.cdiv(N, block_n))
+    col_tiles = triton.cdiv(N, block_n)
+    want = 1 if col_tiles >= unsplit_tiles else triton.cdiv(target_programs, col_tiles)
     splits = max(1, min(want, k_steps // min_split_steps))
     steps = triton.cdiv(k_steps, splits)
     return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages)
+
+
+def _stages_that_fit(cfg: ExactConfig, x: torch.Tensor) -> int:
+    """The plan's pipeline depth, less where the device's shared memory per block cannot hold it (a
+    launch parameter: the sums' order is the tile's, whatever the depth)."""
+    if x.device.type != "cuda":
+        return cfg.num_stages
+    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
+    stage_bytes = (cfg.block_n + BLOCK_M) * cfg.block_k * x.element_size()
+    return max(1, min(cfg.num_stages, limit // stage_bytes)) if limit else cfg.num_stages
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -149,7 +167,7 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
             ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, x), **pdl_kwargs(x),
         )
     return out
 

@@ -49,12 +49,12 @@ def test_the_plan_depends_on_the_shape_only_and_covers_k(N: int, K: int) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N, K", [(96, 640), (96, 128)], ids=["two_splits", "one_split"])
+@pytest.mark.parametrize("N, K", [(96, 1024), (96, 128)], ids=["two_splits", "one_split"])
 def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, N: int, K: int) -> None:
     """Each of 16 rows alone, and at every position of 2-, 10- and 16-row launches among other rows,
     gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree); with the
     workspace summed by each tile's last program (two splits) and with one split."""
-    assert (exact_config(N, K).splits > 1) == (K == 640)
+    assert (exact_config(N, K).splits > 1) == (K == 1024)
     x, w = _inputs(triton_device, dtype, 16, N, K, seed=7)
     others, _ = _inputs(triton_device, dtype, 16, N, K, seed=8)
     alone = torch.cat([exact_linear_triton(x[r:r + 1], w) for r in range(16)])
@@ -71,8 +71,8 @@ def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torc
 def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None:
     """Each tile's last program resets its counter, so the next launch (here the same product again)
     starts from zero: its result is the same, and the counters end all-zero."""
-    x, w = _inputs(triton_device, torch.float32, 20, 96, 640, seed=3)
-    assert exact_config(96, 640).splits > 1
+    x, w = _inputs(triton_device, torch.float32, 20, 96, 1024, seed=3)
+    assert exact_config(96, 1024).splits > 1
     first = exact_linear_triton(x, w)
     assert not _counter_buffer(x.device, EXACT_COUNTERS).any()
     assert torch.equal(exact_linear_triton(x, w), first)
@@ -81,7 +81,7 @@ def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None
 def test_a_product_past_the_counters_runs_in_row_ranges_with_the_same_bits(triton_device: str, monkeypatch) -> None:
     """More (row tile, column tile) counters than the set holds: the launcher splits the rows into
     ranges of whole tiles, one launch each, and every row keeps its bits."""
-    x, w = _inputs(triton_device, torch.bfloat16, 40, 96, 640, seed=4)
+    x, w = _inputs(triton_device, torch.bfloat16, 40, 96, 1024, seed=4)
     whole = exact_linear_triton(x, w)
     monkeypatch.setattr(el, "MAX_SPLIT_TILES", 2)   # two column tiles: one row tile (16 rows) per launch
     assert torch.equal(exact_linear_triton(x, w), whole)
