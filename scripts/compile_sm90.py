@@ -44,7 +44,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
             sig[n] = "i32"
     k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
 
 
@@ -66,9 +66,10 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             DOT_PRECISION="tf32", UPCAST=False, PDL=1))
-    for block_n, split in ((64, False), (64, True), (128, False)):   # exact_config's tiles (wide outputs: no split)
-        compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT=split, DOT_PRECISION="tf32",
-                                               UPCAST=False, PDL=1), num_stages=3)
+    # exact_config's tiles (wide outputs: no split), one and several row tiles a program
+    for block_n, split, row_tiles, stages in ((64, False, 1, 3), (64, True, 5, 2), (64, True, 8, 2), (128, False, 4, 2)):
+        compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,
+                                               DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=stages)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,
                                                      RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,

@@ -9,17 +9,21 @@ decoding on the GPU. Exact mode routes every product through this op, which fixe
 
 Design: one tile shape for every ``M`` (:data:`BLOCK_M` rows, ``tl.dot``'s minimum; ``BLOCK_N`` x
 ``BLOCK_K`` from :func:`exact_config`), and the K range cut into a number of splits fixed by the
-weight's shape ``(N, K)`` alone. Program ``(row tile, column tile, split)`` sums its split's K steps in
-order into an fp32 tile with ``tl.dot``. With one split (a plan of the shape: wide products such as
-the LM head) it rounds the tile and stores it. With several it writes the tile to an ``[splits, M,
-N]`` workspace and arrives at the tile's counter; the tile's last program to arrive sums the
-workspace's partials in split order ``0 .. splits - 1``, whichever program it is, rounds once and
-resets the counter: the serial split-K fix-up of skinny_linear.py (its counters, set 2, and its
-synchronisation), in the product's own launch. An output element therefore depends only on its own
+weight's shape ``(N, K)`` alone. Program ``(row group, column tile, split)`` loads each of its
+split's weight tiles once and, for each of the group's row tiles (up to :data:`MAX_ROW_TILES`, as
+many as the launch's rows allow: :func:`row_tiles_per_program`), adds that tile's 16-row ``tl.dot``
+into the tile's own fp32 accumulator, K steps in order. A row tile's arithmetic is therefore the
+same instruction sequence whether its program holds one row tile or eight; the group only saves the
+weight's re-reads (a verify of 80 rows is one group of five). With one split (a plan of the shape:
+wide products such as the LM head) the program rounds each tile and stores it. With several it
+writes the tiles to an ``[splits, M, N]`` workspace and arrives at the group's counter; the group's
+last program to arrive sums the workspace's partials in split order ``0 .. splits - 1``, whichever
+program it is, rounds once and resets the counter: the serial split-K fix-up of skinny_linear.py
+(its counters, set 2, and its synchronisation), in the product's own launch. An output element therefore depends only on its own
 row of ``x``, its column of ``weight`` and the shape's fixed plan: a row alone (padded to a tile with
 masked zero rows), one of 2, 10 or 16 rows, or the last row of a prefill chunk get the same bits.
 The MMA instruction is chosen by the tile shape, which never changes; padding rows are zeros and
-never stored. A launch holds at most ``MAX_SPLIT_TILES`` (row tile, column tile) counters; a longer
+never stored. A launch holds at most ``MAX_SPLIT_TILES`` (row group, column tile) counters; a longer
 split product runs as several launches over consecutive row ranges, which changes no row's bits.
 
 Cost: a narrow weight's product is split so that a one-row product still has about 128 programs
@@ -42,6 +46,7 @@ from .skinny_linear import MAX_SPLIT_TILES, _arrives_last, _counter_buffer, _sum
 EXACT_COUNTERS = 2      # the counter set of these launches (skinny_linear's main and side streams use 0 and 1)
 
 BLOCK_M = 16            # rows per tile, for every M (tl.dot's minimum)
+MAX_ROW_TILES = 8       # row tiles a program of 64-column tiles runs against one weight tile (the kernel's accumulators)
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,78 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, wide_
     return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages)
 
 
-def _stages_that_fit(cfg: ExactConfig, x: torch.Tensor) -> int:
-    """The plan's pipeline depth, less where the device's shared memory per block cannot hold it (a
-    launch parameter: the sums' order is the tile's, whatever the depth)."""
+def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor) -> int:
+    """The plan's pipeline depth, less where the device's shared memory per block cannot hold a
+    stage's weight tile and ``row_tiles`` x tiles (a launch parameter: the sums' order is the
+    tile's, whatever the depth)."""
     if x.device.type != "cuda":
         return cfg.num_stages
     limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
-    stage_bytes = (cfg.block_n + BLOCK_M) * cfg.block_k * x.element_size()
+    stage_bytes = (cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * x.element_size()
     return max(1, min(cfg.num_stages, limit // stage_bytes)) if limit else cfg.num_stages
+
+
+def row_tiles_per_program(M: int, block_n: int) -> int:
+    """Row tiles each program of an ``M``-row launch runs against its weight tile: all of them up to
+    the accumulators' register budget (``MAX_ROW_TILES`` 64-wide tiles' worth), else as even a share
+    as the groups allow. A launch parameter: every row tile's arithmetic is the same whatever it is."""
+    most = max(1, MAX_ROW_TILES * 64 // block_n)
+    tiles = triton.cdiv(M, BLOCK_M)
+    return triton.cdiv(tiles, triton.cdiv(tiles, most))
+
+
+@triton.jit
+def _tile_dot(x_ptr, tile, M, k, k_ok, stride_xm, wt, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    # one row tile's K step: its 16 rows of x against the program's weight tile, the same instruction
+    # sequence for a row tile whichever program and launch it is in
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
+                other=0.0)
+    if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
+        a = a.to(tl.float32)
+    return tl.dot(a, wt, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_store(acc, tile, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M: tl.constexpr):
+    # a row tile's [BLOCK_M, BLOCK_N] values to dst (the output, rounded to its dtype, or a split's
+    # fp32 slice of the workspace)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_m + cols64[None, :], acc.to(dst_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _tile_fix_up(tile, M, cols64, col_ok, ws_ptr, stride_ws, stride_wsm, out_ptr, stride_om, splits,
+                 BLOCK_M: tl.constexpr):
+    # a row tile's partials summed in split order, rounded once, stored
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    total = _sum_partials(ws_ptr + rows64[:, None] * stride_wsm + cols64[None, :], mask, stride_ws, splits)
+    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, dst_ptr, stride_m,
+                     BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr):
+    _tile_store(acc0, t0, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 1:
+        _tile_store(acc1, t0 + 1, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 2:
+        _tile_store(acc2, t0 + 2, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 3:
+        _tile_store(acc3, t0 + 3, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 4:
+        _tile_store(acc4, t0 + 4, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 5:
+        _tile_store(acc5, t0 + 5, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 6:
+        _tile_store(acc6, t0 + 6, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
+    if ROW_TILES > 7:
+        _tile_store(acc7, t0 + 7, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -90,44 +159,71 @@ def _exact_linear_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr,
     M, N, K, steps,
     stride_xm, stride_wn, stride_ws, stride_wsm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    # program (row group, column tile, split): ROW_TILES consecutive row tiles (1 to MAX_ROW_TILES),
+    # each with its own accumulator and the same 16-row tl.dot per K step, against one weight tile
+    # loaded once per K step for all of them (unrolled by hand: Triton has no arrays of tiles; the
+    # accumulators past ROW_TILES are never touched and compile away)
     if PDL:  # ops/_dispatch.py: x may come from the predecessor
         tl.extra.cuda.gdc_launch_dependents()
-    # row tiles vary fastest: the programs that read one weight tile run side by side, so it comes from
-    # DRAM once and from L2 for the other row tiles (a verify of 80 rows has 5; the order of a row's sum
-    # is the same either way)
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_g, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = pid_g * ROW_TILES
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
-    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)     # offsets past 2^31 elements (long prompts x vocab)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)     # offsets past 2^31 elements (long prompts x vocab)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k0 = pid_s * steps * BLOCK_K
     for i in range(steps):
         k = k0 + i * BLOCK_K + ks
         k_ok = k < K
-        a = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    mask = row_ok[:, None] & col_ok[None, :]
-    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
-    if SPLIT:    # the partial to the workspace; the tile's last program sums them in split order
-        ws_offs = rows64[:, None] * stride_wsm + cols64[None, :]
-        tl.store(ws_ptr + pid_s.to(tl.int64) * stride_ws + ws_offs, acc, mask=mask)
-        tile = pid_m * tl.num_programs(1) + pid_n
-        if _arrives_last(cnt_ptr + tile, tl.num_programs(2)):
-            total = _sum_partials(ws_ptr + ws_offs, mask, stride_ws, tl.num_programs(2))
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr + tile, 0)  # reusable by the next launch
-    else:        # one split (a plan of the shape, whatever M): round once
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if UPCAST:
+            w = w.to(tl.float32)
+        wt = tl.trans(w)
+        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 1:
+            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 2:
+            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 3:
+            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 4:
+            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 5:
+            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 6:
+            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION, UPCAST)
+        if ROW_TILES > 7:
+            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION, UPCAST)
+    # one split (a plan of the shape, whatever M): each row tile rounded once into the output; several:
+    # the partials to this split's slice of the workspace, and the group's last program to arrive sums
+    # them in split order
+    if SPLIT:
+        _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok,
+                         ws_ptr + pid_s.to(tl.int64) * stride_ws, stride_wsm, BLOCK_M, ROW_TILES)
+    else:
+        _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, out_ptr, stride_om,
+                         BLOCK_M, ROW_TILES)
+    if SPLIT:
+        counter = cnt_ptr + pid_g * tl.num_programs(1) + pid_n
+        splits = tl.num_programs(2)
+        if _arrives_last(counter, splits):
+            for j in tl.static_range(ROW_TILES):
+                _tile_fix_up(t0 + j, M, cols64, col_ok, ws_ptr, stride_ws, stride_wsm, out_ptr, stride_om, splits,
+                             BLOCK_M)
+            tl.store(counter, 0)  # reusable by the next launch
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -155,19 +251,21 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
     if split and col_tiles > MAX_SPLIT_TILES:
         raise ValueError(f"exact_linear: a split plan over {col_tiles} column tiles needs one counter each, at most "
                          f"{MAX_SPLIT_TILES}; plan one split for so wide a product (exact_config does)")
-    # a launch's (row tile, column tile) counters fit the counter set: longer split products run in row ranges
-    rows_per_launch = MAX_SPLIT_TILES // col_tiles * BLOCK_M if split else M
+    row_tiles = row_tiles_per_program(M, cfg.block_n)
+    group_rows = row_tiles * BLOCK_M
+    # a launch's (row group, column tile) counters fit the counter set: longer split products run in row ranges
+    rows_per_launch = MAX_SPLIT_TILES // col_tiles * group_rows if split else M
     ws = torch.empty((cfg.splits, min(M, rows_per_launch), N), dtype=torch.float32, device=x.device) if split else out
     counters = _counter_buffer(x.device, EXACT_COUNTERS) if split else out
     for r0 in range(0, M, rows_per_launch):
         xs, outs = x[r0:r0 + rows_per_launch], out[r0:r0 + rows_per_launch]
-        grid = (triton.cdiv(xs.shape[0], BLOCK_M), col_tiles, cfg.splits)
+        grid = (triton.cdiv(xs.shape[0], group_rows), col_tiles, cfg.splits)
         _exact_linear_kernel[grid](
             xs, weight, ws, outs, counters, xs.shape[0], N, K, cfg.steps, xs.stride(0), weight.stride(0),
             ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
+            ROW_TILES=row_tiles, SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, x), **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, row_tiles, x), **pdl_kwargs(x),
         )
     return out
 

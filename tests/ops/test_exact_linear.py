@@ -13,7 +13,7 @@ import torch
 import lfmspark.ops  # noqa: F401  (registers the ops)
 import lfmspark.ops.linear.exact_linear as el
 from lfmspark.ops.linear.exact_linear import (EXACT_COUNTERS, ExactConfig, exact_config, exact_linear_reference,
-                                              exact_linear_triton)
+                                              exact_linear_triton, row_tiles_per_program)
 from lfmspark.ops.linear.skinny_linear import _counter_buffer, skinny_linear_triton
 from test_skinny_linear import TOL, _inputs
 
@@ -68,6 +68,32 @@ def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torc
     assert torch.equal(exact_linear_triton(long_chunk, w)[-1], alone[3])
 
 
+@pytest.mark.parametrize("N, K", [(96, 1024), (96, 128)], ids=["two_splits", "one_split"])
+def test_a_rows_bits_do_not_depend_on_its_programs_row_tiles(triton_device: str, N: int, K: int) -> None:
+    """A program runs up to ``MAX_ROW_TILES`` row tiles against its weight tile (a verify of 80 rows:
+    five in one program; 200 rows: 13 tiles in groups of 7 and 6). A row alone, and the same row in
+    every row tile of those launches, gives the same bits."""
+    assert row_tiles_per_program(80, 64) == 5 and row_tiles_per_program(200, 64) == 7
+    x, w = _inputs(triton_device, torch.bfloat16, 1, N, K, seed=9)
+    others, _ = _inputs(triton_device, torch.bfloat16, 200, N, K, seed=10)
+    alone = exact_linear_triton(x, w)[0]
+    for rows in (80, 200):
+        batch = others[:rows].clone()
+        positions = list(range(3, rows, 16))   # one row in every row tile (a group's first, middle and last ones)
+        batch[positions] = x[0]
+        out = exact_linear_triton(batch, w)
+        for pos in positions:
+            assert torch.equal(out[pos], alone), (rows, pos)
+        assert _rel_err(out, batch, w) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("M, block_n, want", [(1, 64, 1), (16, 64, 1), (17, 64, 2), (128, 64, 8), (129, 64, 5),
+                                              (80, 128, 3), (2048, 64, 8)])
+def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
+    # all of a launch's tiles up to the register budget (8 tiles of 64 columns, 4 of 128), else an even share
+    assert row_tiles_per_program(M, block_n) == want
+
+
 def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None:
     """Each tile's last program resets its counter, so the next launch (here the same product again)
     starts from zero: its result is the same, and the counters end all-zero."""
@@ -79,11 +105,11 @@ def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None
 
 
 def test_a_product_past_the_counters_runs_in_row_ranges_with_the_same_bits(triton_device: str, monkeypatch) -> None:
-    """More (row tile, column tile) counters than the set holds: the launcher splits the rows into
-    ranges of whole tiles, one launch each, and every row keeps its bits."""
-    x, w = _inputs(triton_device, torch.bfloat16, 40, 96, 1024, seed=4)
+    """More (row group, column tile) counters than the set holds: the launcher splits the rows into
+    ranges of whole groups, one launch each, and every row keeps its bits."""
+    x, w = _inputs(triton_device, torch.bfloat16, 200, 96, 1024, seed=4)
     whole = exact_linear_triton(x, w)
-    monkeypatch.setattr(el, "MAX_SPLIT_TILES", 2)   # two column tiles: one row tile (16 rows) per launch
+    monkeypatch.setattr(el, "MAX_SPLIT_TILES", 2)   # two column tiles: one group (7 row tiles, 112 rows) a launch
     assert torch.equal(exact_linear_triton(x, w), whole)
     assert _rel_err(whole, x, w) < TOL[torch.bfloat16]
 
