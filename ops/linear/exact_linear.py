@@ -93,9 +93,10 @@ def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor) -> int:
 
 def row_tiles_per_program(M: int, block_n: int) -> int:
     """Row tiles each program of an ``M``-row launch runs against its weight tile: all of them up to
-    the accumulators' register budget (``MAX_ROW_TILES`` 64-wide tiles' worth), else as even a share
+    the accumulators' register budget (``MAX_ROW_TILES`` 64-wide tiles' worth, at most ``MAX_ROW_TILES``
+    tiles, the kernel's accumulators), else as even a share
     as the groups allow. A launch parameter: every row tile's arithmetic is the same whatever it is."""
-    most = max(1, MAX_ROW_TILES * 64 // block_n)
+    most = max(1, min(MAX_ROW_TILES, MAX_ROW_TILES * 64 // block_n))   # never past the kernel's accumulators
     tiles = triton.cdiv(M, BLOCK_M)
     return triton.cdiv(tiles, triton.cdiv(tiles, most))
 

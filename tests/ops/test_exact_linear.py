@@ -88,10 +88,21 @@ def test_a_rows_bits_do_not_depend_on_its_programs_row_tiles(triton_device: str,
 
 
 @pytest.mark.parametrize("M, block_n, want", [(1, 64, 1), (16, 64, 1), (17, 64, 2), (128, 64, 8), (129, 64, 5),
-                                              (80, 128, 3), (2048, 64, 8)])
+                                              (80, 128, 3), (2048, 64, 8), (300, 32, 7), (128, 32, 8)])
 def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
-    # all of a launch's tiles up to the register budget (8 tiles of 64 columns, 4 of 128), else an even share
+    # all of a launch's tiles up to the register budget (8 tiles of 64 columns, 4 of 128; never more
+    # than the kernel's 8 accumulators), else an even share
     assert row_tiles_per_program(M, block_n) == want
+
+
+@pytest.mark.parametrize("cfg", [ExactConfig(32, 32, splits=3, steps=2), ExactConfig(32, 64, splits=1, steps=3),
+                                 ExactConfig(64, 64, splits=2, steps=2)], ids=["narrow_split", "narrow", "eight_tiles"])
+def test_forced_plans_with_many_row_tiles(triton_device: str, cfg: ExactConfig) -> None:
+    # 300 rows: 19 row tiles in groups of up to 8 (eight per program for 64 columns at 128 rows), the
+    # narrow plans' groups capped at the kernel's accumulators; every row computed, near fp64
+    for M in (128, 300):
+        x, w = _inputs(triton_device, torch.float32, M, 70, 6 * 32 - 7, seed=M)
+        assert _rel_err(exact_linear_triton(x, w, cfg), x, w) < TOL[torch.float32]
 
 
 def test_split_products_leave_their_counters_at_zero(triton_device: str) -> None:
