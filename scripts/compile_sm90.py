@@ -42,7 +42,13 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    k = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+    # what the JIT sees on the device at the LFM2 shapes: 16-byte aligned pointers, strides and N, K
+    # divisible by 16 (without them loads are not vectorised or pipelined through shared memory, and
+    # its size is understated)
+    names = kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig
+             if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")}
+    k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
