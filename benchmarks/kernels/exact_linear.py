@@ -1,7 +1,8 @@
 """Microbenchmark: ``lfmspark::exact_linear`` (exact mode's batch-invariant product) against the
 default mode's product (``skinny_linear`` up to 16 rows, cuBLAS past) and cuBLAS, at the exact-mode
-weight shapes of LFM2.5-1.2B and LFM2-8B-A1B (their attention, conv and dense products and the LM head; bf16), for M = 1 and 8
-(target-only decode at batch 1 and 8) and 10 and 80 (a 10-token verify at batch 1 and 8).
+weight shapes of LFM2.5-1.2B and LFM2-8B-A1B (their attention, conv and dense products and the LM
+head; bf16), for M = 1 and 8 (target-only decode at batch 1 and 8) and 10 and 80 (a 10-token verify
+at batch 1 and 8).
 
 Bytes and timing as benchmarks/kernels/skinny_linear.py (the weight streamed from DRAM each call).
 
@@ -52,7 +53,8 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
             x, shape = _x(M, K), f"M={M} N={N} K={K} bf16"
             for name, fn in [("exact_linear", torch.ops.lfmspark.exact_linear), ("default mode", _default_product(M)),
                              ("F.linear (cuBLAS)", F.linear)]:
-                extra = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits) if name == "exact_linear" else {}
+                exact = name == "exact_linear"
+                extra = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits) if exact else {}
                 rows.append(row(name, shape, _per_product_ms(fn, x, weights), _bytes(M, N, K), copy_gbps, **extra))
         del weights
     return rows
@@ -63,8 +65,9 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
 # steps a split sums at least, warps, stages
 RULES = [dict(block_k=bk, block_n=bn, wide_block_n=wbn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms,
               num_warps=nw, num_stages=ns)
-         for bk, bn, wbn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64), (64, 128), (48, 64, 96, 1 << 20),
-                                                                (128, 256), (2, 4), (4, 8), (3, 4))]
+         for bk, bn, wbn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64), (64, 128),
+                                                                (48, 64, 96, 1 << 20), (128, 256), (2, 4), (4, 8),
+                                                                (3, 4))]
 DEFAULT_RULE = dict(block_k=256, block_n=64, wide_block_n=128, unsplit_tiles=64, target_programs=128, min_split_steps=2,
                     num_warps=4, num_stages=3)   # exact_config's defaults
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
