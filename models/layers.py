@@ -109,6 +109,19 @@ def _norm_gemv(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, weigh
     return h if delta is None else s.view(h.shape), y.view(*h.shape[:-1], y.shape[-1])
 
 
+def add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` with ``s = h + delta`` (``h`` when ``delta`` is None). In exact mode one
+    ``lfmspark::exact_add_rms_norm`` launch, the same bits as the add and the module's norm."""
+    if delta is None:
+        return h, norm(h)
+    if exact_mode():
+        rows, width = rows_of(h), h.shape[-1]
+        s, normed = lfm.exact_add_rms_norm(h.reshape(rows, width), delta.reshape(rows, width), norm.weight, norm.eps)
+        return s.view(h.shape), normed.view(h.shape)
+    s = h + delta
+    return s, norm(s)
+
+
 def norm_linear(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear, decode: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, proj(norm(s)))`` with ``s = h + delta`` (``h`` itself when ``delta`` is None or a
@@ -120,8 +133,8 @@ def norm_linear(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear,
         return h, y.view(*h.shape[:-1], y.shape[-1])
     if norm_route(h, decode) is NormRoute.GEMV and _one_dtype(h, norm.weight, proj.weight):
         return _norm_gemv(h, delta, norm, proj.weight, swiglu=False)
-    s = h if delta is None else h + delta
-    return s, proj(norm(s))
+    s, normed = add_norm(h, delta, norm)
+    return s, proj(normed)
 
 
 def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, feed_forward: nn.Module,
@@ -133,8 +146,8 @@ def norm_feed_forward(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
             and _one_dtype(h, norm.weight, feed_forward.w13.weight)):
         s, act = _norm_gemv(h, delta, norm, feed_forward.w13.weight, swiglu=True)
         return s, feed_forward.w2(act)
-    s = h if delta is None else h + delta
-    return s, feed_forward(norm(s))
+    s, normed = add_norm(h, delta, norm)
+    return s, feed_forward(normed)
 
 
 def _carry_of(out: torch.Tensor, next_norm: torch.Tensor) -> NormedCarry:

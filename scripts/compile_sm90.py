@@ -18,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from lfmspark.ops.exact_norm import _exact_rms_norm_kernel
 from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
 from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
@@ -50,7 +51,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
              if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES", "HAS_DELTA")
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, "shared memory", k.metadata.shared)
 
 
@@ -72,6 +73,8 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
+        compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles (wide outputs: no split), one and several row tiles a program
     for block_n, split, row_tiles, stages in ((64, False, 1, 3), (64, True, 5, 3), (64, True, 8, 2), (128, False, 4, 2)):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,

@@ -90,3 +90,34 @@ def test_exact_seeded_sampling_does_not_depend_on_the_batch(monkeypatch):
     batched = generate(target, draft, PROMPTS, **params)[0]
     assert batched.token_ids == alone.token_ids
     assert [t.logprob for t in batched.logprobs] == [t.logprob for t in alone.logprobs]
+
+
+def test_exact_mode_adds_the_residual_in_the_norms_launch(monkeypatch):
+    """models/layers.py ``add_norm`` in exact mode: one ``lfmspark::exact_add_rms_norm`` (no separate
+    add), with the bits of the add followed by the exact norm (fp32: no rounding of the sum)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lfmspark.models.layers import RMSNorm, add_norm
+    from lfmspark.ops.routing import exact_scope
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    interpret_triton(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    h, delta = torch.randn(3, 5, 32, generator=g), torch.randn(3, 5, 32, generator=g)
+    norm = RMSNorm(32, 1e-5)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(32, generator=g))
+    with exact_scope(True), torch.no_grad():
+        with Ops() as ops:
+            s, normed = add_norm(h, delta, norm)
+        unfused = norm(h + delta)
+    assert "lfmspark.exact_add_rms_norm.default" in ops.names
+    assert not any(name.startswith("aten.add") for name in ops.names)
+    assert torch.equal(s, h + delta) and torch.equal(normed, unfused)
