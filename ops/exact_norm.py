@@ -62,11 +62,11 @@ def _check_add(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> No
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor]:
     M, H = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()   # before the outputs: they take x's layout (row-major)
     out = torch.empty_like(x)
     s = torch.empty_like(x) if delta is not None else out
     if out.numel() == 0:
         return s, out
-    x = x if x.stride(1) == 1 else x.contiguous()
     d = x if delta is None else (delta if delta.stride(1) == 1 else delta.contiguous())
     _exact_rms_norm_kernel[(M,)](x, d, s, weight, out, M, H, eps, x.stride(0), d.stride(0), s.stride(0), out.stride(0),
                                  BLOCK=triton.next_power_of_2(H), HAS_DELTA=delta is not None, num_warps=4,

@@ -84,7 +84,7 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def _median_seconds(fn, runs: int, warmup: int = 3) -> float:
+def median_seconds(fn, runs: int, warmup: int = 3) -> float:
     """The median device time of ``fn()`` over ``runs`` calls (CUDA events), after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -105,7 +105,7 @@ def copy_bandwidth_gbps(device: torch.device, n_bytes: int = 1 << 31) -> float |
         return None
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), runs=20)
+    seconds = median_seconds(lambda: dst.copy_(src), runs=20)
     del src, dst
     return 2 * n_bytes / seconds / 1e9
 
@@ -117,7 +117,7 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
         return None
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    seconds = _median_seconds(lambda: a @ b, runs=10)
+    seconds = median_seconds(lambda: a @ b, runs=10)
     del a, b
     return 2 * n ** 3 / seconds / 1e12
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from lfmspark.runtime.bench import copy_bandwidth_gbps as _measure_copy
+from lfmspark.runtime.bench import median_seconds
+
 
 def copy_bandwidth_gbps() -> float:
     """Measured device-to-device copy bandwidth in GB/s (bytes read + written), the same
     measurement ``lfmspark bench`` reports: event-timed plain copies, median of 20. (A copy
     captured in a CUDA graph measured only ~2.8 TB/s on the H200, against ~4.2 TB/s here.)"""
-    from lfmspark.runtime.bench import copy_bandwidth_gbps as measure
-
-    return measure(torch.device("cuda"))
+    return _measure_copy(torch.device("cuda"))
 
 
 def time_ms(fn, warmup: int = 5, iters: int = 50, use_graph: bool = True) -> float:
@@ -35,16 +36,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 50, use_graph: bool = True) -> flo
         with torch.cuda.graph(graph):
             fn()
         call = graph.replay
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return median_seconds(call, runs=iters, warmup=0) * 1e3
 
 
 def row(kernel: str, shape: str, ms: float, n_bytes: int, copy_gbps: float, **extra) -> dict:

@@ -68,8 +68,7 @@ RULES = [dict(block_k=bk, block_n=bn, wide_block_n=wbn, unsplit_tiles=ut, target
          for bk, bn, wbn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64), (64, 128),
                                                                 (48, 64, 96, 1 << 20), (128, 256), (2, 4), (4, 8),
                                                                 (3, 4))]
-DEFAULT_RULE = dict(block_k=256, block_n=64, wide_block_n=128, unsplit_tiles=64, target_programs=128, min_split_steps=2,
-                    num_warps=4, num_stages=3)   # exact_config's defaults
+DEFAULT_RULE = {key: exact_config.__kwdefaults__[key] for key in RULES[0]}   # the rule the op uses
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
 USES = {(6144, 2048): 10, (2048, 2048): 16, (16384, 2048): 16, (2048, 8192): 16, (3072, 2048): 6,

@@ -91,3 +91,15 @@ def test_opcheck_add() -> None:
     h, w = _inputs("cpu", torch.float32, 3, 16, seed=0)
     delta, _ = _inputs("cpu", torch.float32, 3, 16, seed=1)
     torch.library.opcheck(torch.ops.lfmspark.exact_add_rms_norm, (h, delta, w, EPS))
+
+
+def test_a_column_major_input_gives_row_major_outputs(triton_device: str) -> None:
+    # a transposed [8, 64] view (column stride 8): the outputs must not take its layout
+    x, w = _inputs(triton_device, torch.float32, 64, 8, seed=5)
+    delta, _ = _inputs(triton_device, torch.float32, 64, 8, seed=6)
+    x, delta, w = x.T, delta.T, torch.ones(64, device=triton_device)
+    torch.testing.assert_close(exact_rms_norm_triton(x, w, EPS), exact_rms_norm_reference(x, w, EPS))
+    s, out = exact_add_rms_norm_triton(x, delta, w, EPS)
+    ref_s, ref_out = exact_add_rms_norm_reference(x, delta, w, EPS)
+    assert torch.equal(s, ref_s)
+    torch.testing.assert_close(out, ref_out)
