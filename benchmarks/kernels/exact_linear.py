@@ -60,14 +60,13 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
     return rows
 
 
-# a rule's constants (exact_config's keywords): K step, column tiles of narrow and wide outputs, the
+# a rule's constants (exact_config's keywords): K step, column tile width, the
 # column tiles from which a product is not split, the programs a split product aims for, the K
 # steps a split sums at least, warps, stages
-RULES = [dict(block_k=bk, block_n=bn, wide_block_n=wbn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms,
-              num_warps=nw, num_stages=ns)
-         for bk, bn, wbn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64), (64, 128),
-                                                                (48, 64, 96, 1 << 20), (128, 256), (2, 4), (4, 8),
-                                                                (3, 4))]
+RULES = [dict(block_k=bk, block_n=bn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms, num_warps=nw,
+              num_stages=ns)
+         for bk, bn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20),
+                                                           (128, 256), (2, 4), (4, 8), (3, 4))]
 DEFAULT_RULE = {key: exact_config.__kwdefaults__[key] for key in RULES[0]}   # the rule the op uses
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
@@ -81,12 +80,11 @@ def _default_product(M: int):
 
 
 def _fits(rule: dict) -> bool:
-    widest = max(rule["block_n"], rule["wide_block_n"])
-    return rule["num_stages"] * (widest + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
+    return rule["num_stages"] * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
 
 
 def _short(rule: dict) -> str:
-    return (f"bk{rule['block_k']} bn{rule['block_n']}/{rule['wide_block_n']} ut{rule['unsplit_tiles']} "
+    return (f"bk{rule['block_k']} bn{rule['block_n']} ut{rule['unsplit_tiles']} "
             f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']}")
 
 

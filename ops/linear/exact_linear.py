@@ -59,19 +59,19 @@ class ExactConfig:
     num_stages: int = 3
 
 
-def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, wide_block_n: int = 128,
-                 wide_n: int = 8192, unsplit_tiles: int = 64, target_programs: int = 128, min_split_steps: int = 2,
-                 num_warps: int = 4, num_stages: int = 3) -> ExactConfig:
+def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unsplit_tiles: int = 48,
+                 target_programs: int = 128, min_split_steps: int = 2, num_warps: int = 4,
+                 num_stages: int = 4) -> ExactConfig:
     """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
     device, which is what makes the op batch-invariant (module doc).
 
     The rule (the keywords are its constants, for benchmarks/kernels/exact_linear.py's sweep; the op
-    uses the defaults, chosen by that sweep on the H100 in session 33): 256-wide K steps; column
-    tiles of ``wide_block_n`` for outputs of ``wide_n`` or more, else ``block_n``; no K split once
-    the column tiles number ``unsplit_tiles`` (a split costs the workspace's traffic and the tile's
-    serial sum), otherwise splits of at least ``min_split_steps`` K steps up to about
+    uses the defaults, chosen by that sweep on the H100 in session 34, with the row-tile programs):
+    256-wide K steps and 64-column tiles for every shape (a program of 64 columns holds all five row
+    tiles of an 80-row verify, where 128 columns would hold four and read the weight twice); no K
+    split once the column tiles number ``unsplit_tiles`` (a split costs the workspace's traffic and
+    the tile's serial sum), otherwise splits of at least ``min_split_steps`` K steps up to about
     ``target_programs`` programs (a one-row product of a narrow weight needs them to stream it)."""
-    block_n = wide_block_n if N >= wide_n else block_n
     k_steps = max(1, triton.cdiv(K, block_k))
     col_tiles = triton.cdiv(N, block_n)
     want = 1 if col_tiles >= unsplit_tiles else triton.cdiv(target_programs, col_tiles)
