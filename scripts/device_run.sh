@@ -206,9 +206,10 @@ for step in $STEPS; do
       timeout ${T_PREFILL:-150} lfmspark bench --preset ${PREFILL_PRESET:-lfm2-8b-a1b} --draft-preset none --batch-sizes 1 \
         --prompt-len ${PREFILL_LEN:-1024} --runs 1 --no-hf --no-phase-split --json $RUN/prefill.json 2>&1 \
         | tee $RUN/prefill.log | tail -${PREFILL_LINES:-25} ;;
-    exactsweep)  # issue 39: exact_linear's plan rules at the 1.2B / 8B shapes and M = 1, 8, 10, 80 (one plan for all M)
+    exactsweep)  # issue 39: exact_linear's plan rules at the 1.2B / 8B shapes and M = 1, 8, 10, 80 (one plan for all M;
+                 # EXACT_VARY: e.g. "row_programs num_stages", only those constants varied around the default)
       timeout ${T_EXACTSWEEP:-200} python3 benchmarks/kernels/exact_linear.py --sweep --budget ${EXACT_BUDGET:-150} \
-        --json $RUN/exact_sweep.json 2>&1 | tee $RUN/exact_sweep.log | tail -${EXACTSWEEP_LINES:-40} ;;
+        ${EXACT_VARY:+--vary $EXACT_VARY} --json $RUN/exact_sweep.json 2>&1 | tee $RUN/exact_sweep.log | tail -${EXACTSWEEP_LINES:-40} ;;
     moeprofile)  # issue 38: device time of each kernel of the MoE op per call (MOE_SIZES tokens)
       timeout ${T_MOEPROFILE:-60} python3 benchmarks/kernels/moe.py --profile --sizes ${MOE_SIZES:-1 10} 2>&1 \
         | tee $RUN/moe_profile.log | tail -${MOEPROFILE_LINES:-20} ;;

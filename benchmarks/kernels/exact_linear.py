@@ -8,6 +8,7 @@ Bytes and timing as benchmarks/kernels/skinny_linear.py (the weight streamed fro
 
     python benchmarks/kernels/exact_linear.py                      # the report table
     python benchmarks/kernels/exact_linear.py --sweep --budget 90  # candidate plans (tuning aid)
+    python benchmarks/kernels/exact_linear.py --sweep --vary row_programs num_stages   # around the default
 
 A plan must be one for every ``M`` (that is what makes the op batch-invariant), so the sweep times
 candidate rules (``exact_config``'s constants) at every shape and ``M`` and ranks them by their
@@ -60,13 +61,13 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
     return rows
 
 
-# a rule's constants (exact_config's keywords): K step, column tile width, the
-# column tiles from which a product is not split, the programs a split product aims for, the K
-# steps a split sums at least, warps, stages
+# a rule's constants (exact_config's keywords): K step, column tile width, the column tiles from which
+# a product is not split, the programs a split product aims for, the K steps a split sums at least,
+# warps, stages, the programs a launch of several row tiles aims for
 RULES = [dict(block_k=bk, block_n=bn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms, num_warps=nw,
-              num_stages=ns)
-         for bk, bn, ut, tp, ms, nw, ns in itertools.product((128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20),
-                                                           (128, 256), (2, 4), (4, 8), (3, 4))]
+              num_stages=ns, row_programs=rp)
+         for bk, bn, ut, tp, ms, nw, ns, rp in itertools.product((128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20),
+                                                               (128, 256), (2, 4), (4, 8), (3, 4), (0, 132, 264))]
 DEFAULT_RULE = {key: exact_config.__kwdefaults__[key] for key in RULES[0]}   # the rule the op uses
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
@@ -85,18 +86,21 @@ def _fits(rule: dict) -> bool:
 
 def _short(rule: dict) -> str:
     return (f"bk{rule['block_k']} bn{rule['block_n']} ut{rule['unsplit_tiles']} "
-            f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']}")
+            f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']} "
+            f"rp{rule['row_programs']}")
 
 
 def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES), iters: int = 20,
-          seed: int = 0) -> list[dict]:
+          seed: int = 0, vary: tuple[str, ...] = ()) -> list[dict]:
     """The default rule, then rules in a seeded random order until ``budget_s`` is spent, each timed
     at every shape and ``M`` (one compile serves every shape). Returns one row per (rule, shape) with
-    its plan's time per ``M``, plus the default mode's product per shape."""
+    its plan's time per ``M``, plus the default mode's product per shape. ``vary``: only the rules
+    that differ from the default in these constants (all rules when empty)."""
     weights = {(N, K): _weights(N, K) for N, K in shapes}  # all resident: 512 MB a shape
     xs = {(M, K): _x(M, K) for M in rows_m for _, K in shapes}
     default = DEFAULT_RULE
-    rules = [r for r in RULES if _fits(r) and r != default]
+    rules = [r for r in RULES if _fits(r) and r != default
+             and (not vary or all(r[key] == default[key] for key in r if key not in vary))]
     random.Random(seed).shuffle(rules)
     timed: dict[tuple, float] = {}   # (shape, plan, M) -> ms: rules that give a shape the same plan share it
     results = []
@@ -169,12 +173,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time candidate plans (tuning aid)")
     parser.add_argument("--budget", type=float, default=90.0, help="seconds of the sweep (compiles included)")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="M values")
+    parser.add_argument("--vary", nargs="+", default=(), choices=sorted(DEFAULT_RULE), metavar="CONSTANT",
+                        help="sweep only these constants of the rule, the others at their defaults")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
     if args.sweep:
-        results = sweep(copy_gbps, args.budget, tuple(args.rows))
+        results = sweep(copy_gbps, args.budget, tuple(args.rows), vary=tuple(args.vary))
         print_sweep(results, tuple(args.rows))
     else:
         from tabulate import tabulate

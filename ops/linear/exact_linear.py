@@ -57,11 +57,12 @@ class ExactConfig:
     steps: int
     num_warps: int = 4  # launch parameters (they change no sum's order), fixed per shape like the tiles
     num_stages: int = 3
+    row_programs: int = 0   # the programs a launch of many rows aims for (row_tiles_per_program), 0: none
 
 
 def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unsplit_tiles: int = 48,
                  target_programs: int = 128, min_split_steps: int = 2, num_warps: int = 4,
-                 num_stages: int = 4) -> ExactConfig:
+                 num_stages: int = 4, row_programs: int = 0) -> ExactConfig:
     """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
     device, which is what makes the op batch-invariant (module doc).
 
@@ -71,13 +72,17 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unspl
     tiles of an 80-row verify, where 128 columns would hold four and read the weight twice); no K
     split once the column tiles number ``unsplit_tiles`` (a split costs the workspace's traffic and
     the tile's serial sum), otherwise splits of at least ``min_split_steps`` K steps up to about
-    ``target_programs`` programs (a one-row product of a narrow weight needs them to stream it)."""
+    ``target_programs`` programs (a one-row product of a narrow weight needs them to stream it).
+    ``row_programs`` (a launch parameter, :func:`row_tiles_per_program`): the programs a launch of
+    several row tiles aims for by running them in more groups; 0, the default, keeps them in as few
+    groups as the accumulators allow (the sweep's axis: a narrow unsplit product of 48 column tiles
+    runs an 80-row verify on 48 SMs, each with five tiles' 16-row MMAs)."""
     k_steps = max(1, triton.cdiv(K, block_k))
     col_tiles = triton.cdiv(N, block_n)
     want = 1 if col_tiles >= unsplit_tiles else triton.cdiv(target_programs, col_tiles)
     splits = max(1, min(want, k_steps // min_split_steps))
     steps = triton.cdiv(k_steps, splits)
-    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages)
+    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages, row_programs)
 
 
 def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor) -> int:
@@ -91,14 +96,17 @@ def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor) -> int:
     return max(1, min(cfg.num_stages, limit // stage_bytes)) if limit else cfg.num_stages
 
 
-def row_tiles_per_program(M: int, block_n: int) -> int:
+def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row_programs: int = 0) -> int:
     """Row tiles each program of an ``M``-row launch runs against its weight tile: all of them up to
     the accumulators' register budget (``MAX_ROW_TILES`` 64-wide tiles' worth, at most ``MAX_ROW_TILES``
-    tiles, the kernel's accumulators), else as even a share
-    as the groups allow. A launch parameter: every row tile's arithmetic is the same whatever it is."""
+    tiles, the kernel's accumulators), else as even a share as the groups allow; with
+    ``row_programs``, in enough groups (of ``programs_per_group`` programs each: the column tiles
+    times the splits) for that many programs, each group re-reading the weight tiles (from L2 after
+    the first). A launch parameter: every row tile's arithmetic is the same whatever it is."""
     most = max(1, min(MAX_ROW_TILES, MAX_ROW_TILES * 64 // block_n))   # never past the kernel's accumulators
     tiles = triton.cdiv(M, BLOCK_M)
-    return triton.cdiv(tiles, triton.cdiv(tiles, most))
+    groups = max(triton.cdiv(tiles, most), min(tiles, triton.cdiv(row_programs, programs_per_group)))
+    return triton.cdiv(tiles, groups)
 
 
 @triton.jit
@@ -252,7 +260,7 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
     if split and col_tiles > MAX_SPLIT_TILES:
         raise ValueError(f"exact_linear: a split plan over {col_tiles} column tiles needs one counter each, at most "
                          f"{MAX_SPLIT_TILES}; plan one split for so wide a product (exact_config does)")
-    row_tiles = row_tiles_per_program(M, cfg.block_n)
+    row_tiles = row_tiles_per_program(M, cfg.block_n, col_tiles * cfg.splits, cfg.row_programs)
     group_rows = row_tiles * BLOCK_M
     # a launch's (row group, column tile) counters fit the counter set: longer split products run in row ranges
     rows_per_launch = MAX_SPLIT_TILES // col_tiles * group_rows if split else M

@@ -95,6 +95,30 @@ def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
     assert row_tiles_per_program(M, block_n) == want
 
 
+@pytest.mark.parametrize("M, programs_per_group, row_programs, want", [
+    (80, 48, 132, 2),     # 48 column tiles: 3 groups wanted, 5 tiles -> 2 a program
+    (80, 128, 132, 3),    # a split product of 128 programs: 2 groups
+    (80, 256, 132, 5),    # already past the aim: one group
+    (1, 48, 132, 1),      # one tile: one group whatever the aim
+    (2048, 48, 132, 8),   # 128 tiles: the accumulators already ask for 16 groups
+    (80, 3, 64, 1)])      # more groups wanted than tiles: one tile a program
+def test_row_tiles_per_program_spread_for_programs(M: int, programs_per_group: int, row_programs: int,
+                                                   want: int) -> None:
+    assert row_tiles_per_program(M, 64, programs_per_group, row_programs) == want
+
+
+@pytest.mark.parametrize("splits, steps", [(1, 3), (2, 2)], ids=["one_split", "two_splits"])
+def test_spreading_row_tiles_over_more_programs_changes_no_bit(triton_device: str, splits: int, steps: int) -> None:
+    """``row_programs`` only regroups a launch's row tiles (80 rows: one program of five tiles a
+    column tile and split, against five programs of one): every output bit is the same."""
+    x, w = _inputs(triton_device, torch.bfloat16, 80, 96, 6 * 32 - 7, seed=12)
+    grouped, spread = ExactConfig(32, 64, splits, steps), ExactConfig(32, 64, splits, steps, row_programs=64)
+    assert row_tiles_per_program(80, 32, 3 * splits, 0) == 5 and row_tiles_per_program(80, 32, 3 * splits, 64) == 1
+    out = exact_linear_triton(x, w, grouped)
+    assert torch.equal(exact_linear_triton(x, w, spread), out)
+    assert _rel_err(out, x, w) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("cfg", [ExactConfig(32, 32, splits=3, steps=2), ExactConfig(32, 64, splits=1, steps=3),
                                  ExactConfig(64, 64, splits=2, steps=2)], ids=["narrow_split", "narrow", "eight_tiles"])
 def test_forced_plans_with_many_row_tiles(triton_device: str, cfg: ExactConfig) -> None:
