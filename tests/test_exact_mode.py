@@ -121,3 +121,37 @@ def test_exact_mode_adds_the_residual_in_the_norms_launch(monkeypatch):
     assert "lfmspark.exact_add_rms_norm.default" in ops.names
     assert not any(name.startswith("aten.add") for name in ops.names)
     assert torch.equal(s, h + delta) and torch.equal(normed, unfused)
+
+
+def test_exact_mode_runs_the_swiglu_activation_in_the_products_launch(monkeypatch):
+    """models/layers.py ``SwiGLU`` in exact mode: ``lfmspark::exact_swiglu`` (no separate silu or
+    multiply) then the down product, within an fp32 unit of the unfused module's result (the
+    activation's exp is Triton's, not torch's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lfmspark.models.layers import SwiGLU
+    from lfmspark.ops.routing import exact_scope
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    interpret_triton(monkeypatch)
+    torch.manual_seed(0)
+    mlp = SwiGLU(32, 48)
+    x = torch.randn(3, 5, 32)
+    with exact_scope(True), torch.no_grad():
+        with Ops() as ops:
+            out = mlp(x)
+        gate, up = mlp.w13(x).chunk(2, dim=-1)
+        unfused = mlp.w2(torch.nn.functional.silu(gate) * up)
+    assert "lfmspark.exact_swiglu.default" in ops.names
+    assert not any(name.startswith(("aten.silu", "aten.mul")) for name in ops.names)
+    assert out.shape == (3, 5, 32)
+    torch.testing.assert_close(out, unfused, rtol=1e-5, atol=1e-6)
+

@@ -1,0 +1,117 @@
+"""``lfmspark::exact_swiglu`` (exact mode's dense SwiGLU gate/up product with the activation in its
+epilogue): the Triton kernel (interpreter on CPU, native on CUDA) against ``exact_linear``'s sums of
+the stacked weight and the fp64 activation, and the exact-mode property: a row's bits do not depend
+on the other rows of the launch (alone, at any position of 2, 10 and 16-row launches, in every row
+tile of 80- and 200-row launches), with one K split and with several."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.ops.linear.exact_linear import (EXACT_COUNTERS, ExactConfig, exact_config, exact_linear_triton,
+                                              exact_swiglu_reference, exact_swiglu_triton, row_tiles_per_program)
+from lfmspark.ops.linear.skinny_linear import _counter_buffer
+from test_skinny_linear import _inputs
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}   # test_skinny_swiglu.py's: bf16 rounds four times on the way
+
+
+def _rel_err_fp64(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor) -> float:
+    gate, up = (x.double() @ w13.double().T).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    return ((out.double() - want).norm() / want.norm()).item()
+
+
+def _module_roundings(sums: torch.Tensor) -> torch.Tensor:
+    # the unfused module on the stacked product's rounded sums: silu(gate) rounded, times up, rounded
+    gate, up = sums.float().chunk(2, dim=-1)
+    act = (gate / (1 + torch.exp(-gate))).to(sums.dtype).float()
+    return (act * up).to(sums.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M, F_, K", [(1, 64, 256), (10, 50, 300), (17, 96, 1024), (40, 33, 96)])
+def test_kernel_is_the_stacked_product_then_the_activation(triton_device: str, dtype: torch.dtype, M: int, F_: int,
+                                                           K: int) -> None:
+    x, w13 = _inputs(triton_device, dtype, M, 2 * F_, K, seed=M)
+    out = exact_swiglu_triton(x, w13)
+    assert out.shape == (M, F_) and out.dtype == dtype
+    assert _rel_err_fp64(out, x, w13) < TOL[dtype]
+    assert _rel_err_fp64(exact_swiglu_reference(x, w13), x, w13) < TOL[dtype]
+    # the gate and up sums are exact_linear's of w13 (the same plan); the activation's exp may differ
+    # from torch's by an fp32 ulp, so the roundings after it agree to one unit of the dtype
+    want = _module_roundings(exact_linear_triton(x, w13))
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), want.float(), rtol=ulp, atol=ulp * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("F_, K", [(96, 1024), (96, 128)], ids=["two_splits", "one_split"])
+def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, F_: int, K: int) -> None:
+    """Each of 16 rows alone, and at every position of 2- and 10-row launches among other rows, and
+    as the last row of a 33-row chunk, gives the same bits."""
+    assert (exact_config(2 * F_, K).splits > 1) == (K == 1024)
+    x, w13 = _inputs(triton_device, dtype, 16, 2 * F_, K, seed=7)
+    others, _ = _inputs(triton_device, dtype, 16, 2 * F_, K, seed=8)
+    alone = torch.cat([exact_swiglu_triton(x[r:r + 1], w13) for r in range(16)])
+    assert torch.equal(exact_swiglu_triton(x, w13), alone)
+    for rows in (2, 10):
+        for pos in range(rows):
+            batch = others[:rows].clone()
+            batch[pos] = x[3]
+            assert torch.equal(exact_swiglu_triton(batch, w13)[pos], alone[3]), (rows, pos)
+    long_chunk = torch.cat([others, others, x[3:4]])
+    assert torch.equal(exact_swiglu_triton(long_chunk, w13)[-1], alone[3])
+
+
+@pytest.mark.parametrize("F_, K", [(96, 1024), (96, 128)], ids=["two_splits", "one_split"])
+def test_a_rows_bits_do_not_depend_on_its_programs_row_tiles(triton_device: str, F_: int, K: int) -> None:
+    """Two accumulators a row tile: a program runs up to 4 row tiles (80 rows: groups of 3 and 2;
+    200 rows: 13 tiles in groups of 4 and 3). A row alone and in every row tile agree."""
+    assert row_tiles_per_program(80, 64, weight_tiles=2) == 3 and row_tiles_per_program(200, 64, weight_tiles=2) == 4
+    assert row_tiles_per_program(300, 32, weight_tiles=2) == 4     # 32 columns: still the 4 tiles the kernel holds
+    x, w13 = _inputs(triton_device, torch.bfloat16, 1, 2 * F_, K, seed=9)
+    others, _ = _inputs(triton_device, torch.bfloat16, 200, 2 * F_, K, seed=10)
+    alone = exact_swiglu_triton(x, w13)[0]
+    for rows in (80, 200):
+        batch = others[:rows].clone()
+        positions = list(range(5, rows, 16))   # one row in every row tile
+        batch[positions] = x[0]
+        out = exact_swiglu_triton(batch, w13)
+        for pos in positions:
+            assert torch.equal(out[pos], alone), (rows, pos)
+        assert _rel_err_fp64(out, batch, w13) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cfg", [ExactConfig(32, 64, splits=2, steps=2), ExactConfig(32, 64, splits=1, steps=3),
+                                 ExactConfig(32, 64, splits=2, steps=2, row_programs=64)],
+                         ids=["split", "one_split", "spread"])
+def test_forced_plans(triton_device: str, cfg: ExactConfig) -> None:
+    # a K tail in the last split, column tiles past F, 70 rows (32 columns: four row tiles a program,
+    # the most the kernel's accumulators hold with two a tile); near the fp64 activation in fp32
+    x, w13 = _inputs(triton_device, torch.float32, 70, 2 * 45, 6 * 32 - 7, seed=1)
+    assert _rel_err_fp64(exact_swiglu_triton(x, w13, cfg), x, w13) < TOL[torch.float32]
+
+
+def test_split_launches_leave_their_counters_at_zero(triton_device: str) -> None:
+    x, w13 = _inputs(triton_device, torch.float32, 20, 192, 1024, seed=3)
+    assert exact_config(192, 1024).splits > 1
+    first = exact_swiglu_triton(x, w13)
+    assert not _counter_buffer(x.device, EXACT_COUNTERS).any()
+    assert torch.equal(exact_swiglu_triton(x, w13), first)
+
+
+def test_bad_weights_are_refused() -> None:
+    x, w13 = _inputs("cpu", torch.float32, 2, 9, 32)
+    with pytest.raises(ValueError, match="odd"):
+        torch.ops.lfmspark.exact_swiglu(x, w13)
+    with pytest.raises(ValueError, match="share a dtype"):
+        torch.ops.lfmspark.exact_swiglu(x, w13[:8].double())
+
+
+def test_opcheck() -> None:
+    x, w13 = _inputs("cpu", torch.float32, 3, 32, 32)
+    torch.library.opcheck(torch.ops.lfmspark.exact_swiglu, (x, w13))
