@@ -76,8 +76,8 @@ def main() -> None:
     for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
         compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90
-    for block_n, split, row_tiles, stages in ((64, False, 1, 4), (64, True, 1, 4), (64, False, 3, 4), (64, True, 5, 3),
-                                              (64, False, 8, 2)):
+    for block_n, split, row_tiles, stages in ((64, False, 1, 4), (64, True, 1, 4), (64, False, 3, 4), (64, True, 5, 4),
+                                              (64, False, 8, 3)):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,
                                                DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=stages)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):

@@ -85,15 +85,22 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unspl
     return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages, row_programs)
 
 
-def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor) -> int:
-    """The plan's pipeline depth, less where the device's shared memory per block cannot hold a
-    stage's weight tile and ``row_tiles`` x tiles (a launch parameter: the sums' order is the
-    tile's, whatever the depth)."""
-    if x.device.type != "cuda":
+def _stages_that_fit(cfg: ExactConfig, row_tiles: int, element_size: int, smem_limit: int | None) -> int:
+    """The plan's pipeline depth, less where ``smem_limit`` (the device's shared memory per block;
+    None: no limit, off the GPU) cannot hold its buffers, each a weight tile and ``row_tiles`` x
+    tiles (a launch parameter: the sums' order is the tile's, whatever the depth). Triton keeps
+    ``num_stages - 1`` such buffers in shared memory (scripts/compile_sm90.py prints the sizes:
+    3 x 40 KB for one row tile of 64 x 256 at 4 stages)."""
+    if not smem_limit:
         return cfg.num_stages
-    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
-    stage_bytes = (cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * x.element_size()
-    return max(1, min(cfg.num_stages, limit // stage_bytes)) if limit else cfg.num_stages
+    buffer_bytes = (cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * element_size
+    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + 1))
+
+
+def _smem_limit(x: torch.Tensor) -> int | None:
+    if x.device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", None)
 
 
 def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row_programs: int = 0) -> int:
@@ -274,7 +281,8 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: ExactConf
             ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             ROW_TILES=row_tiles, SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, row_tiles, x), **pdl_kwargs(x),
+            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, row_tiles, x.element_size(), _smem_limit(x)),
+            **pdl_kwargs(x),
         )
     return out
 
