@@ -235,7 +235,8 @@ class SwiGLU(nn.Module):
             # ops/routing.py: the activation in the gate/up product's epilogue, with the unfused
             # module's roundings, the same bits in any launch
             rows = rows_of(x)
-            h = lfm.exact_swiglu(x.reshape(rows, x.shape[-1]), self.w13.weight).view(*x.shape[:-1], -1)
+            h = lfm.exact_swiglu(x.reshape(rows, x.shape[-1]), self.w13.weight)
+            h = h.view(*x.shape[:-1], self.w13.weight.shape[0] // 2)   # named width: rows may be zero
             return self.w2(h)
         if skinny_product(x):
             # the activation rides in the gate/up product's epilogue: the [rows, 2F] product is

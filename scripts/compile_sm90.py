@@ -78,8 +78,8 @@ def main() -> None:
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90
     # (and exact_swiglu's: two weight tiles a K step, at most 4 row tiles)
     for swiglu, split, row_tiles, stages in ((False, False, 1, 4), (False, True, 1, 4), (False, False, 3, 4),
-                                             (False, True, 5, 3), (False, False, 8, 2), (True, False, 1, 3),
-                                             (True, True, 1, 3), (True, True, 3, 2), (True, False, 4, 2)):
+                                             (False, True, 5, 4), (False, False, 8, 3), (True, False, 1, 4),
+                                             (True, True, 1, 4), (True, True, 3, 3), (True, False, 4, 3)):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,
                                                SWIGLU=swiglu, DOT_PRECISION="tf32", UPCAST=False, PDL=1),
                     num_stages=stages)

@@ -94,7 +94,8 @@ def _default_product(M: int):
 
 
 def _fits(rule: dict) -> bool:
-    return rule["num_stages"] * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
+    # Triton keeps num_stages - 1 buffers in shared memory (ops/linear/exact_linear.py _stages_that_fit)
+    return (rule["num_stages"] - 1) * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
 
 
 def _short(rule: dict) -> str:

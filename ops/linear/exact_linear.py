@@ -92,15 +92,23 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unspl
     return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages, row_programs)
 
 
-def _stages_that_fit(cfg: ExactConfig, row_tiles: int, x: torch.Tensor, weight_tiles: int = 1) -> int:
-    """The plan's pipeline depth, less where the device's shared memory per block cannot hold a
-    stage's ``weight_tiles`` weight tiles (two with the SwiGLU epilogue) and ``row_tiles`` x tiles
-    (a launch parameter: the sums' order is the tile's, whatever the depth)."""
-    if x.device.type != "cuda":
+def _stages_that_fit(cfg: ExactConfig, row_tiles: int, element_size: int, smem_limit: int | None,
+                     weight_tiles: int = 1) -> int:
+    """The plan's pipeline depth, less where ``smem_limit`` (the device's shared memory per block;
+    None: no limit, off the GPU) cannot hold its buffers, each ``weight_tiles`` weight tiles (two
+    with the SwiGLU epilogue) and ``row_tiles`` x tiles (a launch parameter: the sums' order is the
+    tile's, whatever the depth). Triton keeps ``num_stages - 1`` such buffers in shared memory
+    (scripts/compile_sm90.py prints the sizes: 3 x 40 KB for one row tile of 64 x 256 at 4 stages)."""
+    if not smem_limit:
         return cfg.num_stages
-    limit = getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 0)
-    stage_bytes = (weight_tiles * cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * x.element_size()
-    return max(1, min(cfg.num_stages, limit // stage_bytes)) if limit else cfg.num_stages
+    buffer_bytes = (weight_tiles * cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * element_size
+    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + 1))
+
+
+def _smem_limit(x: torch.Tensor) -> int | None:
+    if x.device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", None)
 
 
 def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row_programs: int = 0,
@@ -351,7 +359,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, N: int, cfg: ExactConfig, swi
     split = cfg.splits > 1
     col_tiles = triton.cdiv(N, cfg.block_n)
     if split and col_tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"exact_linear: a split plan over {col_tiles} column tiles needs one counter each, at most "
+        op = "exact_swiglu" if swiglu else "exact_linear"
+        raise ValueError(f"{op}: a split plan over {col_tiles} column tiles needs one counter each, at most "
                          f"{MAX_SPLIT_TILES}; plan one split for so wide a product (exact_config does)")
     weight_tiles = 2 if swiglu else 1   # weight tiles a K step loads (and accumulators a row tile holds)
     row_tiles = row_tiles_per_program(M, cfg.block_n, col_tiles * cfg.splits, cfg.row_programs, weight_tiles)
@@ -370,7 +379,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, N: int, cfg: ExactConfig, swi
             ROW_TILES=row_tiles, SPLIT=split, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
-            num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, row_tiles, x, weight_tiles), **pdl_kwargs(x),
+            num_warps=cfg.num_warps,
+            num_stages=_stages_that_fit(cfg, row_tiles, x.element_size(), _smem_limit(x), weight_tiles),
+            **pdl_kwargs(x),
         )
     return out
 

@@ -12,8 +12,8 @@ import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
 import lfmspark.ops.linear.exact_linear as el
-from lfmspark.ops.linear.exact_linear import (EXACT_COUNTERS, ExactConfig, exact_config, exact_linear_reference,
-                                              exact_linear_triton, row_tiles_per_program)
+from lfmspark.ops.linear.exact_linear import (EXACT_COUNTERS, ExactConfig, _stages_that_fit, exact_config,
+                                              exact_linear_reference, exact_linear_triton, row_tiles_per_program)
 from lfmspark.ops.linear.skinny_linear import _counter_buffer, skinny_linear_triton
 from test_skinny_linear import TOL, _inputs
 
@@ -93,6 +93,15 @@ def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
     # all of a launch's tiles up to the register budget (8 tiles of 64 columns, 4 of 128; never more
     # than the kernel's 8 accumulators), else an even share
     assert row_tiles_per_program(M, block_n) == want
+
+
+@pytest.mark.parametrize("row_tiles, want", [(1, 4), (5, 4), (8, 3), (16, 2)])
+def test_the_pipeline_depth_fits_the_shared_memory(row_tiles: int, want: int) -> None:
+    # Triton 3.6 keeps num_stages - 1 buffers (scripts/compile_sm90.py, sm_90: 221,184 B for 5 row
+    # tiles of a 64 x 256 bf16 plan at 4 stages, 196,608 B for 8 at 3); an H100's 232,448 B a block
+    cfg = ExactConfig(64, 256, splits=1, steps=8, num_stages=4)
+    assert _stages_that_fit(cfg, row_tiles, 2, 232_448) == want
+    assert _stages_that_fit(cfg, row_tiles, 2, None) == 4    # off the GPU: the plan's depth
 
 
 @pytest.mark.parametrize("M, programs_per_group, row_programs, want", [
