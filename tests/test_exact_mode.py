@@ -146,4 +146,6 @@ def test_exact_mode_runs_the_swiglu_activation_in_the_products_launch(monkeypatc
     assert not any(name.startswith(("aten.silu", "aten.mul")) for name in ops.names)
     assert out.shape == (3, 5, 32)
     torch.testing.assert_close(out, unfused, rtol=1e-5, atol=1e-6)
+    with exact_scope(True), torch.no_grad():
+        assert mlp(torch.randn(2, 0, 32)).shape == (2, 0, 32)    # no rows: the output's width is named
 
