@@ -76,11 +76,13 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
 
 # a rule's constants (exact_config's keywords): K step, column tile width, the column tiles from which
 # a product is not split, the programs a split product aims for, the K steps a split sums at least,
-# warps, stages, the programs a launch of several row tiles aims for
+# warps, stages, the programs a launch of several row tiles aims for, the weight tile as the MMA's
+# first operand
 RULES = [dict(block_k=bk, block_n=bn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms, num_warps=nw,
-              num_stages=ns, row_programs=rp)
-         for bk, bn, ut, tp, ms, nw, ns, rp in itertools.product((128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20),
-                                                               (128, 256), (2, 4), (4, 8), (3, 4), (0, 132, 264))]
+              num_stages=ns, row_programs=rp, swap_ab=sw)
+         for bk, bn, ut, tp, ms, nw, ns, rp, sw in itertools.product(
+             (128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20), (128, 256), (2, 4), (4, 8), (3, 4), (0, 132, 264),
+             (False, True))]
 DEFAULT_RULE = {key: exact_config.__kwdefaults__[key] for key in RULES[0]}   # the rule the op uses
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
@@ -94,14 +96,16 @@ def _default_product(M: int):
 
 
 def _fits(rule: dict) -> bool:
-    # Triton keeps num_stages - 1 buffers in shared memory (ops/linear/exact_linear.py _stages_that_fit)
-    return (rule["num_stages"] - 1) * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
+    # one row tile's buffers: Triton keeps num_stages - 1 (num_stages with swap_ab's wgmma) in shared
+    # memory (ops/linear/exact_linear.py _stages_that_fit)
+    buffers = rule["num_stages"] - (0 if rule["swap_ab"] else 1)
+    return buffers * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
 
 
 def _short(rule: dict) -> str:
     return (f"bk{rule['block_k']} bn{rule['block_n']} ut{rule['unsplit_tiles']} "
             f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']} "
-            f"rp{rule['row_programs']}")
+            f"rp{rule['row_programs']}{' swap' if rule['swap_ab'] else ''}")
 
 
 def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES), iters: int = 20,
