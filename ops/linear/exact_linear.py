@@ -19,14 +19,16 @@ wide products such as the LM head) the program rounds each tile and stores it. W
 writes the tiles to an ``[splits, M, N]`` workspace and arrives at the group's counter; the group's
 last program to arrive sums the workspace's partials in split order ``0 .. splits - 1``, whichever
 program it is, rounds once and resets the counter: the serial split-K fix-up of skinny_linear.py
-(its counters, set 2, and its synchronisation), in the product's own launch. An output element therefore depends only on its own
-row of ``x``, its column of ``weight`` and the shape's fixed plan: a row alone (padded to a tile with
-masked zero rows), one of 2, 10 or 16 rows, or the last row of a prefill chunk get the same bits.
-The MMA instruction is chosen by the tile shape, which never changes; padding rows are zeros and
-never stored. With the plan's ``swap_ab`` each row tile's product is computed transposed, ``w_tile
-@ x_tile^T`` (the 16 rows on the MMA's N side, as the default mode's skinny_linear does), which
-Triton lowers to Hopper's wgmma instead of mma.sync: another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group, column tile) counters; a longer
-split product runs as several launches over consecutive row ranges, which changes no row's bits.
+(its counters, set 2, and its synchronisation), in the product's own launch. An output element
+therefore depends only on its own row of ``x``, its column of ``weight`` and the shape's fixed plan:
+a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows, or the last row of a
+prefill chunk get the same bits. The MMA instruction is chosen by the tile shape, which never
+changes; padding rows are zeros and never stored. With the plan's ``swap_ab`` each row tile's
+product is computed transposed, ``w_tile @ x_tile^T`` (the 16 rows on the MMA's N side, as the
+default mode's skinny_linear does), which Triton lowers to Hopper's wgmma instead of mma.sync:
+another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group,
+column tile) counters; a longer split product runs as several launches over consecutive row
+ranges, which changes no row's bits.
 
 Cost: a narrow weight's product is split so that a one-row product still has about 128 programs
 streaming it, which a prefill chunk pays as extra partial traffic through L2; wide ones are not
