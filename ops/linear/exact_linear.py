@@ -32,8 +32,8 @@ ranges, which changes no row's bits.
 
 ``lfmspark::exact_swiglu`` is the same kernel with ``SWIGLU``: for a dense SwiGLU's stacked
 ``w13 = [gate; up]`` each program loads its gate tile and the up tile ``F`` rows below it every K
-step, runs the same 16-row ``tl.dot`` on each into two accumulators a row tile (so at most 4 row
-tiles a program), and applies the activation in the epilogue (or the fix-up) with the unfused
+step, runs the same 16-row ``tl.dot`` on each into two accumulators a row tile (at most
+:data:`SWIGLU_ROW_TILES` row tiles a program: the five of an 80-row verify), and applies the activation in the epilogue (or the fix-up) with the unfused
 module's roundings: the gate and up sums are ``exact_linear``'s of ``w13`` under the same plan, and
 the ``[M, 2F]`` product is never written nor read back.
 
@@ -57,7 +57,8 @@ from .skinny_linear import MAX_SPLIT_TILES, _arrives_last, _counter_buffer, _sto
 EXACT_COUNTERS = 2      # the counter set of these launches (skinny_linear's main and side streams use 0 and 1)
 
 BLOCK_M = 16            # rows per tile, for every M (tl.dot's minimum)
-MAX_ROW_TILES = 8       # row tiles a program of 64-column tiles runs against one weight tile (the kernel's accumulators)
+MAX_ROW_TILES = 8       # row tiles a program of 64-column tiles runs against one weight tile
+SWIGLU_ROW_TILES = 5    # with the SwiGLU epilogue (two accumulators a row tile: the kernel holds ten)
 
 
 @dataclass(frozen=True)
@@ -126,13 +127,14 @@ def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row
                           weight_tiles: int = 1) -> int:
     """Row tiles each program of an ``M``-row launch runs against its ``weight_tiles`` weight tiles
     (two with the SwiGLU epilogue: two accumulators a row tile): all of them up to the accumulators'
-    register budget (``MAX_ROW_TILES`` 64-wide accumulators' worth, at most ``MAX_ROW_TILES``
-    accumulators, the kernel's), else as even a share as the groups allow; with ``row_programs``,
+    register budget (``MAX_ROW_TILES`` 64-wide row tiles' worth, ``SWIGLU_ROW_TILES`` with the
+    SwiGLU epilogue, never more row tiles than that: the kernel's accumulators), else as even a
+    share as the groups allow; with ``row_programs``,
     in enough groups (of ``programs_per_group`` programs each: the column tiles times the splits)
     for that many programs, each group re-reading the weight tiles (from L2 after the first). A
     launch parameter: every row tile's arithmetic is the same whatever it is."""
-    accumulators = max(1, min(MAX_ROW_TILES, MAX_ROW_TILES * 64 // block_n))   # never past the kernel's
-    most = max(1, accumulators // weight_tiles)
+    cap = MAX_ROW_TILES if weight_tiles == 1 else SWIGLU_ROW_TILES
+    most = max(1, min(cap, cap * 64 // block_n))   # never past the kernel's accumulators
     tiles = triton.cdiv(M, BLOCK_M)
     groups = max(triton.cdiv(tiles, most), min(tiles, triton.cdiv(row_programs, programs_per_group)))
     return triton.cdiv(tiles, groups)
@@ -258,8 +260,8 @@ def _exact_linear_kernel(
     # loaded once per K step for all of them (unrolled by hand: Triton has no arrays of tiles; the
     # accumulators past ROW_TILES are never touched and compile away). SWIGLU (w = [gate; up], the
     # output N = F columns): the program also loads the up rows N + its columns, and row tile j's up
-    # sums go to accumulator j + 4 (so at most 4 row tiles)
-    tl.static_assert(not SWIGLU or ROW_TILES <= 4, "SWIGLU holds two accumulators a row tile")
+    # sums go to accumulator j + 5 (so at most 5 row tiles, SWIGLU_ROW_TILES)
+    tl.static_assert(ROW_TILES <= (5 if SWIGLU else 8), "the kernel holds 8 accumulators, 5 pairs with SWIGLU")
     if PDL:  # ops/_dispatch.py: x may come from the predecessor
         tl.extra.cuda.gdc_launch_dependents()
     pid_g, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -278,6 +280,8 @@ def _exact_linear_kernel(
     acc5 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc6 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc7 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc8 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc9 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     k0 = pid_s * steps * BLOCK_K
     for i in range(steps):
         k = k0 + i * BLOCK_K + ks
@@ -292,16 +296,19 @@ def _exact_linear_kernel(
             if UPCAST:
                 wu = wu.to(tl.float32)
             wut = wu if SWAP_AB else tl.trans(wu)
-            acc0, acc4 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc4, BLOCK_M, DOT_PRECISION,
+            acc0, acc5 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc5, BLOCK_M, DOT_PRECISION,
                                         UPCAST, SWAP_AB)
             if ROW_TILES > 1:
-                acc1, acc5 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc5, BLOCK_M,
+                acc1, acc6 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc6, BLOCK_M,
                                             DOT_PRECISION, UPCAST, SWAP_AB)
             if ROW_TILES > 2:
-                acc2, acc6 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc6, BLOCK_M,
+                acc2, acc7 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc7, BLOCK_M,
                                             DOT_PRECISION, UPCAST, SWAP_AB)
             if ROW_TILES > 3:
-                acc3, acc7 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc7, BLOCK_M,
+                acc3, acc8 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc8, BLOCK_M,
+                                            DOT_PRECISION, UPCAST, SWAP_AB)
+            if ROW_TILES > 4:
+                acc4, acc9 = _tile_dot_pair(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, wut, acc4, acc9, BLOCK_M,
                                             DOT_PRECISION, UPCAST, SWAP_AB)
         else:
             acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST, SWAP_AB)
@@ -333,9 +340,9 @@ def _exact_linear_kernel(
     if SPLIT:
         ws_split = ws_ptr + pid_s.to(tl.int64) * stride_ws
         if SWIGLU:
-            _store_row_tiles(acc0, acc1, acc2, acc3, acc0, acc0, acc0, acc0, t0, M, cols64, col_ok, ws_split,
+            _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc0, acc0, acc0, t0, M, cols64, col_ok, ws_split,
                              stride_wsm, BLOCK_M, ROW_TILES, SWAP_AB)
-            _store_row_tiles(acc4, acc5, acc6, acc7, acc4, acc4, acc4, acc4, t0, M, cols64, col_ok, ws_split + N,
+            _store_row_tiles(acc5, acc6, acc7, acc8, acc9, acc5, acc5, acc5, t0, M, cols64, col_ok, ws_split + N,
                              stride_wsm, BLOCK_M, ROW_TILES, SWAP_AB)
         else:
             _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, ws_split,
@@ -348,13 +355,15 @@ def _exact_linear_kernel(
                              BLOCK_M, SWIGLU)
             tl.store(counter, 0)  # reusable by the next launch
     elif SWIGLU:
-        _swiglu_store(acc0, acc4, t0, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+        _swiglu_store(acc0, acc5, t0, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
         if ROW_TILES > 1:
-            _swiglu_store(acc1, acc5, t0 + 1, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc1, acc6, t0 + 1, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
         if ROW_TILES > 2:
-            _swiglu_store(acc2, acc6, t0 + 2, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc2, acc7, t0 + 2, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
         if ROW_TILES > 3:
-            _swiglu_store(acc3, acc7, t0 + 3, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc3, acc8, t0 + 3, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+        if ROW_TILES > 4:
+            _swiglu_store(acc4, acc9, t0 + 4, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
     else:
         _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, out_ptr, stride_om,
                          BLOCK_M, ROW_TILES, SWAP_AB)
