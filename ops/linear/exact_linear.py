@@ -23,7 +23,9 @@ program it is, rounds once and resets the counter: the serial split-K fix-up of 
 therefore depends only on its own row of ``x``, its column of ``weight`` and the shape's fixed plan:
 a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows, or the last row of a
 prefill chunk get the same bits. The MMA instruction is chosen by the tile shape, which never
-changes; padding rows are zeros and never stored. With the plan's ``swap_ab`` each row tile's
+changes; padding rows are zeros and never stored. A program of one row tile (a decode step's, a
+batch-1 verify's) requests its first K step's weight tiles before the PDL wait (ops/_dispatch.py),
+under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. With the plan's ``swap_ab`` each row tile's
 product is computed transposed, ``w_tile @ x_tile^T`` (the 16 rows on the MMA's N side, as the
 default mode's skinny_linear does), which Triton lowers to Hopper's wgmma instead of mma.sync:
 another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group,
@@ -108,13 +110,17 @@ def _stages_that_fit(cfg: ExactConfig, row_tiles: int, element_size: int, smem_l
     None: no limit, off the GPU) cannot hold its buffers, each ``weight_tiles`` weight tiles (two
     with the SwiGLU epilogue) and ``row_tiles`` x tiles (a launch parameter: the sums' order is the
     tile's, whatever the depth). Triton 3.6 keeps ``num_stages - 1`` such buffers in shared memory for
-    the mma.sync kernel and ``num_stages`` for the wgmma one (``swap_ab``) (scripts/compile_sm90.py
-    prints the sizes: 3 and 4 x 40 KB for one row tile of 64 x 256 at 4 stages)."""
+    the mma.sync kernel and ``num_stages`` for the wgmma one (``swap_ab``), one more where a single
+    row tile peels its first K step (scripts/compile_sm90.py prints the sizes: 3 and 5 x 40 KB for
+    one row tile of 64 x 256 at 4 stages)."""
     if not smem_limit:
         return cfg.num_stages
     buffer_bytes = (weight_tiles * cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * element_size
-    unbuffered = 0 if cfg.swap_ab else 1    # stages whose tiles the kernel does not keep in shared memory
-    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + unbuffered))
+    if cfg.swap_ab:   # stages less the buffers the kernel keeps in shared memory
+        extra = -1 if row_tiles == 1 else 0
+    else:
+        extra = 1
+    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + extra))
 
 
 def _smem_limit(x: torch.Tensor) -> int | None:
@@ -246,6 +252,69 @@ def _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols
         _tile_store(acc7, t0 + 7, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
 
 
+@triton.jit
+def _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU: tl.constexpr, UPCAST: tl.constexpr):
+    # a K step's weight tile of the program's columns (SWIGLU: and the up tile N rows below it)
+    mask = col_ok[:, None] & k_ok[None, :]
+    w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
+    wu = w
+    if SWIGLU:
+        wu = tl.load(w_ptr + (cols64 + N)[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
+    if UPCAST:  # the Triton interpreter multiplies bf16 dot operands as raw integers
+        w = w.to(tl.float32)
+        wu = wu.to(tl.float32)
+    return w, wu
+
+
+@triton.jit
+def _k_step(x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
+            BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SWIGLU: tl.constexpr, SWAP_AB: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # one K step of the program's row tiles against its weight tile(s) (the accumulators: module doc
+    # and _exact_linear_kernel), the same 16-row tl.dot for every row tile
+    wt = w if SWAP_AB else tl.trans(w)
+    if SWIGLU:
+        wut = wu if SWAP_AB else tl.trans(wu)
+        acc0, acc5 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc5, BLOCK_M, DOT_PRECISION,
+                                    UPCAST, SWAP_AB)
+        if ROW_TILES > 1:
+            acc1, acc6 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc6, BLOCK_M,
+                                        DOT_PRECISION, UPCAST, SWAP_AB)
+        if ROW_TILES > 2:
+            acc2, acc7 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc7, BLOCK_M,
+                                        DOT_PRECISION, UPCAST, SWAP_AB)
+        if ROW_TILES > 3:
+            acc3, acc8 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc8, BLOCK_M,
+                                        DOT_PRECISION, UPCAST, SWAP_AB)
+        if ROW_TILES > 4:
+            acc4, acc9 = _tile_dot_pair(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, wut, acc4, acc9, BLOCK_M,
+                                        DOT_PRECISION, UPCAST, SWAP_AB)
+    else:
+        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST, SWAP_AB)
+        if ROW_TILES > 1:
+            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 2:
+            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 3:
+            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 4:
+            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 5:
+            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 6:
+            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+        if ROW_TILES > 7:
+            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION,
+                             UPCAST, SWAP_AB)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9
+
+
 @triton.jit(do_not_specialize=["M"])
 def _exact_linear_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr,
@@ -261,7 +330,7 @@ def _exact_linear_kernel(
     # accumulators past ROW_TILES are never touched and compile away). SWIGLU (w = [gate; up], the
     # output N = F columns): the program also loads the up rows N + its columns, and row tile j's up
     # sums go to accumulator j + 5 (so at most 5 row tiles, SWIGLU_ROW_TILES)
-    tl.static_assert(ROW_TILES <= (5 if SWIGLU else 8), "the kernel holds 8 accumulators, 5 pairs with SWIGLU")
+    tl.static_assert(ROW_TILES <= (5 if SWIGLU else 8), "ten accumulators: 8 row tiles, 5 with SWIGLU")
     if PDL:  # ops/_dispatch.py: x may come from the predecessor
         tl.extra.cuda.gdc_launch_dependents()
     pid_g, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -270,8 +339,6 @@ def _exact_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     cols64 = cols.to(tl.int64)     # offsets past 2^31 elements (long prompts x vocab)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     acc0 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc1 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc2 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
@@ -283,56 +350,30 @@ def _exact_linear_kernel(
     acc8 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     acc9 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     k0 = pid_s * steps * BLOCK_K
-    for i in range(steps):
+    if ROW_TILES == 1:
+        # one row tile (a decode step's, a batch-1 verify's): the first K step is peeled, its weight
+        # tiles requested before the PDL wait, under the predecessor's tail, as skinny_linear does (x
+        # is read after it). The same K steps in the same order, the same dots: the same bits as
+        # unpeeled. Not with more row tiles, whose accumulators leave no registers for the held tiles
+        # (ptxas: spills in the K loop)
+        k = k0 + ks
+        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k < K, stride_wn, SWIGLU, UPCAST)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
+            x_ptr, t0, M, k, k < K, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
+            BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
+        first = 1
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        first = 0
+    for i in range(first, steps):
         k = k0 + i * BLOCK_K + ks
-        k_ok = k < K
-        w = tl.load(w_ptr + cols64[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:
-            w = w.to(tl.float32)
-        wt = w if SWAP_AB else tl.trans(w)
-        if SWIGLU:
-            wu = tl.load(w_ptr + (cols64 + N)[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            wut = wu if SWAP_AB else tl.trans(wu)
-            acc0, acc5 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc5, BLOCK_M, DOT_PRECISION,
-                                        UPCAST, SWAP_AB)
-            if ROW_TILES > 1:
-                acc1, acc6 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc6, BLOCK_M,
-                                            DOT_PRECISION, UPCAST, SWAP_AB)
-            if ROW_TILES > 2:
-                acc2, acc7 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc7, BLOCK_M,
-                                            DOT_PRECISION, UPCAST, SWAP_AB)
-            if ROW_TILES > 3:
-                acc3, acc8 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc8, BLOCK_M,
-                                            DOT_PRECISION, UPCAST, SWAP_AB)
-            if ROW_TILES > 4:
-                acc4, acc9 = _tile_dot_pair(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, wut, acc4, acc9, BLOCK_M,
-                                            DOT_PRECISION, UPCAST, SWAP_AB)
-        else:
-            acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST, SWAP_AB)
-            if ROW_TILES > 1:
-                acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 2:
-                acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 3:
-                acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 4:
-                acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 5:
-                acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 6:
-                acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
-            if ROW_TILES > 7:
-                acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION,
-                                 UPCAST, SWAP_AB)
+        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k < K, stride_wn, SWIGLU, UPCAST)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
+            x_ptr, t0, M, k, k < K, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
+            BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
     # one split (a plan of the shape, whatever M): each row tile rounded once into the output (SWIGLU:
     # through the activation); several: the partials to this split's slice of the workspace (SWIGLU:
     # the up sums N columns right of the gate's), and the group's last program to arrive sums them in
