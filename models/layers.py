@@ -231,6 +231,13 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if exact_mode():
+            # ops/routing.py: the activation in the gate/up product's epilogue, with the unfused
+            # module's roundings, the same bits in any launch
+            rows = rows_of(x)
+            h = lfm.exact_swiglu(x.reshape(rows, x.shape[-1]), self.w13.weight)
+            h = h.view(*x.shape[:-1], self.w13.weight.shape[0] // 2)   # named width: rows may be zero
+            return self.w2(h)
         if skinny_product(x):
             # the activation rides in the gate/up product's epilogue: the [rows, 2F] product is
             # never written and costs no separate activation kernel

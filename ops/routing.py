@@ -21,7 +21,8 @@ does the walk op (ops/markov_walk). The thresholds follow the kernels' tiles:
   slot; the walks in one launch need every SM resident (no MPS thread limit) and a rank of at most 256.
 
 **Exact mode** (``Engine(exact=True)``, issue 39): inside :func:`exact_scope` every product of the
-target runs ``lfmspark::exact_linear``, every norm ``lfmspark::exact_rms_norm`` (``exact_add_rms_norm``
+target runs ``lfmspark::exact_linear`` (a dense SwiGLU's gate/up product ``exact_swiglu``, its
+activation in the same launch), every norm ``lfmspark::exact_rms_norm`` (``exact_add_rms_norm``
 with the layer's residual add in the same launch), attention the
 two-launch path with ``cache_attention``'s exact plan and the MoE experts their exact tiles:
 kernels whose per-row arithmetic does not depend on the rows sharing the launch, so a token's

@@ -2,17 +2,31 @@
 interpreter here, ``LFMSPARK_TRITON_ON_CPU=1``), greedy speculative output equals greedy target-only
 output token for token with drafts that are accepted often and rarely, and a request's tokens and
 log-probabilities do not depend on the batch it shares. The per-kernel guarantees behind it are
-tested with each op (tests/ops/test_exact_linear.py, test_exact_norm.py, test_cache_attention.py,
+tested with each op (tests/ops/test_exact_linear.py, test_exact_swiglu.py, test_exact_norm.py, test_cache_attention.py,
 test_moe.py); tests/test_exact_mode_gpu.py holds the GPU runs the issue asks for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lfmspark.runtime import Engine, SamplingParams
 from spec_fixtures import bigram_target, oracle_draft, permutation, random_tiny_draft, random_tiny_target
 from env_vars import interpret_triton
+
+
+class RecordedOps(TorchDispatchMode):
+    """The names of the aten / lfmspark ops a region dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
 
 PROMPTS = [[3, 9, 27], [5, 17, 2, 8]]
 HD = 16   # the attention kernels' smallest head size
@@ -95,19 +109,8 @@ def test_exact_seeded_sampling_does_not_depend_on_the_batch(monkeypatch):
 def test_exact_mode_adds_the_residual_in_the_norms_launch(monkeypatch):
     """models/layers.py ``add_norm`` in exact mode: one ``lfmspark::exact_add_rms_norm`` (no separate
     add), with the bits of the add followed by the exact norm (fp32: no rounding of the sum)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lfmspark.models.layers import RMSNorm, add_norm
     from lfmspark.ops.routing import exact_scope
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     interpret_triton(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -115,9 +118,34 @@ def test_exact_mode_adds_the_residual_in_the_norms_launch(monkeypatch):
     norm = RMSNorm(32, 1e-5)
     norm.weight.data.copy_(1 + 0.1 * torch.randn(32, generator=g))
     with exact_scope(True), torch.no_grad():
-        with Ops() as ops:
+        with RecordedOps() as ops:
             s, normed = add_norm(h, delta, norm)
         unfused = norm(h + delta)
     assert "lfmspark.exact_add_rms_norm.default" in ops.names
     assert not any(name.startswith("aten.add") for name in ops.names)
     assert torch.equal(s, h + delta) and torch.equal(normed, unfused)
+
+
+def test_exact_mode_runs_the_swiglu_activation_in_the_products_launch(monkeypatch):
+    """models/layers.py ``SwiGLU`` in exact mode: ``lfmspark::exact_swiglu`` (no separate silu or
+    multiply) then the down product, within an fp32 unit of the unfused module's result (the
+    activation's exp is Triton's, not torch's)."""
+    from lfmspark.models.layers import SwiGLU
+    from lfmspark.ops.routing import exact_scope
+
+    interpret_triton(monkeypatch)
+    torch.manual_seed(0)
+    mlp = SwiGLU(32, 48)
+    x = torch.randn(3, 5, 32)
+    with exact_scope(True), torch.no_grad():
+        with RecordedOps() as ops:
+            out = mlp(x)
+        gate, up = mlp.w13(x).chunk(2, dim=-1)
+        unfused = mlp.w2(torch.nn.functional.silu(gate) * up)
+    assert "lfmspark.exact_swiglu.default" in ops.names
+    assert not any(name.startswith(("aten.silu", "aten.mul")) for name in ops.names)
+    assert out.shape == (3, 5, 32)
+    torch.testing.assert_close(out, unfused, rtol=1e-5, atol=1e-6)
+    with exact_scope(True), torch.no_grad():
+        assert mlp(torch.randn(2, 0, 32)).shape == (2, 0, 32)    # no rows: the output's width is named
+

@@ -1,8 +1,9 @@
 """Microbenchmark: ``lfmspark::exact_linear`` (exact mode's batch-invariant product) against the
 default mode's product (``skinny_linear`` up to 16 rows, cuBLAS past) and cuBLAS, at the exact-mode
 weight shapes of LFM2.5-1.2B and LFM2-8B-A1B (their attention, conv and dense products and the LM
-head; bf16), for M = 1 and 8 (target-only decode at batch 1 and 8) and 10 and 80 (a 10-token verify
-at batch 1 and 8).
+head; bf16; on the stacked gate/up weights also ``exact_swiglu``, the product with its activation,
+against the product followed by the activation), for M = 1 and 8 (target-only decode at batch 1
+and 8) and 10 and 80 (a 10-token verify at batch 1 and 8).
 
 Bytes and timing as benchmarks/kernels/skinny_linear.py (the weight streamed from DRAM each call).
 
@@ -43,6 +44,14 @@ except ImportError:  # run as a script
 SHAPES = [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048), (65536, 2048),
           (14336, 2048), (2048, 7168)]
 ROWS = [1, 8, 10, 80]
+SWIGLU_SHAPES = {(16384, 2048), (14336, 2048)}   # the stacked gate/up weights: exact_swiglu timed on them too
+
+
+def _exact_linear_then_swiglu(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    # exact mode's SwiGLU before exact_swiglu: the stacked product, then the activation (eager here:
+    # two kernels, where the model's compiled graph fuses them into one)
+    gate, up = torch.ops.lfmspark.exact_linear(x, w13).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict]:
@@ -52,9 +61,13 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
         cfg = exact_config(N, K)
         for M in rows_m:
             x, shape = _x(M, K), f"M={M} N={N} K={K} bf16"
-            for name, fn in [("exact_linear", torch.ops.lfmspark.exact_linear), ("default mode", _default_product(M)),
-                             ("F.linear (cuBLAS)", F.linear)]:
-                exact = name == "exact_linear"
+            products = [("exact_linear", torch.ops.lfmspark.exact_linear), ("default mode", _default_product(M)),
+                        ("F.linear (cuBLAS)", F.linear)]
+            if (N, K) in SWIGLU_SHAPES:
+                products += [("exact_swiglu", torch.ops.lfmspark.exact_swiglu),
+                             ("exact_linear + silu*up", _exact_linear_then_swiglu)]
+            for name, fn in products:
+                exact = name in ("exact_linear", "exact_swiglu")
                 extra = dict(block_n=cfg.block_n, block_k=cfg.block_k, splits=cfg.splits) if exact else {}
                 rows.append(row(name, shape, _per_product_ms(fn, x, weights), _bytes(M, N, K), copy_gbps, **extra))
         del weights

@@ -98,9 +98,10 @@ def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
 @pytest.mark.parametrize("swap_ab, row_tiles, want", [(False, 1, 4), (False, 5, 4), (False, 8, 3), (False, 16, 2),
                                                      (True, 1, 4), (True, 5, 3), (True, 8, 2)])
 def test_the_pipeline_depth_fits_the_shared_memory(swap_ab: bool, row_tiles: int, want: int) -> None:
-    # Triton 3.6 keeps num_stages - 1 buffers for mma.sync, num_stages for wgmma (scripts/compile_sm90.py,
-    # sm_90: 221,184 B for 5 row tiles of a 64 x 256 bf16 plan at 4 stages, or at 3 with swap_ab;
-    # 196,608 B for 8 at 3, or at 2 with swap_ab); an H100's 232,448 B a block
+    # Triton 3.6 keeps num_stages - 1 buffers for mma.sync, num_stages for wgmma, one more for one row
+    # tile's peeled first K step (scripts/compile_sm90.py, sm_90: 221,184 B for 5 row tiles of a
+    # 64 x 256 bf16 plan at 4 stages, or at 3 with swap_ab; 196,608 B for 8 at 3, or at 2 with swap_ab;
+    # 204,800 B for one at 4 with swap_ab); an H100's 232,448 B a block
     cfg = ExactConfig(64, 256, splits=1, steps=8, num_stages=4, swap_ab=swap_ab)
     assert _stages_that_fit(cfg, row_tiles, 2, 232_448) == want
     assert _stages_that_fit(cfg, row_tiles, 2, None) == 4    # off the GPU: the plan's depth
