@@ -70,7 +70,7 @@ class ExactConfig:
     splits: int         # K splits, each ``steps`` K steps of ``block_k`` (the last may be shorter)
     steps: int
     num_warps: int = 4  # launch parameters (they change no sum's order), fixed per shape like the tiles
-    num_stages: int = 3
+    num_stages: int = 4
     row_programs: int = 0   # the programs a launch of many rows aims for (row_tiles_per_program), 0: none
     swap_ab: bool = False   # the weight tile as the MMA's first operand (a plan constant: the MMA follows it)
 
