@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
-from lfmspark.ops.linear.exact_linear import BLOCK_M, exact_config, exact_linear_triton
+from lfmspark.ops.linear.exact_linear import ExactConfig, _stages_that_fit, exact_config, exact_linear_triton
 from lfmspark.ops.routing import FEW_ROWS
 
 try:
@@ -96,10 +96,10 @@ def _default_product(M: int):
 
 
 def _fits(rule: dict) -> bool:
-    # one row tile's buffers: Triton keeps num_stages - 1 (num_stages with swap_ab's wgmma) in shared
-    # memory (ops/linear/exact_linear.py _stages_that_fit)
-    buffers = rule["num_stages"] - (0 if rule["swap_ab"] else 1)
-    return buffers * (rule["block_n"] + BLOCK_M) * rule["block_k"] * DTYPE.itemsize <= _SMEM_LIMIT
+    # a rule whose one-row-tile launch gets its whole pipeline depth (the op would run it shallower:
+    # ops/linear/exact_linear.py _stages_that_fit, which counts the buffers Triton keeps)
+    cfg = ExactConfig(rule["block_n"], rule["block_k"], 1, 1, num_stages=rule["num_stages"], swap_ab=rule["swap_ab"])
+    return _stages_that_fit(cfg, 1, DTYPE.itemsize, _SMEM_LIMIT) == rule["num_stages"]
 
 
 def _short(rule: dict) -> str:

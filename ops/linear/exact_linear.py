@@ -25,19 +25,20 @@ a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows, o
 prefill chunk get the same bits. The MMA instruction is chosen by the tile shape, which never
 changes; padding rows are zeros and never stored. A program of one row tile (a decode step's, a
 batch-1 verify's) requests its first K step's weight tiles before the PDL wait (ops/_dispatch.py),
-under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. With the plan's ``swap_ab`` each row tile's
-product is computed transposed, ``w_tile @ x_tile^T`` (the 16 rows on the MMA's N side, as the
-default mode's skinny_linear does), which Triton lowers to Hopper's wgmma instead of mma.sync:
-another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group,
+under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. With
+the plan's ``swap_ab`` each row tile's product is computed transposed, ``w_tile @ x_tile^T`` (the
+16 rows on the MMA's N side, as the default mode's skinny_linear does), which Triton lowers to
+Hopper's wgmma instead of mma.sync: another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group,
 column tile) counters; a longer split product runs as several launches over consecutive row
 ranges, which changes no row's bits.
 
 ``lfmspark::exact_swiglu`` is the same kernel with ``SWIGLU``: for a dense SwiGLU's stacked
 ``w13 = [gate; up]`` each program loads its gate tile and the up tile ``F`` rows below it every K
 step, runs the same 16-row ``tl.dot`` on each into two accumulators a row tile (at most
-:data:`SWIGLU_ROW_TILES` row tiles a program: the five of an 80-row verify), and applies the activation in the epilogue (or the fix-up) with the unfused
-module's roundings: the gate and up sums are ``exact_linear``'s of ``w13`` under the same plan, and
-the ``[M, 2F]`` product is never written nor read back.
+:data:`SWIGLU_ROW_TILES` row tiles a program: the five of an 80-row verify), and applies the
+activation in the epilogue (or the fix-up) with the unfused module's roundings: the gate and up
+sums are ``exact_linear``'s of ``w13`` under the same plan, and the ``[M, 2F]`` product is never
+written nor read back.
 
 Cost: a narrow weight's product is split so that a one-row product still has about 128 programs
 streaming it, which a prefill chunk pays as extra partial traffic through L2; wide ones are not
@@ -135,10 +136,10 @@ def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row
     (two with the SwiGLU epilogue: two accumulators a row tile): all of them up to the accumulators'
     register budget (``MAX_ROW_TILES`` 64-wide row tiles' worth, ``SWIGLU_ROW_TILES`` with the
     SwiGLU epilogue, never more row tiles than that: the kernel's accumulators), else as even a
-    share as the groups allow; with ``row_programs``,
-    in enough groups (of ``programs_per_group`` programs each: the column tiles times the splits)
-    for that many programs, each group re-reading the weight tiles (from L2 after the first). A
-    launch parameter: every row tile's arithmetic is the same whatever it is."""
+    share as the groups allow; with ``row_programs``, in enough groups (of ``programs_per_group``
+    programs each: the column tiles times the splits) for that many programs, each group re-reading
+    the weight tiles (from L2 after the first). A launch parameter: every row tile's arithmetic is
+    the same whatever it is."""
     cap = MAX_ROW_TILES if weight_tiles == 1 else SWIGLU_ROW_TILES
     most = max(1, min(cap, cap * 64 // block_n))   # never past the kernel's accumulators
     tiles = triton.cdiv(M, BLOCK_M)
@@ -357,11 +358,12 @@ def _exact_linear_kernel(
         # unpeeled. Not with more row tiles, whose accumulators leave no registers for the held tiles
         # (ptxas: spills in the K loop)
         k = k0 + ks
-        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k < K, stride_wn, SWIGLU, UPCAST)
+        k_ok = k < K
+        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU, UPCAST)
         if PDL:
             tl.extra.cuda.gdc_wait()
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
-            x_ptr, t0, M, k, k < K, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
+            x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
             BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
         first = 1
     else:
@@ -370,9 +372,10 @@ def _exact_linear_kernel(
         first = 0
     for i in range(first, steps):
         k = k0 + i * BLOCK_K + ks
-        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k < K, stride_wn, SWIGLU, UPCAST)
+        k_ok = k < K
+        w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU, UPCAST)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
-            x_ptr, t0, M, k, k < K, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
+            x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
             BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
     # one split (a plan of the shape, whatever M): each row tile rounded once into the output (SWIGLU:
     # through the activation); several: the partials to this split's slice of the workspace (SWIGLU:
