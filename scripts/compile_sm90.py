@@ -51,8 +51,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
              if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES", "HAS_DELTA",
-             "SWAP_AB")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES", "HAS_DELTA")
     mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "no MMA"
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, f"stages {num_stages}",
           "shared memory", k.metadata.shared, mma)
@@ -79,18 +78,13 @@ def main() -> None:
     for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
         compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90
-    # (and exact_swiglu's: two weight tiles a K step, at most 5 row tiles; and swap_ab's, the weight tile as the
-    # MMA's first operand)
-    for swiglu, swap_ab, split, row_tiles, stages in (
-            (False, False, False, 1, 4), (False, False, True, 1, 4), (False, False, False, 3, 4),
-            (False, False, True, 5, 4), (False, False, False, 8, 3), (True, False, False, 1, 4),
-            (True, False, True, 1, 4), (True, False, True, 3, 3), (True, False, False, 4, 3),
-            (True, False, True, 5, 3), (True, False, False, 5, 3),
-            (False, True, False, 1, 4), (False, True, True, 5, 3), (False, True, False, 8, 2),
-            (True, True, True, 1, 2), (True, True, False, 3, 2), (True, True, True, 5, 2)):
+    # (and exact_swiglu's: two weight tiles a K step, at most 5 row tiles)
+    for swiglu, split, row_tiles, stages in ((False, False, 1, 4), (False, True, 1, 4), (False, False, 3, 4),
+                                             (False, True, 5, 4), (False, False, 8, 3), (True, False, 1, 4),
+                                             (True, True, 1, 4), (True, True, 3, 3), (True, False, 4, 3),
+                                             (True, True, 5, 3), (True, False, 5, 3)):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,
-                                               SWIGLU=swiglu, SWAP_AB=swap_ab, DOT_PRECISION="tf32", UPCAST=False,
-                                               PDL=1),
+                                               SWIGLU=swiglu, DOT_PRECISION="tf32", UPCAST=False, PDL=1),
                     num_stages=stages)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,

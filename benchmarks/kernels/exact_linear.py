@@ -76,13 +76,11 @@ def run(copy_gbps: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES)) -> list[dict
 
 # a rule's constants (exact_config's keywords): K step, column tile width, the column tiles from which
 # a product is not split, the programs a split product aims for, the K steps a split sums at least,
-# warps, stages, the programs a launch of several row tiles aims for, the weight tile as the MMA's
-# first operand
+# warps, stages, the programs a launch of several row tiles aims for
 RULES = [dict(block_k=bk, block_n=bn, unsplit_tiles=ut, target_programs=tp, min_split_steps=ms, num_warps=nw,
-              num_stages=ns, row_programs=rp, swap_ab=sw)
-         for bk, bn, ut, tp, ms, nw, ns, rp, sw in itertools.product(
-             (128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20), (128, 256), (2, 4), (4, 8), (3, 4), (0, 132, 264),
-             (False, True))]
+              num_stages=ns, row_programs=rp)
+         for bk, bn, ut, tp, ms, nw, ns, rp in itertools.product((128, 256), (32, 64, 128), (32, 48, 64, 96, 1 << 20),
+                                                               (128, 256), (2, 4), (4, 8), (3, 4), (0, 132, 264))]
 DEFAULT_RULE = {key: exact_config.__kwdefaults__[key] for key in RULES[0]}   # the rule the op uses
 # products per decoded token of LFM2.5-1.2B (10 conv and 6 attention layers, 16 dense FFNs, one LM
 # head) and of LFM2-8B-A1B's two dense FFNs: the weights of a rule's total
@@ -98,14 +96,14 @@ def _default_product(M: int):
 def _fits(rule: dict) -> bool:
     # a rule whose one-row-tile launch gets its whole pipeline depth (the op would run it shallower:
     # ops/linear/exact_linear.py _stages_that_fit, which counts the buffers Triton keeps)
-    cfg = ExactConfig(rule["block_n"], rule["block_k"], 1, 1, num_stages=rule["num_stages"], swap_ab=rule["swap_ab"])
+    cfg = ExactConfig(rule["block_n"], rule["block_k"], 1, 1, num_stages=rule["num_stages"])
     return _stages_that_fit(cfg, 1, DTYPE.itemsize, _SMEM_LIMIT) == rule["num_stages"]
 
 
 def _short(rule: dict) -> str:
     return (f"bk{rule['block_k']} bn{rule['block_n']} ut{rule['unsplit_tiles']} "
             f"tp{rule['target_programs']} ms{rule['min_split_steps']} w{rule['num_warps']} s{rule['num_stages']} "
-            f"rp{rule['row_programs']}{' swap' if rule['swap_ab'] else ''}")
+            f"rp{rule['row_programs']}")
 
 
 def sweep(copy_gbps: float, budget_s: float, rows_m=tuple(ROWS), shapes=tuple(SHAPES), iters: int = 20,

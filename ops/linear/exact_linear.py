@@ -25,12 +25,9 @@ a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows, o
 prefill chunk get the same bits. The MMA instruction is chosen by the tile shape, which never
 changes; padding rows are zeros and never stored. A program of one row tile (a decode step's, a
 batch-1 verify's) requests its first K step's weight tiles before the PDL wait (ops/_dispatch.py),
-under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. With
-the plan's ``swap_ab`` each row tile's product is computed transposed, ``w_tile @ x_tile^T`` (the
-16 rows on the MMA's N side, as the default mode's skinny_linear does), which Triton lowers to
-Hopper's wgmma instead of mma.sync: another instruction, the same invariance. A launch holds at most ``MAX_SPLIT_TILES`` (row group,
-column tile) counters; a longer split product runs as several launches over consecutive row
-ranges, which changes no row's bits.
+under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. A
+launch holds at most ``MAX_SPLIT_TILES`` (row group, column tile) counters; a longer split product
+runs as several launches over consecutive row ranges, which changes no row's bits.
 
 ``lfmspark::exact_swiglu`` is the same kernel with ``SWIGLU``: for a dense SwiGLU's stacked
 ``w13 = [gate; up]`` each program loads its gate tile and the up tile ``F`` rows below it every K
@@ -73,12 +70,11 @@ class ExactConfig:
     num_warps: int = 4  # launch parameters (they change no sum's order), fixed per shape like the tiles
     num_stages: int = 4
     row_programs: int = 0   # the programs a launch of many rows aims for (row_tiles_per_program), 0: none
-    swap_ab: bool = False   # the weight tile as the MMA's first operand (a plan constant: the MMA follows it)
 
 
 def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unsplit_tiles: int = 48,
                  target_programs: int = 128, min_split_steps: int = 2, num_warps: int = 4,
-                 num_stages: int = 4, row_programs: int = 0, swap_ab: bool = False) -> ExactConfig:
+                 num_stages: int = 4, row_programs: int = 0) -> ExactConfig:
     """The launch plan of a weight ``[N, K]``: a function of the shape only, never of ``M`` or the
     device, which is what makes the op batch-invariant (module doc).
 
@@ -92,17 +88,13 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unspl
     ``row_programs`` (a launch parameter, :func:`row_tiles_per_program`): the programs a launch of
     several row tiles aims for by running them in more groups; 0, the default, keeps them in as few
     groups as the accumulators allow (the sweep's axis: a narrow unsplit product of 48 column tiles
-    runs an 80-row verify on 48 SMs, each with five tiles' 16-row MMAs). ``swap_ab``: each row tile's
-    product computed transposed, ``w_tile @ x_tile^T``, so that the weight's 64 columns are the MMA's
-    64 rows and the 16 x rows its columns, which Triton lowers to Hopper's wgmma (16-row x tiles on
-    the MMA's first operand go through mma.sync); the default mode's skinny_linear does the same."""
+    runs an 80-row verify on 48 SMs, each with five tiles' 16-row MMAs)."""
     k_steps = max(1, triton.cdiv(K, block_k))
     col_tiles = triton.cdiv(N, block_n)
     want = 1 if col_tiles >= unsplit_tiles else triton.cdiv(target_programs, col_tiles)
     splits = max(1, min(want, k_steps // min_split_steps))
     steps = triton.cdiv(k_steps, splits)
-    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages, row_programs,
-                       swap_ab)
+    return ExactConfig(block_n, block_k, triton.cdiv(k_steps, steps), steps, num_warps, num_stages, row_programs)
 
 
 def _stages_that_fit(cfg: ExactConfig, row_tiles: int, element_size: int, smem_limit: int | None,
@@ -110,18 +102,13 @@ def _stages_that_fit(cfg: ExactConfig, row_tiles: int, element_size: int, smem_l
     """The plan's pipeline depth, less where ``smem_limit`` (the device's shared memory per block;
     None: no limit, off the GPU) cannot hold its buffers, each ``weight_tiles`` weight tiles (two
     with the SwiGLU epilogue) and ``row_tiles`` x tiles (a launch parameter: the sums' order is the
-    tile's, whatever the depth). Triton 3.6 keeps ``num_stages - 1`` such buffers in shared memory for
-    the mma.sync kernel and ``num_stages`` for the wgmma one (``swap_ab``), one more where a single
-    row tile peels its first K step (scripts/compile_sm90.py prints the sizes: 3 and 5 x 40 KB for
-    one row tile of 64 x 256 at 4 stages)."""
+    tile's, whatever the depth). Triton 3.6 keeps ``num_stages - 1`` such buffers in shared memory
+    (scripts/compile_sm90.py prints the sizes: 3 x 40 KB for one row tile of 64 x 256 at 4 stages,
+    the peeled first K step included)."""
     if not smem_limit:
         return cfg.num_stages
     buffer_bytes = (weight_tiles * cfg.block_n + row_tiles * BLOCK_M) * cfg.block_k * element_size
-    if cfg.swap_ab:   # stages less the buffers the kernel keeps in shared memory
-        extra = -1 if row_tiles == 1 else 0
-    else:
-        extra = 1
-    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + extra))
+    return max(1, min(cfg.num_stages, smem_limit // buffer_bytes + 1))
 
 
 def _smem_limit(x: torch.Tensor) -> int | None:
@@ -148,15 +135,6 @@ def row_tiles_per_program(M: int, block_n: int, programs_per_group: int = 1, row
 
 
 @triton.jit
-def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    # a row tile's fp32 sums: [BLOCK_M, BLOCK_N], or transposed under SWAP_AB
-    if SWAP_AB:
-        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
-@triton.jit
 def _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     # one row tile's 16 rows of x at K step k (zeros past M and K)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -168,39 +146,28 @@ def _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M: tl.constexpr, UPCAST:
 
 
 @triton.jit
-def _mma(a, wt, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
-    # a row tile's rows a against the weight tile (wt: [BLOCK_K, BLOCK_N], or under SWAP_AB the
-    # untransposed [BLOCK_N, BLOCK_K], the MMA's first operand)
-    if SWAP_AB:
-        return tl.dot(wt, tl.trans(a), acc, input_precision=DOT_PRECISION)
-    else:
-        return tl.dot(a, wt, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _tile_dot(x_ptr, tile, M, k, k_ok, stride_xm, wt, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
-    # one row tile's K step: its 16 rows of x against the program's weight tile, the same instruction
-    # sequence for a row tile whichever program and launch it is in
+              UPCAST: tl.constexpr):
+    # one row tile's K step: its 16 rows of x against the program's weight tile ([BLOCK_K, BLOCK_N]),
+    # the same instruction sequence for a row tile whichever program and launch it is in
     a = _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M, UPCAST)
-    return _mma(a, wt, acc, DOT_PRECISION, SWAP_AB)
+    return tl.dot(a, wt, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _tile_dot_pair(x_ptr, tile, M, k, k_ok, stride_xm, wt, wut, acc, acc_u, BLOCK_M: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # SWIGLU: the row tile loaded once, against the gate tile and the up tile, each dot the one the
     # plain product runs on that weight tile
     a = _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M, UPCAST)
-    return _mma(a, wt, acc, DOT_PRECISION, SWAP_AB), _mma(a, wut, acc_u, DOT_PRECISION, SWAP_AB)
+    return (tl.dot(a, wt, acc, input_precision=DOT_PRECISION),
+            tl.dot(a, wut, acc_u, input_precision=DOT_PRECISION))
 
 
 @triton.jit
-def _tile_store(acc, tile, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
+def _tile_store(acc, tile, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M: tl.constexpr):
     # a row tile's [BLOCK_M, BLOCK_N] values to dst (the output, rounded to its dtype, or a split's
     # fp32 slice of the workspace)
-    if SWAP_AB:
-        acc = tl.trans(acc)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rows < M)[:, None] & col_ok[None, :]
     tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_m + cols64[None, :], acc.to(dst_ptr.dtype.element_ty),
@@ -222,12 +189,8 @@ def _tile_fix_up(tile, M, N, cols64, col_ok, ws_ptr, stride_ws, stride_wsm, out_
 
 
 @triton.jit
-def _swiglu_store(acc, acc_u, tile, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M: tl.constexpr,
-                  SWAP_AB: tl.constexpr):
+def _swiglu_store(acc, acc_u, tile, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M: tl.constexpr):
     # one split, SWIGLU: a row tile's gate and up sums through the activation into the output
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        acc_u = tl.trans(acc_u)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rows < M)[:, None] & col_ok[None, :]
     _store_out(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :], mask, acc, acc_u, True)
@@ -235,22 +198,22 @@ def _swiglu_store(acc, acc_u, tile, M, cols64, col_ok, out_ptr, stride_om, BLOCK
 
 @triton.jit
 def _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, dst_ptr, stride_m,
-                     BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SWAP_AB: tl.constexpr):
-    _tile_store(acc0, t0, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+                     BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr):
+    _tile_store(acc0, t0, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 1:
-        _tile_store(acc1, t0 + 1, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc1, t0 + 1, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 2:
-        _tile_store(acc2, t0 + 2, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc2, t0 + 2, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 3:
-        _tile_store(acc3, t0 + 3, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc3, t0 + 3, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 4:
-        _tile_store(acc4, t0 + 4, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc4, t0 + 4, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 5:
-        _tile_store(acc5, t0 + 5, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc5, t0 + 5, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 6:
-        _tile_store(acc6, t0 + 6, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc6, t0 + 6, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
     if ROW_TILES > 7:
-        _tile_store(acc7, t0 + 7, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M, SWAP_AB)
+        _tile_store(acc7, t0 + 7, M, cols64, col_ok, dst_ptr, stride_m, BLOCK_M)
 
 
 @triton.jit
@@ -269,50 +232,43 @@ def _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU: tl.const
 
 @triton.jit
 def _k_step(x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
-            BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SWIGLU: tl.constexpr, SWAP_AB: tl.constexpr,
+            BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SWIGLU: tl.constexpr,
             DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # one K step of the program's row tiles against its weight tile(s) (the accumulators: module doc
     # and _exact_linear_kernel), the same 16-row tl.dot for every row tile
-    wt = w if SWAP_AB else tl.trans(w)
+    wt = tl.trans(w)
     if SWIGLU:
-        wut = wu if SWAP_AB else tl.trans(wu)
+        wut = tl.trans(wu)
         acc0, acc5 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc5, BLOCK_M, DOT_PRECISION,
-                                    UPCAST, SWAP_AB)
+                                    UPCAST)
         if ROW_TILES > 1:
             acc1, acc6 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc6, BLOCK_M,
-                                        DOT_PRECISION, UPCAST, SWAP_AB)
+                                        DOT_PRECISION, UPCAST)
         if ROW_TILES > 2:
             acc2, acc7 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc7, BLOCK_M,
-                                        DOT_PRECISION, UPCAST, SWAP_AB)
+                                        DOT_PRECISION, UPCAST)
         if ROW_TILES > 3:
             acc3, acc8 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc8, BLOCK_M,
-                                        DOT_PRECISION, UPCAST, SWAP_AB)
+                                        DOT_PRECISION, UPCAST)
         if ROW_TILES > 4:
             acc4, acc9 = _tile_dot_pair(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, wut, acc4, acc9, BLOCK_M,
-                                        DOT_PRECISION, UPCAST, SWAP_AB)
+                                        DOT_PRECISION, UPCAST)
     else:
-        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST, SWAP_AB)
+        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 1:
-            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 2:
-            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 3:
-            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 4:
-            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 5:
-            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 6:
-            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION, UPCAST)
         if ROW_TILES > 7:
-            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION,
-                             UPCAST, SWAP_AB)
+            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION, UPCAST)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9
 
 
@@ -322,7 +278,7 @@ def _exact_linear_kernel(
     M, N, K, steps,
     stride_xm, stride_wn, stride_ws, stride_wsm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
-    SPLIT: tl.constexpr, SWIGLU: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (row group, column tile, split): ROW_TILES consecutive row tiles (1 to MAX_ROW_TILES),
@@ -340,16 +296,16 @@ def _exact_linear_kernel(
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     cols64 = cols.to(tl.int64)     # offsets past 2^31 elements (long prompts x vocab)
-    acc0 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc1 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc2 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc3 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc4 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc5 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc6 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc7 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc8 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc9 = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc8 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc9 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k0 = pid_s * steps * BLOCK_K
     if ROW_TILES == 1:
         # one row tile (a decode step's, a batch-1 verify's): the first K step is peeled, its weight
@@ -364,7 +320,7 @@ def _exact_linear_kernel(
             tl.extra.cuda.gdc_wait()
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
             x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
-            BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
+            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST)
         first = 1
     else:
         if PDL:
@@ -376,7 +332,7 @@ def _exact_linear_kernel(
         w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU, UPCAST)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
             x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
-            BLOCK_M, ROW_TILES, SWIGLU, SWAP_AB, DOT_PRECISION, UPCAST)
+            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST)
     # one split (a plan of the shape, whatever M): each row tile rounded once into the output (SWIGLU:
     # through the activation); several: the partials to this split's slice of the workspace (SWIGLU:
     # the up sums N columns right of the gate's), and the group's last program to arrive sums them in
@@ -385,12 +341,12 @@ def _exact_linear_kernel(
         ws_split = ws_ptr + pid_s.to(tl.int64) * stride_ws
         if SWIGLU:
             _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc0, acc0, acc0, t0, M, cols64, col_ok, ws_split,
-                             stride_wsm, BLOCK_M, ROW_TILES, SWAP_AB)
+                             stride_wsm, BLOCK_M, ROW_TILES)
             _store_row_tiles(acc5, acc6, acc7, acc8, acc9, acc5, acc5, acc5, t0, M, cols64, col_ok, ws_split + N,
-                             stride_wsm, BLOCK_M, ROW_TILES, SWAP_AB)
+                             stride_wsm, BLOCK_M, ROW_TILES)
         else:
             _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, ws_split,
-                             stride_wsm, BLOCK_M, ROW_TILES, SWAP_AB)
+                             stride_wsm, BLOCK_M, ROW_TILES)
         counter = cnt_ptr + pid_g * tl.num_programs(1) + pid_n
         splits = tl.num_programs(2)
         if _arrives_last(counter, splits):
@@ -399,18 +355,18 @@ def _exact_linear_kernel(
                              BLOCK_M, SWIGLU)
             tl.store(counter, 0)  # reusable by the next launch
     elif SWIGLU:
-        _swiglu_store(acc0, acc5, t0, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+        _swiglu_store(acc0, acc5, t0, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M)
         if ROW_TILES > 1:
-            _swiglu_store(acc1, acc6, t0 + 1, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc1, acc6, t0 + 1, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M)
         if ROW_TILES > 2:
-            _swiglu_store(acc2, acc7, t0 + 2, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc2, acc7, t0 + 2, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M)
         if ROW_TILES > 3:
-            _swiglu_store(acc3, acc8, t0 + 3, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc3, acc8, t0 + 3, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M)
         if ROW_TILES > 4:
-            _swiglu_store(acc4, acc9, t0 + 4, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M, SWAP_AB)
+            _swiglu_store(acc4, acc9, t0 + 4, M, cols64, col_ok, out_ptr, stride_om, BLOCK_M)
     else:
         _store_row_tiles(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, t0, M, cols64, col_ok, out_ptr, stride_om,
-                         BLOCK_M, ROW_TILES, SWAP_AB)
+                         BLOCK_M, ROW_TILES)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -472,7 +428,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, N: int, cfg: ExactConfig, swi
         _exact_linear_kernel[grid](
             xs, weight, ws, outs, counters, xs.shape[0], N, K, cfg.steps, xs.stride(0), weight.stride(0),
             ws.stride(0), ws.stride(1), outs.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            ROW_TILES=row_tiles, SPLIT=split, SWIGLU=swiglu, SWAP_AB=cfg.swap_ab,
+            ROW_TILES=row_tiles, SPLIT=split, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,

@@ -95,14 +95,11 @@ def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
     assert row_tiles_per_program(M, block_n) == want
 
 
-@pytest.mark.parametrize("swap_ab, row_tiles, want", [(False, 1, 4), (False, 5, 4), (False, 8, 3), (False, 16, 2),
-                                                     (True, 1, 4), (True, 5, 3), (True, 8, 2)])
-def test_the_pipeline_depth_fits_the_shared_memory(swap_ab: bool, row_tiles: int, want: int) -> None:
-    # Triton 3.6 keeps num_stages - 1 buffers for mma.sync, num_stages for wgmma, one more for one row
-    # tile's peeled first K step (scripts/compile_sm90.py, sm_90: 221,184 B for 5 row tiles of a
-    # 64 x 256 bf16 plan at 4 stages, or at 3 with swap_ab; 196,608 B for 8 at 3, or at 2 with swap_ab;
-    # 204,800 B for one at 4 with swap_ab); an H100's 232,448 B a block
-    cfg = ExactConfig(64, 256, splits=1, steps=8, num_stages=4, swap_ab=swap_ab)
+@pytest.mark.parametrize("row_tiles, want", [(1, 4), (5, 4), (8, 3), (16, 2)])
+def test_the_pipeline_depth_fits_the_shared_memory(row_tiles: int, want: int) -> None:
+    # Triton 3.6 keeps num_stages - 1 buffers (scripts/compile_sm90.py, sm_90: 221,184 B for 5 row
+    # tiles of a 64 x 256 bf16 plan at 4 stages, 196,608 B for 8 at 3); an H100's 232,448 B a block
+    cfg = ExactConfig(64, 256, splits=1, steps=8, num_stages=4)
     assert _stages_that_fit(cfg, row_tiles, 2, 232_448) == want
     assert _stages_that_fit(cfg, row_tiles, 2, None) == 4    # off the GPU: the plan's depth
 
@@ -132,9 +129,7 @@ def test_spreading_row_tiles_over_more_programs_changes_no_bit(triton_device: st
 
 
 @pytest.mark.parametrize("cfg", [ExactConfig(32, 32, splits=3, steps=2), ExactConfig(32, 64, splits=1, steps=3),
-                                 ExactConfig(64, 64, splits=2, steps=2),
-                                 ExactConfig(64, 64, splits=2, steps=2, swap_ab=True)],
-                         ids=["narrow_split", "narrow", "eight_tiles", "eight_tiles_swap_ab"])
+                                 ExactConfig(64, 64, splits=2, steps=2)], ids=["narrow_split", "narrow", "eight_tiles"])
 def test_forced_plans_with_many_row_tiles(triton_device: str, cfg: ExactConfig) -> None:
     # 300 rows: 19 row tiles in groups of up to 8 (eight per program for 64 columns at 128 rows), the
     # narrow plans' groups capped at the kernel's accumulators; every row computed, near fp64
@@ -182,24 +177,3 @@ def test_the_default_skinny_product_is_not_batch_invariant(triton_device: str) -
 def test_opcheck() -> None:
     x, w = _inputs("cpu", torch.float32, 3, 16, 32)
     torch.library.opcheck(torch.ops.lfmspark.exact_linear, (x, w))
-
-
-@pytest.mark.parametrize("splits, steps", [(1, 3), (2, 2)], ids=["one_split", "two_splits"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_swap_ab_plans_keep_a_rows_bits_in_any_launch(triton_device: str, dtype: torch.dtype, splits: int,
-                                                      steps: int) -> None:
-    """``swap_ab`` (a plan constant: each row tile's product as ``w_tile @ x_tile^T``, the weight on
-    the MMA's first operand): a row alone, and at the first, a middle and the last position of 2-,
-    10-, 80- and 200-row launches (one to 13 row tiles, up to 8 a program), gives the same bits; the
-    products are near fp64."""
-    cfg = ExactConfig(32, 64, splits, steps, swap_ab=True)
-    x, w = _inputs(triton_device, dtype, 1, 96, 6 * 32 - 7, seed=13)
-    others, _ = _inputs(triton_device, dtype, 200, 96, 6 * 32 - 7, seed=14)
-    alone = exact_linear_triton(x, w, cfg)[0]
-    for rows in (2, 10, 80, 200):
-        for pos in sorted({0, rows // 2, rows - 1}):
-            batch = others[:rows].clone()
-            batch[pos] = x[0]
-            assert torch.equal(exact_linear_triton(batch, w, cfg)[pos], alone), (rows, pos)
-    assert _rel_err(exact_linear_triton(others, w, cfg), others, w) < TOL[dtype]
-

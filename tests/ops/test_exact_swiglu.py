@@ -118,10 +118,8 @@ def test_a_rows_bits_do_not_depend_on_its_programs_row_tiles(triton_device: str,
 
 @pytest.mark.parametrize("cfg", [ExactConfig(32, 64, splits=2, steps=2), ExactConfig(32, 64, splits=1, steps=3),
                                  ExactConfig(16, 64, splits=3, steps=1), ExactConfig(32, 64, splits=2, steps=2,
-                                                                                     row_programs=64),
-                                 ExactConfig(32, 64, splits=2, steps=2, swap_ab=True),
-                                 ExactConfig(32, 64, splits=1, steps=3, swap_ab=True)],
-                         ids=["split", "one_split", "three_splits", "spread", "swap_ab_split", "swap_ab"])
+                                                                                     row_programs=64)],
+                         ids=["split", "one_split", "three_splits", "spread"])
 def test_forced_plans(triton_device: str, cfg: ExactConfig) -> None:
     """A K tail in the last split, column tiles past F, 130 rows (9 row tiles: groups of 5 and 4, or
     of one with ``row_programs``): near the fp64 activation, and every row the bits it has alone."""
