@@ -121,8 +121,8 @@ class DraftLayer(nn.Module):
 
         The unfused path gathers the block's RoPE cos/sin itself (``rope`` rows ``start + t``, which
         Inductor folds into the rotation's kernel): computed once per block and handed to every
-        layer, they were a kernel of the draft's head region whose output crossed region boundaries,
-        so Inductor kept it even where, on the fused path, no layer reads it.
+        layer, they would be a kernel of the draft's head region whose output crosses region boundaries,
+        which Inductor keeps even where, on the fused path, no layer reads it.
 
         ``delta`` may be a ``NormedCarry`` of ``input_layernorm`` (``x`` is then the previous
         layer's output), which the pair product finishes; with ``next_norm`` (the next layer's

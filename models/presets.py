@@ -68,7 +68,7 @@ def _dspark(hidden: int, n_layers: int, ffn: int, taps: tuple[int, ...], vocab: 
 
 
 # target_layer_ids follow DFlash's evenly spaced rule round(1 + i (N - 4) / (n_taps - 1)) with 5 taps;
-# mask_token_id is an id near the end of the vocabulary (placeholders: the released configs were not
+# mask_token_id is an id near the end of the vocabulary (placeholders: the released configs are not
 # available offline). The 8B-A1B draft's FFN width is assumed equal to the 1.2B draft's.
 DRAFT_PRESETS: dict[str, DraftConfig] = {
     "lfm2.5-1.2b-dspark": _dspark(2048, 5, 6144, (1, 4, 7, 10, 13), 65536, 65535),

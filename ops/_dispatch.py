@@ -21,7 +21,7 @@ starts after its predecessor as usual. ``LFMSPARK_PDL=0`` turns PDL off everywhe
 When the successor's programs may launch (``gdc_launch_dependents``): first thing in every kernel,
 so the successor's programs launch as soon as SM resources allow and request their first weights
 early; except in the one-row weight-streaming products (the GEMV kernels), which trigger after
-reading their weights, so only their tail overlaps the successor. On the H200 that split was the
+reading their weights, so only their tail overlaps the successor. That split is the
 fastest: triggering late everywhere slowed the round's several-row products, at entry everywhere
 the one-row decode (docs/decisions.md). The ``PDL`` constexpr carries it: 0 off, 1 on with the
 trigger at entry, 2 on with the trigger late (kernels without a late trigger point treat any

@@ -2,7 +2,7 @@
 
 Why: greedy decoding takes the argmax of ``R = B`` (decode, prefill) or ``R = B * (gamma + 1)``
 (the verify's target picks) rows of ``V = 65536`` logits. Inductor reduces each row in a single
-program, which scans all 65536 columns alone: 10.9 us per decode step on the H200, for 256 KB of
+program, which scans all 65536 columns alone: 10.9 us per decode step, for 256 KB of
 input. Here the row is split over many programs instead.
 
 Design: two launches with static grids (no host sync, CUDA-graph safe). Stage 1, grid

@@ -1,4 +1,4 @@
-"""Batch-invariant RMSNorm (issue 39's exact mode): HF LFM2's RMSNorm of each row of ``x [M, H]``,
+"""Batch-invariant RMSNorm (exact mode): HF LFM2's RMSNorm of each row of ``x [M, H]``,
 computed with the same arithmetic whatever ``M`` is.
 
 Why: the default path leaves the norms to Inductor (or fuses them into the products' prologues and

@@ -32,7 +32,7 @@ differ by a few bf16 ulps (see tests/ops/test_moe.py for the tolerances). Determ
 Expert ids must lie in ``[0, E)`` (an out-of-range id leaves that pair's row of the fp32 scratch
 unwritten).
 
-Exact mode (issue 39, ``exact=True``): the tiles of the decode sizes for every pair count
+Exact mode (``exact=True``): the tiles of the decode sizes for every pair count
 (:func:`exact_config`). A pair's products then run the same tile shapes whether its token is alone,
 in a verify window or in a prefill chunk, and whichever other pairs share its expert's blocks; the
 combine sums a token's ``k`` rows in the same order anyway. A token's output bits then depend only
@@ -42,8 +42,8 @@ Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the n
 (:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
 launches with any other pair count of that variant need. The engine's prefill warm-up relies on
-this (runtime/prefill_warmup.py ``prefill_warm_shapes``): a first request that compiled a plan
-variant cost the LFM2-8B-A1B benchmark 0.95 s of TTFT on the H200.
+this (runtime/prefill_warmup.py ``prefill_warm_shapes``): a first request that compiles a plan
+variant adds ~0.95 s to LFM2-8B-A1B's TTFT (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -267,8 +267,8 @@ class MoeConfig:
 
 
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
-    """Tiles for ``n_pairs = N*k`` pairs over ``n_experts`` experts (chosen by sweeps on the H200
-    at LFM2-8B-A1B shapes: ``python benchmarks/kernels/moe.py --sweep``).
+    """Tiles for ``n_pairs = N*k`` pairs over ``n_experts`` experts (chosen by sweeps at
+    LFM2-8B-A1B shapes: ``python benchmarks/kernels/moe.py --sweep``).
 
     Decode and verify sizes (a few pairs per expert) are bound by reading the weights: blocks of
     16-32 pairs (one per expert) and narrow column tiles, so that even 4 experts make a few hundred
@@ -276,7 +276,7 @@ def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
     """
     per_expert = n_pairs / n_experts  # if routing were uniform
     if per_expert <= 1 / 8:  # one decode token of LFM2-8B-A1B (4 pairs, 32 experts): wider column tiles,
-        # 38.9 against 40.8 us per layer with 32 columns (H100, session 31: moe.py --sweep --sizes 1)
+        # 38.9 against 40.8 us per layer with 32 columns (moe.py --sweep --sizes 1; docs/decisions.md)
         return MoeConfig(block_m=16, block_n1=64, block_k1=256, block_n2=64, block_k2=256,
                          num_warps=4, num_stages=4)
     if per_expert <= 16:
@@ -316,7 +316,7 @@ def plan_launch(n_pairs: int, n_experts: int, chunk: int = 0, precount: bool | N
     """The plan's chunking for ``n_pairs`` pairs (``chunk`` / ``precount``: overrides, for tests)."""
     e_pad = triton.next_power_of_2(n_experts)
     # pairs placed per program (one program up to 64 pairs) and counted per step: both keep the
-    # [chunk, E] one-hots small (a plan over [512, 32] tiles took 29 us on the H200, this one 2-7)
+    # [chunk, E] one-hots small (a plan over [512, 32] tiles takes ~29 us, this one 2-7)
     n_pow2 = triton.next_power_of_2(max(n_pairs, 16))
     count_chunk = chunk or min(n_pow2, max(16, 8192 // e_pad))
     chunk = chunk or min(n_pow2, 64)

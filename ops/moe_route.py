@@ -12,9 +12,9 @@ in the logits' dtype, as HF ``Lfm2MoeSparseMoeBlock`` routes (reference/lfm2.md 
 - weights: the chosen experts' unbiased ``p``, divided by ``(sum + 1e-6)`` when ``normalize``, times
   ``scale`` (``routed_scaling_factor``).
 
-Why an op: left to Inductor, this was the top-k's pairwise-rank kernel, a gather and the
+Why an op: left to Inductor, this is the top-k's pairwise-rank kernel, a gather and the
 normalisation's reduction, about three small launches per MoE layer at every decode step (with the
-plan kernel, ~160 us of LFM2-8B-A1B's 1.54 ms step on the H100, session 30). Here one program
+plan kernel, ~160 us of LFM2-8B-A1B's 1.54 ms step: docs/benchmarks.md). Here one program
 routes a few tokens (one, for 32 experts: :func:`route_launch`), with every reduction over a
 token's own experts: a token's results do not depend on the other tokens of the launch (exact mode
 needs nothing more).
@@ -39,7 +39,7 @@ PAIRWISE_PER_PROGRAM = 1024  # (token, expert, expert) comparisons one program h
 def route_launch(n_tokens: int, n_experts: int) -> tuple[int, int]:
     """``(tokens per program, warps)``. The pairwise ranks are ``[tokens, E, E]`` tensors held in
     registers: at most ``PAIRWISE_PER_PROGRAM`` comparisons per warp (16 tokens of 32 experts per
-    program spilled, and made LFM2-8B-A1B's decode step 6% slower than Inductor's kernels on the H100)."""
+    program spill, making LFM2-8B-A1B's decode step 6% slower than Inductor's kernels: docs/decisions.md)."""
     e_pad = max(2, triton.next_power_of_2(n_experts))
     block_t = min(triton.next_power_of_2(max(n_tokens, 1)), max(1, PAIRWISE_PER_PROGRAM // (e_pad * e_pad)))
     warps = min(4, max(1, block_t * e_pad * e_pad // PAIRWISE_PER_PROGRAM))

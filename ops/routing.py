@@ -5,8 +5,8 @@ does the walk op (ops/markov_walk). The thresholds follow the kernels' tiles:
 
 - **Products** ``x [rows, K] @ W^T``: 1-16 rows on CUDA run lfmspark's weight-streaming kernels
   (ops/linear): one row the GEMV kernel, 2-16 the swap-AB ``tl.dot`` kernel, whose 16-row MMA tile
-  holds the batch-1 verify (10 rows) and draft block (9). On the H200 they beat cuBLAS at every
-  served shape there; more rows are cuBLAS's (``F.linear``).
+  holds the batch-1 verify (10 rows) and draft block (9). They beat cuBLAS at every served shape
+  there (docs/decisions.md); more rows are cuBLAS's (``F.linear``).
 - **Norms before a product**: at the one-row decode step the residual add + RMSNorm is the GEMV's
   prologue (``add_rmsnorm_gemv``); on 2-16 rows outside decode (the verify, the draft block, short
   prompt chunks) it rides in the products' epilogues (``skinny_linear_add_norm`` before a dense
@@ -20,7 +20,7 @@ does the walk op (ops/markov_walk). The thresholds follow the kernels' tiles:
   lanes fit 16, else the sequential walk in one persistent launch for 2-16 rows, else one launch per
   slot; the walks in one launch need every SM resident (no MPS thread limit) and a rank of at most 256.
 
-**Exact mode** (``Engine(exact=True)``, issue 39): inside :func:`exact_scope` every product of the
+**Exact mode** (``Engine(exact=True)``): inside :func:`exact_scope` every product of the
 target runs ``lfmspark::exact_linear`` (a dense SwiGLU's gate/up product ``exact_swiglu``, its
 activation in the same launch), every norm ``lfmspark::exact_rms_norm`` (``exact_add_rms_norm``
 with the layer's residual add in the same launch), attention the
@@ -54,7 +54,7 @@ FEW_ROWS = 16           # products of up to this many rows stream their weights 
 NORM_GEMV_MAX_K = 8192  # add_rmsnorm_gemv holds the whole normalised row: LFM2 hidden sizes are 1024-2048
 WINDOW_TILE_ROWS = 64   # one row tile of the attention kernel (ops/attention/cache_attention.py)
 WALK_LANES = 16         # the Jacobi walk's (row, slot) lanes: one 16-row MMA tile
-WALK_GRID_ROWS = (2, 16)  # the persistent walk's rows; one row: the step kernels were faster on the H200
+WALK_GRID_ROWS = (2, 16)  # the persistent walk's rows; one row: the step kernels are faster (docs/decisions.md)
 WALK_MAX_RANK = 256     # a walk in one launch holds the whole rank in one tl.dot
 
 WALKS = ("jacobi", "persistent", "steps")   # what Engine(markov_walk=...) takes

@@ -2,8 +2,8 @@
 ``x [R, V]`` (a few rows of a large vocabulary), fp32 ``[R]``.
 
 Why: a sampled distribution in threshold form (runtime/distributions.py) needs its kept mass ``z``,
-a reduction over the whole vocabulary. Left to Inductor, that reduction was fused with the draft
-walk's other pointwise and small reductions, and at batch 1 Inductor (torch 2.11) failed to generate
+a reduction over the whole vocabulary. Left to Inductor, that reduction is fused with the draft
+walk's other pointwise and small reductions, and at batch 1 Inductor (torch 2.11) fails to generate
 the fused kernel (``assert self.inside_reduction`` in its Triton reduction codegen). As an op it is
 opaque to Inductor, and it is split over many programs per row (like ops/argmax_rows.py) instead of
 one program scanning 65536 columns alone.

@@ -108,8 +108,8 @@ def _short_conv_verify_kernel(
         tl.extra.cuda.gdc_wait()
     # program (row, channel block, block token t): output t, and tape column t + K - 1 (token t's
     # Bx, which its last tap reads anyway); token 0's program also copies the state into columns
-    # 0 .. K-2. Parallel over the block's tokens: a sequential scan left 8 programs per row doing
-    # ~50 dependent loads each (7.7 us per layer at batch 1 on the H200).
+    # 0 .. K-2. Parallel over the block's tokens: a sequential scan leaves 8 programs per row doing
+    # ~50 dependent loads each (7.7 us per layer at batch 1).
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t = tl.program_id(2)

@@ -2,8 +2,8 @@
 inside a real step.
 
 Why: a kernel timed alone and the same kernel inside the decode step's PDL chain can rank launch
-parameters differently. On the H200 the one-row GEMV's 1024-wide K steps were the best timed alone,
-yet 2048-wide steps made the whole LFM2.5-1.2B decode step 5% faster. So parameters are tuned by timing the whole step once per variant, one process each, e.g. with
+parameters differently: the one-row GEMV's 1024-wide K steps are the best timed alone, yet
+2048-wide steps make the whole LFM2.5-1.2B decode step 5% faster (docs/decisions.md). So parameters are tuned by timing the whole step once per variant, one process each, e.g. with
 ``scripts/device_run.sh``'s ``ab`` step::
 
     AB_VARIANTS="base:LFMSPARK_TUNE= k256:LFMSPARK_TUNE=tile.block_k=256" STEPS=ab bash scripts/device_run.sh

@@ -1,10 +1,10 @@
-"""Compile the weight-streaming (exact mode's too) and Markov-walk kernels for sm_90 (the H200) with the installed
+"""Compile the weight-streaming (exact mode's too) and Markov-walk kernels for sm_90 (Hopper) with the installed
 Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
 
 Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
-code that a newer one accepts (session 22: a 16 x 16 lane select in a while loop crashed 3.6's
-layout pass; a str default of a constexpr parameter failed its front end), each found only after a
-device call. A venv with the device's Triton (``pip install --no-deps triton==3.6.0`` beside the
+code that a newer one accepts (3.6's layout pass crashes on a 16 x 16 lane select in a while loop;
+its front end rejects a str default of a constexpr parameter), which otherwise shows only on the
+device. A venv with the device's Triton (``pip install --no-deps triton==3.6.0`` beside the
 CPU torch) catches both here:
 
     python scripts/compile_sm90.py        # prints one line per compiled variant, raises on the first failure

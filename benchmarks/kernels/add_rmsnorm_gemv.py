@@ -17,7 +17,7 @@ a model's layers do), so no call finds its weight in L2; graph-replayed; the tim
 What to sweep: ``block_n`` (output columns per program; gate columns, each with its up column,
 for SwiGLU) 2/4/8/16 — wider tiles re-read the ``[K]`` input vectors (h, delta, norm weight: 3 x 4
 KB at K = 2048) from L2 less often per weight byte — and ``num_warps`` 4/8/16. The defaults (8
-plain, 4 SwiGLU, 8 warps: ``ops/add_rmsnorm_gemv.launch_params``) are the H200 sweep's winners.
+plain, 4 SwiGLU, 8 warps: ``ops/add_rmsnorm_gemv.launch_params``) are the sweep's winners.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SHAPES = [
     ("350M w13 swiglu", 4608, 1024, True), ("350M lm_head", 65536, 1024, False),
     ("2.6B w13 swiglu", 10752, 2048, True),
 ]
-_STREAM_BYTES = 512 * 2**20  # weight bytes per timed call: far past the H200's 60 MB L2
+_STREAM_BYTES = 512 * 2**20  # weight bytes per timed call: far past the GPU's L2 (tens of MB)
 
 
 def _case(N: int, K: int, swiglu: bool):

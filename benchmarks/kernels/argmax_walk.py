@@ -4,7 +4,7 @@ embedding, cuBLAS GEMV, add, argmax per slot, compiled with Inductor as the draf
 LFM2.5-1.2B draft's shape: V = 65536, Markov rank 256 (bf16), block G = 9.
 
 Bytes: argmax reads the logits once; the walk reads ``base`` once and ``w2`` once per slot (33.5 MB
-each, from L2 after the first on the H200; GB/s above the HBM copy rate means L2 hits).
+each, from L2 after the first; GB/s above the HBM copy rate means L2 hits).
 
     python benchmarks/kernels/argmax_walk.py
     python benchmarks/kernels/argmax_walk.py --sweep     # the step kernels' launch configs (WalkConfig)

@@ -1,4 +1,4 @@
-"""Shared helpers for the kernel microbenchmarks (run on the H200, never in CI).
+"""Shared helpers for the kernel microbenchmarks (run on a GPU, never in CI).
 
 Each benchmark module exposes ``run(copy_gbps: float) -> list[dict]``; ``run_all.py`` measures
 the device-to-device copy bandwidth once, runs every module and writes one JSON report.
@@ -15,7 +15,7 @@ from lfmspark.runtime.bench import median_seconds
 def copy_bandwidth_gbps() -> float:
     """Measured device-to-device copy bandwidth in GB/s (bytes read + written), the same
     measurement ``lfmspark bench`` reports: event-timed plain copies, median of 20. (A copy
-    captured in a CUDA graph measured only ~2.8 TB/s on the H200, against ~4.2 TB/s here.)"""
+    captured in a CUDA graph measures only about two thirds of that: ~2.8 against ~4.2 TB/s.)"""
     return _measure_copy(torch.device("cuda"))
 
 

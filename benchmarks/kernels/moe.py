@@ -11,9 +11,9 @@ model's MoE layers do), so no layer finds its experts in L2; the reported time i
     python benchmarks/kernels/moe.py --sweep    # time candidate tile configs per N (tuning aid)
     python benchmarks/kernels/moe.py --profile  # device time of each of the op's kernels
 
-Seen on the H200 (triton 3.6, graph replay, per layer): N=1 34 us (88 MB, 2.6 TB/s), N=10 151 us
-(573 MB, 3.8 TB/s), N=40 184 us, N=160 196 us (706 MB, 3.6 TB/s), N=10 on 4 experts 39 us; the
-eager per-expert reference 5 ms at N=10.
+For scale (triton 3.6, graph replay, per layer; measured results: docs/benchmarks.md): N=1 34 us
+(88 MB, 2.6 TB/s), N=10 151 us (573 MB, 3.8 TB/s), N=40 184 us, N=160 196 us (706 MB, 3.6 TB/s),
+N=10 on 4 experts 39 us; the eager per-expert reference 5 ms at N=10.
 """
 
 from __future__ import annotations

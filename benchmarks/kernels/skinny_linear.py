@@ -56,7 +56,7 @@ DTYPE = torch.bfloat16
 SHAPES = [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048), (65536, 2048),
           (2048, 4096), (4096, 2048), (12288, 2048)]
 ROWS = [1, 10, 40]
-_STREAM_BYTES = 512 * 2**20  # weight bytes per timed call: far past the H200's 60 MB L2
+_STREAM_BYTES = 512 * 2**20  # weight bytes per timed call: far past the GPU's L2 (tens of MB)
 
 
 def _weights(N: int, K: int) -> list[torch.Tensor]:
@@ -107,7 +107,7 @@ def run(copy_gbps: float) -> list[dict]:
 # tuning aid
 
 SPLITS = (1, 2, 4, 8)
-_SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block: larger pipelines cannot launch
+_SMEM_LIMIT = 227 * 1024  # sm_90's shared memory per block: larger pipelines cannot launch
 
 
 def _gemv_candidates() -> list[SkinnyConfig]:

@@ -9,7 +9,7 @@ non-causal inside the block), both clipped to the cache length. Query head ``h``
 rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
 ignore.
 
-``exact`` (issue 39's exact mode): the launch plan follows the cache length ``S`` only, never the
+``exact`` (exact mode): the launch plan follows the cache length ``S`` only, never the
 window, the batch or the SMs: 16-row query tiles, 64-key blocks, and key slices of a fixed span
 of absolute positions (``plan_launch``). A query then visits the same key blocks in the same order
 and its slices merge in the same order whether it is a decode step's token, a verify window's or a
@@ -218,7 +218,7 @@ def _block_m(n_rows: int, hd: int) -> int:
 
 
 def _key_config(n_rows: int, hd: int, elem_size: int, split: bool) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)``, from a sweep on the H200 at 1.2B shapes."""
+    """``(BLOCK_N, num_warps, num_stages)``, from a sweep at 1.2B shapes."""
     if n_rows > 64:  # prefill
         return 64, (8 if hd <= 64 else 4), 3
     if not split and hd * elem_size <= 128:
@@ -232,7 +232,7 @@ def _pick_splits(n_programs: int, n_rows: int, S: int, block_n: int, sms: int) -
     on ``sms`` SMs. Static information only (the actual lengths live on the device, so the cache
     length ``S`` bounds the useful number of slices): none once the programs fill at least half a
     wave of SMs, else about ``_PROGRAMS_PER_SM`` programs per SM, and at most
-    ``_MAX_WIDE_SPLITS`` for windows of 33-64 rows (one row tile). Measured on the H200 at 1.2B shapes:
+    ``_MAX_WIDE_SPLITS`` for windows of 33-64 rows (one row tile). Measured at 1.2B shapes:
     splitting a half-full wave further only adds partial traffic and the combine launch; the
     batch-1 round's 40-row windows ran 12 us per round faster at 4 splits than at 15 (one split:
     10 us slower), while the decode step's 4-row windows ran 10 us slower at 4

@@ -39,8 +39,8 @@ from .rope import apply_rope, gather_cos_sin, window_positions
 # below is the same operation, in the same order, as one eager torch kernel of the reference, and the
 # launcher disables FMA contraction (``enable_fp_fusion=False``) so that ``a * b - c * d`` rounds each
 # product like the separate torch kernels do. ``tl.math.rsqrt`` is the hardware approximate rsqrt,
-# the instruction behind ``torch.rsqrt`` on CUDA (identical on 10^6 rows on the H200, where ``1 / sqrt``
-# and ``1 / sqrt_rn`` differed in ~40% of them). The only sum, ``mean(x^2)``, is added in the order
+# the instruction behind ``torch.rsqrt`` on CUDA (identical on 10^6 rows tested on the GPU, where
+# ``1 / sqrt`` and ``1 / sqrt_rn`` differed in ~40% of them). The only sum, ``mean(x^2)``, is added in the order
 # of torch's CUDA reduction (see ``_halving_sum``).
 
 # Triton's interpreter truncates fp32 -> bf16 casts (and its "rtne" mode mishandles the carry), which
@@ -69,7 +69,7 @@ def _halving_sum(y, BLOCK_H: tl.constexpr, W: tl.constexpr):
     added as ``x[j] + x[j + 32]``, then the shared-memory step and ``shfl_down`` with decreasing
     offsets) by adding the upper half of the partial sums onto the lower half until one is left. ``y``
     is the squared row after its first such step (``x[j]^2 + x[j + W]^2``). For ``head_dim <= 64``
-    torch uses this order whatever the number of rows (bit-identical on the H200 at 16, 32 and 64);
+    torch uses this order whatever the number of rows (bit-identical on the GPU at 16, 32 and 64);
     from 128 on it first sums contiguous runs per lane, so the statistic may differ in its last bit.
     """
     for f in tl.static_range(1, 8):
@@ -185,7 +185,7 @@ def _kv_norm_rope_write_kernel(
         tl.extra.cuda.gdc_wait()
     # One program per (token, layer): all kv heads of the token at once, as [BLOCK_H, HD/2] tiles, so
     # the whole token is loaded before anything is stored (a loop over heads serialises a load ->
-    # store latency chain per head: 2.1x slower at prefill on the H200). With N_Q > 0 (one layer)
+    # store latency chain per head: 2.1x slower at prefill). With N_Q > 0 (one layer)
     # the program also normalises and rotates the token's N_Q query heads into q_out [B, T, N_Q, HD]:
     # every token, written or not (the attention reads every query row).
     tok = tl.program_id(0)
@@ -230,7 +230,7 @@ def _kv_norm_rope_write_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-_NUM_WARPS = 1  # a token's 8 x 64 K/V values per program: 1 and 2 warps tie on the H200, 4 and 8 are slower
+_NUM_WARPS = 1  # a token's 8 x 64 K/V values per program: 1 and 2 warps tie, 4 and 8 are slower
 _QKV_NUM_WARPS = 4  # with the token's query heads too (32 x 64 on LFM2): 4x the values per program
 
 

@@ -6,8 +6,8 @@ attention kernel (``T * n_heads / n_kv <= 64``: the decode step, the verify, the
 block). The attention programs normalise and rotate their queries themselves, and the program that
 owns the window's keys (the last key-range split of each kv head) normalises and rotates the
 window's K, writes K and V of the first ``lens[b]`` tokens to the cache, and attends to them from
-registers. Why: in the batch-1 round the write kernel between the qkv projection and the attention
-was 11 launches of ~2.5 us of hand-off each.
+registers. Why: in the batch-1 round a separate write kernel between the qkv projection and the
+attention costs 11 launches of ~2.5 us of hand-off each (docs/decisions.md).
 
 Semantics (:func:`qkv_window_attention_reference`): the cache writes and the queries are
 ``qkv_norm_rope_write``'s, bit for bit on CUDA; query ``t`` of row ``b`` attends to the cached

@@ -43,7 +43,7 @@ from ..routing import NORM_GEMV_MAX_K
 from ..tuning import tuned
 
 MAX_K = NORM_GEMV_MAX_K  # the whole row is one K block; LFM2 hidden sizes are 1024-2048
-# H200 sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep), 1.2B shapes with 8
+# from a sweep (benchmarks/kernels/add_rmsnorm_gemv.py --sweep), 1.2B shapes with 8
 # warps: plain 8 columns (qkv 4.13 us vs 4.89 with 4; LM head 64.4 vs 64.7; in_proj 8.42 vs 8.25),
 # SwiGLU 4 gate + 4 up columns (18.78 us vs 19.55 with 2 + 2); 16 warps lost everywhere
 BLOCK_N_PLAIN = 8      # output columns per program

@@ -1,5 +1,5 @@
 """Batch-invariant linear: ``x [M, K] @ weight[N, K]^T`` where every output row is computed with the
-same arithmetic whatever ``M`` is and wherever the row sits in the launch (issue 39's exact mode).
+same arithmetic whatever ``M`` is and wherever the row sits in the launch (exact mode).
 
 Why: the default products pick their kernel and its reduction by the number of rows (the one-row
 GEMV, the swap-AB ``tl.dot`` kernel with a split-K that follows ``M``, cuBLAS past 16 rows:
@@ -79,7 +79,7 @@ def exact_config(N: int, K: int, *, block_k: int = 256, block_n: int = 64, unspl
     device, which is what makes the op batch-invariant (module doc).
 
     The rule (the keywords are its constants, for benchmarks/kernels/exact_linear.py's sweep; the op
-    uses the defaults, chosen by that sweep on the H100 in session 34, with the row-tile programs):
+    uses the defaults, chosen by that sweep with the row-tile programs: docs/decisions.md):
     256-wide K steps and 64-column tiles for every shape (a program of 64 columns holds all five row
     tiles of an 80-row verify, where 128 columns would hold four and read the weight twice); no K
     split once the column tiles number ``unsplit_tiles`` (a split costs the workspace's traffic and

@@ -4,10 +4,10 @@ and skinny SwiGLU: ``silu(x @ w1^T) * (x @ w3^T)`` from the fused ``w13 = [w1; w
 Why: a decode step at batch 1 multiplies one row by every weight matrix, and a speculative verify
 ``M = 10`` rows (the draft ``M = 9``); such products are bound by reading the weight once. For
 ``M = 1`` a ``tl.dot``-free GEMV kernel streams the served LFM2.5-1.2B shapes 3-31% faster than
-cuBLAS on the H200 (up to 0.998 of copy bandwidth on the LM head), so one-row products use it.
-For several rows (the batch-1 verify and draft) the swap-AB ``tl.dot`` kernel below beat cuBLAS at
-every served shape at ``M = 10`` (2048 x 2048: 4.76 vs 6.06 us; the down projection 10.71 vs 13.83
-us), so products of up to 16 rows use it (ops/routing.py).
+cuBLAS (up to 0.998 of copy bandwidth on the LM head), so one-row products use it. For several
+rows (the batch-1 verify and draft) the swap-AB ``tl.dot`` kernel below beats cuBLAS at every
+served shape at ``M = 10`` (2048 x 2048: 4.76 vs 6.06 us; the down projection 10.71 vs 13.83 us;
+docs/decisions.md), so products of up to 16 rows use it (ops/routing.py).
 
 Design (``M > 1``): each program owns ``BLOCK_N`` output columns for all ``M`` rows (padded to ``BLOCK_M``, a
 power of two >= 16, ``tl.dot``'s minimum) and streams its ``[BLOCK_N, K]`` slice of the weight
@@ -20,14 +20,14 @@ fp32 partial tile to a ``[splits, M, N]`` workspace, then increments the tile's 
 finds ``splits - 1`` there arrived last: every other split's partial is already visible to it, so it
 sums all of them, its own included, applies the epilogue (the rounding to ``x``'s dtype, or the
 SwiGLU activation), writes the output and puts the counter back to 0. A split-K product is thus one
-launch (the separate reduce kernel ran 59 times per batch-1 speculative round on the H200; with PDL a
-small kernel costs ~0.5 us there, measured as the round's gain per removed kernel).
+launch (a separate reduce kernel would run 59 times per batch-1 speculative round; with PDL a small
+kernel costs ~0.5 us there, measured as the round's gain per removed kernel: docs/decisions.md).
 
 Determinism: which program arrives last varies from run to run, but not what it computes: the
 partials are the same (each split's sum over its K range, in a fixed order), and the last program
 sums them in split order ``0, 1, ..., splits - 1`` from the workspace, whatever its own index. The
-result is therefore the same run to run, and bit-identical to the former two-kernel version, whose
-reduce kernel summed the same workspace in the same order.
+result is therefore the same run to run, and bit-identical to a two-kernel split-K whose reduce
+kernel sums the same workspace in the same order.
 
 Synchronization: each program's threads store their part of the partial tile; a CTA barrier
 (``tl.debug_barrier``) orders all those stores before the increment, which one thread issues (Triton
@@ -54,7 +54,7 @@ take another buffer, and are ordered among themselves the same way. Each buffer 
 which therefore must not be inside a CUDA-graph capture (it raises there; the warm-up runs before
 capture anyway).
 
-Swap-AB (every ``tl.dot`` launch, with ``swap_ab_config`` fitted to the H200 sweep): each program
+Swap-AB (every ``tl.dot`` launch, with ``swap_ab_config`` fitted to a sweep): each program
 computes the transposed tile ``out^T [BLOCK_N, BLOCK_M] = weight tile [BLOCK_N, BLOCK_K] @ x tile^T
 [BLOCK_K, BLOCK_M]``, so the wide weight tile is ``tl.dot``'s A operand and the few rows its N
 dimension. With x as A the A operand would have ``BLOCK_M`` rows, fewer than wgmma's 64 for ``M <=
@@ -421,13 +421,13 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int, side_stream:
     """Default launch parameters for ``[M, K] x [N, K]^T`` with ``sms`` SMs: the GEMV kernel for one
     row, the swap-AB kernel (:func:`swap_ab_config`) for several."""
     if M == 1:
-        # the tl.dot-free kernel, 4 columns x 2048-wide K steps per program. Timed alone on the H200
-        # (benchmarks/kernels/skinny_linear.py --sweep) 1024-wide steps were the best or within 3% of
-        # the best at every served shape; inside the decode step's PDL chain 2048 took the LFM2.5-1.2B
+        # the tl.dot-free kernel, 4 columns x 2048-wide K steps per program. Timed alone
+        # (benchmarks/kernels/skinny_linear.py --sweep) 1024-wide steps are the best or within 3% of
+        # the best at every served shape; inside the decode step's PDL chain 2048 takes the LFM2.5-1.2B
         # TPOT from 0.772 to 0.734 ms (4096: 0.751 ms; docs/decisions.md). Likely why: a
         # K = 2048 program (out_proj) requests its whole weight tile before it waits for its
-        # predecessor (the first K step is peeled), and w2 (K = 8192) takes 4 steps instead of 8; the
-        # run did not separate the two. No split: N / 4 programs already oversubscribe the SMs at N >= 2048
+        # predecessor (the first K step is peeled), and w2 (K = 8192) takes 4 steps instead of 8; which
+        # of the two matters is not measured. No split: N / 4 programs already oversubscribe the SMs at N >= 2048
         shape = (N, K)
         return SkinnyConfig(block_n=tuned("gemv", "block_n", 4, shape),
                             block_k=min(tuned("gemv", "block_k", 2048, shape), max(16, triton.next_power_of_2(K))),
@@ -436,28 +436,28 @@ def skinny_config(M: int, N: int, K: int, elem_size: int, sms: int, side_stream:
     return swap_ab_config(M, N, K, elem_size, sms, side_stream=side_stream)
 
 
-_SWAP_SMEM_BYTES = 200 * 1024  # swap-AB pipeline buffers: one program per SM (227 KB on the H200)
+_SWAP_SMEM_BYTES = 200 * 1024  # swap-AB pipeline buffers: one program per SM (227 KB a block on sm_90)
 
 
 def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str = "tile",
                    side_stream: bool = False) -> SkinnyConfig:
-    """Launch parameters of the swap-AB kernel (``M > 1``), fitted to the H200 sweep at ``M = 10``
+    """Launch parameters of the swap-AB kernel (``M > 1``), fitted to a sweep at ``M = 10``
     (``benchmarks/kernels/skinny_linear.py --sweep --rows 10 --target-shapes``),
     whose winners it reproduces at every served LFM2.5-1.2B shape:
 
     - 64-row weight tiles (wgmma's A height) with 128-wide K steps; 128-row tiles with 64-wide steps
       when ``N / 128`` alone gives two programs per SM (the LM head: 512 programs);
     - K split only up to one wave of programs (``n_blocks * split <= sms``, at least 4 K steps per
-      split): the winners ran 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
-      splitting further lost to the extra partial traffic and reduction (measured with the former
-      separate reduce kernel);
+      split): the winners run 96-128 programs on 132 SMs (2048 x 2048: 32 tiles x 4 splits), and
+      splitting further loses to the extra partial traffic and reduction (measured with a separate
+      reduce kernel summing the splits, not the serial fix-up);
     - 5 pipeline stages when split (short loops) or when the column tiles are fewer than the SMs
       (up to the budget; 4-5 for the fused SwiGLU), 3-4 otherwise; 4 warps (one warpgroup). The sweep
-      timed alone favoured 3 stages for the unsplit under-filled launches, but inside the
-      speculative round the 96-program in_proj ``[6144, 2048]`` went
+      timed alone favours 3 stages for the unsplit under-filled launches, but inside the
+      speculative round the 96-program in_proj ``[6144, 2048]`` goes
       from 10.77 to 8.96 us per launch at 5 stages and the draft's 96-program SwiGLU ``[2 x 6144,
       2048]`` from 16.62 to 16.09 us (round 1.375 -> 1.345 ms for the in_proj alone), with no
-      other launch slower.
+      other launch slower (docs/decisions.md).
 
     - on the side stream (``side_stream``), at most ``SIDE_STREAM_STAGES``.
 
@@ -478,7 +478,7 @@ def swap_ab_config(M: int, N: int, K: int, elem_size: int, sms: int, kind: str =
         split_k = min(max(1, sms // n_blocks), max(1, triton.cdiv(K, block_k) // _MIN_SPLIT_ITERS))
     split_k = split_k_plan(K, block_k, tuned(kind, "split_k", split_k, shape))[1]
     # 5 stages (as many as the budget holds) also when the programs leave SMs idle: fewer SMs must
-    # each keep more bytes in flight (found inside the round; the sweep timed alone favoured 3)
+    # each keep more bytes in flight (measured inside the round; the sweep timed alone favours 3)
     num_stages = 5 if split_k > 1 or n_blocks < sms else (4 if block_n >= 128 else 3)
     if side_stream:  # launches beside the main stream's (SIDE_STREAM_STAGES)
         num_stages = min(num_stages, SIDE_STREAM_STAGES)
@@ -496,7 +496,7 @@ def swiglu_config(M: int, F: int, K: int, elem_size: int, sms: int) -> SkinnyCon
     Why: the fused kernel is the plain product over the ``2F`` rows of ``w13`` with the gate and up
     tiles of a column block paired in one program, so it launches ``cdiv(F, BLOCK_N)`` programs; the
     swap-AB heuristic sizes its column tiles and its K split by the programs launched (at most one
-    wave, which the H200 sweep favoured), so it is applied to ``F``. Each program then streams twice
+    wave, which the sweep favours), so it is applied to ``F``. Each program then streams twice
     the weight bytes per K step, more bytes in flight per program for the same pipeline depth, which
     a bandwidth-bound kernel wants; halving the tiles instead (32 gate + 32 up rows) would drop below
     wgmma's 64-row A operand. The cost is shared memory: a stage holds ``(2 * BLOCK_N + BLOCK_M) *
@@ -527,7 +527,7 @@ MAX_SPLIT_TILES = 1 << 16  # column tiles a split-K launch may have: one arrival
 # pipeline stages, so that their programs fit in an SM's shared memory beside the main stream's: a
 # program of the 64-column tiles holds (stages + 1) x 20 KB at M <= 16 (bf16, 128-wide K steps); at
 # the default 5 stages (120 KB) it cannot share an SM with a 120 KB program of the main stream, at 3
-# (80 KB) it can (228 KB per SM on the H200). The speculative round's context injection runs there
+# (80 KB) it can (228 KB per SM on sm_90). The speculative round's context injection runs there
 # (runtime/steps.py ``Steps.fork_injection``).
 SIDE_STREAM_STAGES = 3
 
@@ -914,8 +914,8 @@ def skinny_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torc
     """``(s, s * norm_weight, ssq)`` with ``s = residual + x [M, K] @ weight[N, K]^T`` (``[M, N]``, the
     modules' roundings) and ``ssq`` ``[tiles, M]`` fp32 partial sums of ``s^2`` per row: what the next
     RMSNorm's consumer takes (``skinny_swiglu``'s ``row_ssq``), so that no norm kernel runs between
-    the two products. Why: on the H200 the several-row add + RMSNorm kernels between the round's
-    products cost ~97 us per batch-1 round when all removed."""
+    the two products. Why: the several-row add + RMSNorm kernels between the round's products cost
+    ~97 us per batch-1 round (all removed: docs/decisions.md)."""
     if use_triton(x):
         return skinny_linear_add_norm_triton(x, weight, residual, norm_weight)
     _check_add_norm(x, weight, residual, norm_weight)

@@ -19,7 +19,7 @@ same bits.
 
 Cost: one cheap pass over ``base`` plus one biased pass per iteration, each ended by a grid barrier,
 in one launch. When the bias never moves a guessed slot's argmax, one biased pass suffices: one read
-of ``w2`` instead of nine (27 us against the step kernels' 82 on the H200). A checkpoint whose bias
+of ``w2`` instead of nine (27 us against the step kernels' 82: docs/decisions.md). A checkpoint whose bias
 often moves the argmax needs up to ``G`` passes (then about a sequential walk plus the base pass;
 ``Engine(markov_walk="persistent")`` is the choice for such heads). With ``count_passes`` the kernel
 tallies its passes (:func:`jacobi_pass_counts`), so a benchmark can say which case it measured.
@@ -140,8 +140,8 @@ def _guess_pass(base_ptr, pv_ptr, pi_ptr, sync_ptr, lanes, slot, anchor, lane_ok
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-# 128-column blocks, two of a program's four kept on chip: 27.0 us per one-pass walk on the H200
-# against 32.7 for the persistent walk's default (256 columns, one resident)
+# 128-column blocks, two of a program's four kept on chip: 27.0 us per one-pass walk against 32.7
+# for the persistent walk's default (256 columns, one resident; docs/decisions.md)
 JACOBI_DEFAULT = PersistentWalkConfig(block_v=128, resident=2, num_warps=8, num_stages=2)
 
 

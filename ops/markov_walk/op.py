@@ -13,7 +13,7 @@ sum is taken in fp32 either way, so the tokens are the same.
 
 Why: at batch 1 the walk is 9 sequential steps, each a cuBLAS GEMV (``w2 [65536, 256]`` bf16,
 33.5 MB) plus an Inductor ``add + argmax`` kernel in which one program scans the whole 65536-wide
-row (12-15 us each on the H200, ~135 us of a 1.93 ms round).
+row (12-15 us each, ~135 us of a 1.93 ms round: docs/decisions.md).
 
 Design: one launch per step, grid ``(n_blocks, cdiv(B, BLOCK_B))``. The program ``(j, row block)``
 of step ``k`` first reduces step ``k-1``'s partials of its rows (``n_blocks`` (value, index) pairs
@@ -22,7 +22,7 @@ per row, a few KB from L2) to get ``prev`` (programs ``j = 0`` also write token 
 accumulation; rows padded to 16), rounds to the weight dtype, adds ``base`` and writes one partial
 ``(max, first index)`` per row. A last small launch (ops/argmax_rows.py's stage 2) reduces the
 last step's partials. ``G + 1`` launches in all, static grids, no host sync: CUDA-graph safe.
-``w2`` is re-read every step (33.5 MB fits the H200's L2), once per step for up to ``BLOCK_B``
+``w2`` is re-read every step (33.5 MB fits in L2), once per step for up to ``BLOCK_B``
 rows.
 
 Numerics: the bias is the fp32 sum of exact bf16 x bf16 products rounded once (round to nearest
@@ -124,13 +124,13 @@ def _load_rank_chunk(w_ptrs, c: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.co
 @dataclass(frozen=True)
 class WalkConfig:
     """Launch parameters of the step kernel."""
-    block_v: int = 256      # V = 65536: 256 column blocks, about two programs per H200 SM at B <= 16
+    block_v: int = 256      # V = 65536: 256 column blocks, about two programs per SM at B <= 16
     block_r: int = 64       # rank columns per dot step (unrolled over the rank)
     num_warps: int = 8
 
 
 def walk_config(B: int, V: int, rank: int) -> WalkConfig:
-    """Default launch parameters (the fastest of 18 in the H200 sweep at batch 1;
+    """Default launch parameters (the fastest of 18 in a sweep at batch 1, docs/decisions.md;
     ``LFMSPARK_TUNE`` kind ``walk`` replaces them, ops/tuning.py)."""
     return WalkConfig(block_v=tuned("walk", "block_v", min(256, max(16, triton.next_power_of_2(V)))),
                       block_r=tuned("walk", "block_r", min(64, max(16, triton.next_power_of_2(rank)))),

@@ -4,8 +4,8 @@ Why: the step kernels re-read the whole ``w2`` (``[65536, 256]`` bf16, 33.5 MB) 
 block's slots and pay a launch hand-off per slot. Every slot multiplies the same matrix, so here each
 program owns a fixed slice of ``w2``'s rows for the whole walk, keeps its first ``RESIDENT`` column
 blocks on chip (loaded before the PDL wait, beside the LM head's tail), streams the rest, and the
-slots are separated by a grid barrier instead of launches. On the H200 it beat the step kernels for
-2-16 rows and lost at one (ops/routing.py ``WALK_GRID_ROWS``); a slot still costs ~9.5 us of serial
+slots are separated by a grid barrier instead of launches. It beats the step kernels for 2-16 rows
+and loses at one (docs/decisions.md; ops/routing.py ``WALK_GRID_ROWS``); a slot still costs ~9.5 us of serial
 chain (barrier, partials' and ``w1[prev]``'s L2 round trips, argmax), which jacobi.py removes.
 
 Design: grid ``(P,)``, at most one program per SM, so every program is resident at once (the barrier

@@ -1,4 +1,4 @@
-"""Damaged downloads and malformed configs (issue 32): each refused as ConfigError / CheckpointError
+"""Damaged downloads and malformed configs: each refused as ConfigError / CheckpointError
 naming the file and the problem, never a bare library error."""
 
 from __future__ import annotations

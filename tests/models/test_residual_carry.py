@@ -1,5 +1,5 @@
 """Residual carry (models/lfm2.py module doc): layers that hand their last residual add to the next
-layer give bit-identical results, in bf16, to layers that finish with it (the code before the carry).
+layer give bit-identical results, in bf16, to layers that finish with it (no carry).
 
 Reference: every layer completed on its own (``h + feed_forward(ffn_norm(h))`` at its end), then
 the final norm and LM head over the completed state. Checked for the dense and the MoE target
@@ -23,7 +23,7 @@ TAPS = (-1, 0, 2, 4)          # 4 = the last layer of the 5-layer tiny target
 
 
 def _completed_layer(layer, h, layer_cache, rows, mode, rope):
-    """``Lfm2DecoderLayer`` as it was before the residual carry."""
+    """``Lfm2DecoderLayer`` without the residual carry: it finishes its own last residual add."""
     x = layer.operator_norm(h)
     if layer.is_attention:
         h = h + layer.self_attn(x, layer_cache, rows, rope)

@@ -256,7 +256,7 @@ def test_gpu_pdl_graph_replay_is_bit_exact(monkeypatch):
     set_env(monkeypatch, PDL="0")
     want = chain()
     set_env(monkeypatch, PDL="1")
-    assert use_pdl(h0), "the H200 supports PDL"
+    assert use_pdl(h0), "the GPU supports PDL (sm_90 or newer)"
     chain()                                   # compile the PDL variants outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -211,7 +211,7 @@ def test_split_heuristic() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# exact mode: a query's bits do not depend on the launch (issue 39)
+# exact mode: a query's bits do not depend on the launch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("S", [200, 2600], ids=["one_slice", "three_slices"])

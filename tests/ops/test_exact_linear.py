@@ -98,7 +98,7 @@ def test_row_tiles_per_program(M: int, block_n: int, want: int) -> None:
 @pytest.mark.parametrize("row_tiles, want", [(1, 4), (5, 4), (8, 3), (16, 2)])
 def test_the_pipeline_depth_fits_the_shared_memory(row_tiles: int, want: int) -> None:
     # Triton 3.6 keeps num_stages - 1 buffers (scripts/compile_sm90.py, sm_90: 221,184 B for 5 row
-    # tiles of a 64 x 256 bf16 plan at 4 stages, 196,608 B for 8 at 3); an H100's 232,448 B a block
+    # tiles of a 64 x 256 bf16 plan at 4 stages, 196,608 B for 8 at 3); sm_90's 232,448 B a block
     cfg = ExactConfig(64, 256, splits=1, steps=8, num_stages=4)
     assert _stages_that_fit(cfg, row_tiles, 2, 232_448) == want
     assert _stages_that_fit(cfg, row_tiles, 2, None) == 4    # off the GPU: the plan's depth

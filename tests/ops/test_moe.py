@@ -162,7 +162,7 @@ def test_plan_layout(triton_device, N, chunk, precount):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_mode_gives_a_token_the_same_bits_in_any_call(triton_device, dtype):
-    """Exact mode (issue 39): token 0 alone, and as token 3 of 10 and token 20 of 64 (where the default
+    """Exact mode: token 0 alone, and as token 3 of 10 and token 20 of 64 (where the default
     launch takes other tiles, whose K steps cut the sums elsewhere: 128 pairs over 4 experts), gives the
     same bits, near the oracle."""
     E, H, I, k = 4, 512, 256, 2

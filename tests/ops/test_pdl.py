@@ -106,7 +106,7 @@ def test_graph_replay_with_pdl_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> 
     want = _chain(*args)
 
     set_env(monkeypatch, PDL="1")
-    assert use_pdl(x), "the H200 supports PDL"
+    assert use_pdl(x), "the GPU supports PDL (sm_90 or newer)"
     _chain(*args)  # compile the PDL variants outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

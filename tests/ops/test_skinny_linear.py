@@ -94,10 +94,10 @@ def _round_like_kernel(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _split_order_sum(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig) -> torch.Tensor:
-    """What the former two-kernel version produced, from the workspace math alone: each split's
-    partial is the product over its K range (as its own one-split fp32 launch of the same kernel:
-    the same K blocks in the same order, so the same fp32 partial), and the reduce kernel summed the
-    partials in split order 0, 1, ..., then rounded once."""
+    """What a two-kernel split-K (partials, then a reduce kernel) produces, from the workspace math
+    alone: each split's partial is the product over its K range (as its own one-split fp32 launch of
+    the same kernel: the same K blocks in the same order, so the same fp32 partial), and the reduce
+    kernel sums the partials in split order 0, 1, ..., then rounds once."""
     K = x.shape[1]
     k_split, splits = split_k_plan(K, cfg.block_k, cfg.split_k)
     one = SkinnyConfig(block_n=cfg.block_n, block_k=cfg.block_k, split_k=1, num_warps=cfg.num_warps,
@@ -135,7 +135,7 @@ def test_split_cases_split() -> None:
 def test_split_k_fixup_sums_in_split_order(triton_device: str, dtype: torch.dtype, M: int, N: int, K: int,
                                            cfg: SkinnyConfig) -> None:
     """The fix-up's output: near the reference, and bit-identical to the partials summed in split
-    order (the former reduce kernel's result). On CUDA the bit-identity is checked in fp32 only: a
+    order (a separate reduce kernel's result). On CUDA the bit-identity is checked in fp32 only: a
     bf16 split's partial comes from bf16 MMAs, which its fp32 re-computation here does not repeat."""
     x, w = _inputs(triton_device, dtype, M, N, K, seed=M * N + K)
     out = skinny_linear_triton(x, w, cfg)
@@ -243,7 +243,7 @@ def test_split_k_tile_limit(triton_device: str, monkeypatch: pytest.MonkeyPatch)
     (100, 200, SkinnyConfig(block_n=64, block_k=64)),               # N and K tails, one split
     (130, 300, SkinnyConfig(block_n=128, block_k=64, split_k=3)),   # N tail, K tail in the last split
     # one K block per split, no pipelining: the whole weight slice is the pre-wait load (the
-    # candidate 2048 x 2048 launches of docs/benchmarks.md, session 8, scaled down)
+    # one-K-block-per-program 2048 x 2048 candidate of docs/decisions.md, scaled down)
     (100, 512, SkinnyConfig(block_n=16, block_k=256, split_k=2, num_stages=1)),
     (100, 512, SkinnyConfig(block_n=32, block_k=128, split_k=4, num_stages=1)),
 ], ids=["one_split", "split_k", "block_per_split_16", "block_per_split_32"])
@@ -282,7 +282,7 @@ def test_swap_ab_heuristic_h200(M: int, N: int, K: int) -> None:
     assert k_split // cfg.block_k >= 4
 
 
-# the H200 sweep's fastest swap-AB configs at M = 10, (block_n, block_k, split)
+# the sweep's fastest swap-AB configs at M = 10 on 132 SMs, (block_n, block_k, split)
 H200_SWEEP_WINNERS = {(2048, 2048): (64, 128, 4), (2048, 8192): (64, 128, 4), (3072, 2048): (64, 128, 2),
                       (16384, 2048): (64, 128, 1), (65536, 2048): (128, 64, 1)}
 
