@@ -7,8 +7,8 @@ loading, presets) and ``lfmspark.ops`` (Triton kernels as ``torch.library`` ops)
 
 __version__ = "0.1.0"
 
-from .runtime import (AsyncEngine, Engine, EngineDeadError, GenerationOutput, RequestError,  # noqa: E402
+from .runtime import (AsyncEngine, Engine, EngineConfig, EngineDeadError, GenerationOutput, RequestError,  # noqa: E402
                       RequestFailedError, RequestStats, SamplingMode, SamplingParams, StreamEvent)
 
-__all__ = ["AsyncEngine", "Engine", "EngineDeadError", "GenerationOutput", "RequestError", "RequestFailedError",
-           "RequestStats", "SamplingMode", "SamplingParams", "StreamEvent", "__version__"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "GenerationOutput", "RequestError",
+           "RequestFailedError", "RequestStats", "SamplingMode", "SamplingParams", "StreamEvent", "__version__"]

@@ -41,7 +41,7 @@ class Environment:
     cache_dir: Path
     triton_on_cpu: bool
     pdl: bool
-    tune: tuple[tuple[str, int], ...]   # the parsed LFMSPARK_TUNE items, in order
+    tune: str                           # LFMSPARK_TUNE as given (checked by ops/tune_keys.py)
 
 
 def cache_dir() -> Path:
@@ -62,7 +62,7 @@ def environment() -> Environment:
     """The variables, parsed on the first call (raises ``ValueError`` naming a bad value). Other
     ``LFMSPARK_*`` names in the environment (a typo, or a switch of an older version) draw a warning:
     nothing reads them."""
-    from .ops.tuning import parse_tune   # the table's keys are the kernels' business
+    from .ops.tune_keys import parse_tune   # the table's keys are the kernels' business
 
     unknown = sorted(name for name in os.environ if name.startswith("LFMSPARK_") and name not in VARIABLES)
     if unknown:
@@ -73,8 +73,13 @@ def environment() -> Environment:
         cache_dir=cache_dir(),
         triton_on_cpu=_flag(TRITON_ON_CPU, "0", "the ops' CPU calls on the interpreted Triton kernels, or not"),
         pdl=_flag(PDL, "1", "programmatic dependent launch on sm90+, or off"),
-        tune=tuple(parse_tune(os.environ.get(TUNE, "")).items()),
+        tune=_checked(os.environ.get(TUNE, ""), parse_tune),
     )
+
+
+def _checked(value: str, parse) -> str:
+    parse(value)          # raises ValueError naming a bad item
+    return value
 
 
 def reload() -> Environment:

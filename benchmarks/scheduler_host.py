@@ -16,7 +16,7 @@ import timeit
 import numpy as np
 
 from lfmspark.runtime.distributions import SamplingMode
-from lfmspark.runtime.speculation import VerifyScheduler
+from lfmspark.runtime.speculation import WidthPolicy
 
 
 def per_round_us(batch: int, gamma: int = 9, rounds: int = 500) -> float:
@@ -24,7 +24,7 @@ def per_round_us(batch: int, gamma: int = 9, rounds: int = 500) -> float:
     confidence = rng.uniform(0.6, 0.95, (batch, gamma)).astype(np.float32)
     committed = rng.integers(1, gamma + 2, batch)
     costs = {(SamplingMode.GREEDY, batch, 1): 1.5e-3, (SamplingMode.GREEDY, batch, gamma + 1): 8e-3}
-    scheduler = VerifyScheduler((1, gamma + 1), gamma, confidences=True, slots=batch)
+    scheduler = WidthPolicy((1, gamma + 1), gamma, confidences=True, slots=batch)
     slots = np.arange(batch)
     for slot in slots:
         scheduler.admit(int(slot), gamma)

@@ -23,17 +23,9 @@ import torch
 
 from ..runtime.distributions import SamplingMode
 from .compile import compile_regions
-from .runner import StepKind, WarmupEntry, WarmupReport
+from .runner import StepKind, WarmupEntry, WarmupReport, default_batch_sizes
 
 log = logging.getLogger("lfmspark")
-
-
-def default_batch_sizes(max_batch: int) -> list[int]:
-    """Every size up to 8, then steps of 2 to 16, of 4 to 32, of 8 to 64, of 16 beyond; always max_batch."""
-    sizes = []
-    for lo, hi, step in ((1, 8, 1), (10, 16, 2), (20, 32, 4), (40, 64, 8), (80, 4096, 16)):
-        sizes += [b for b in range(lo, hi + 1, step) if b <= max_batch]
-    return sorted(set(sizes + [max_batch]))
 
 
 class _Captured:

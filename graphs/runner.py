@@ -36,6 +36,14 @@ log = logging.getLogger("lfmspark")
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", torch.inference_mode)
 
 
+def default_batch_sizes(max_batch: int) -> list[int]:
+    """Every size up to 8, then steps of 2 to 16, of 4 to 32, of 8 to 64, of 16 beyond; always max_batch."""
+    sizes = []
+    for lo, hi, step in ((1, 8, 1), (10, 16, 2), (20, 32, 4), (40, 64, 8), (80, 4096, 16)):
+        sizes += [b for b in range(lo, hi + 1, step) if b <= max_batch]
+    return sorted(set(sizes + [max_batch]))
+
+
 class StepKind(enum.Enum):
     DECODE = "decode"          # target-only: one token per row
     ROUND = "round"            # DSpark speculative round
@@ -95,8 +103,6 @@ class EagerRunner:
 
     def __init__(self, steps, device: torch.device, compile: bool = False, max_batch: int = 1,
                  widths: Sequence[int] = (0,)):
-        from .capture import default_batch_sizes
-
         self.steps, self.device, self.compiled = steps, device, compile
         self.widths = tuple(widths)            # a round's verify widths (decode: (0,), unused)
         self.buckets = default_batch_sizes(max_batch) if compile else []

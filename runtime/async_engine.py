@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .engine import Engine
 from .outputs import StreamEvent
-from .prompts import Prompt
+from .prompts import Prompt, encode_prompt
 from .requests import EngineDeadError, Request, RequestError, RequestFailedError, describe
 from .sampling import SamplingParams
 
@@ -99,6 +99,39 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    # -- what a server needs to know -----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The engine's HF tokenizer (None: token-id prompts only)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens per request: prompt, output and the verify window."""
+        return self.engine.max_seq_len
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The checkpoint's sampling defaults (``Engine.default_sampling_params``)."""
+        return dict(self.engine.sampling_defaults)
+
+    @property
+    def block_size(self) -> int:
+        """The draft's block (0 without a draft)."""
+        return self.engine.block_size
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """A prompt's token ids as the engine would make them (raises ``PromptError``)."""
+        return encode_prompt(prompt, self.engine.tokenizer, self.engine.model_config.vocab_size, chat=chat)
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a request with a prompt of ``prompt_len`` tokens may generate."""
+        return max(1, self.engine.max_seq_len - prompt_len - self.engine.verify_width)
+
+    async def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (running requests are unaffected); the blocks dropped."""
+        return await asyncio.to_thread(self.engine.clear_prefix_cache)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Return once warm-up is done; raise its failure if it failed."""

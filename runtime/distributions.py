@@ -31,9 +31,7 @@ the sorted path, so both modes draw the same tokens (up to fp32 rounding of the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,9 +39,6 @@ from ..ops.argmax_rows import argmax_last
 from ..ops.row_mass import row_mass
 from ..ops.top_values import top_values
 from .randomness import sample
-
-if TYPE_CHECKING:
-    from .sampling import SamplingParams
 
 # the top-k path's candidates per row: top_k up to this many filters without a sort
 CANDIDATES = 64
@@ -60,18 +55,6 @@ class SamplingMode(enum.Enum):
     def sampling(self) -> bool:
         """Whether the step computes distributions (rather than the plain argmax)."""
         return self is not SamplingMode.GREEDY
-
-
-def sampling_mode(params: Iterable[SamplingParams], vocab: int) -> SamplingMode:
-    """The mode a batch of requests runs in: ``GREEDY`` when none needs a distribution, ``TOP_K``
-    when every sampled one has ``1 <= top_k <= CANDIDATES`` (or the vocabulary has no more
-    tokens than that), else ``FULL``."""
-    sampled = [p for p in params if p.needs_distribution]
-    if not sampled:
-        return SamplingMode.GREEDY
-    if vocab <= CANDIDATES or all(p.greedy or 1 <= p.top_k <= CANDIDATES for p in sampled):
-        return SamplingMode.TOP_K
-    return SamplingMode.FULL
 
 
 @dataclass

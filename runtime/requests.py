@@ -2,11 +2,17 @@
 
 The engine keeps one :class:`Request` per submitted prompt: its own copy of the parameters, its
 slot while it runs, the tokens committed so far, and where its events go (``sink``). A request
-finishes exactly once, with one of :data:`FINISH_REASONS`; its slot is free from that moment.
+carries its own life: :func:`make_requests` validates a prompt and its parameters against the
+engine's :class:`RequestLimits` and makes its requests (one per ``SamplingParams.n`` sample);
+:meth:`Request.commit` appends the tokens a round committed under the stop rules (stop tokens, stop
+strings, ``max_new_tokens``) and says what text they add; :meth:`Request.to_output` is its
+:class:`GenerationOutput`. A request finishes exactly once, with one of :data:`FINISH_REASONS`; its
+slot is free from that moment.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,8 +21,9 @@ import torch
 
 from .detokenize import TextStream
 from .logprobs import TokenLogprobs
-from .outputs import StreamEvent
-from .sampling import SamplingParams
+from .outputs import GenerationOutput, RequestStats, StreamEvent
+from .prompts import Prompt, PromptError, encode_prompt
+from .sampling import SamplingError, SamplingParams
 
 # "stop": a stop token (included in the tokens); "length": max_new_tokens; "cancelled": the caller
 # left (closed the stream, aborted the id, shut the engine down); "timeout": SamplingParams.timeout_s
@@ -97,6 +104,140 @@ class Request:
     def expired(self, now: float | None = None) -> bool:
         deadline = self.deadline
         return deadline is not None and (time.perf_counter() if now is None else now) >= deadline
+
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+               ) -> tuple[list[int], str | None, list[TokenLogprobs] | None]:
+        """Append committed tokens, stopping at a stop token, a stop string or ``max_new_tokens``
+        (``finish_reason`` set); returns the tokens kept, the text they add (less what is held back
+        while it may still become a stop string) and, with ``logprobs`` (one per token), those of the
+        tokens kept. A tokenizer that cannot decode the output raises, the request unfinished."""
+        kept: list[int] = []
+        text = self.text
+        try:
+            for token in tokens:
+                self.output.append(token)
+                kept.append(token)
+                if token in self.stop_ids:
+                    self.finish_reason, self.stop_reason = "stop", token
+                    break
+                if text is not None and text.has_stop_strings and text.push(self.output):
+                    self.finish_reason, self.stop_reason = "stop", text.stop_string
+                    break
+                if len(self.output) >= self.params.max_new_tokens:
+                    self.finish_reason = "length"
+                    break
+            delta = None
+            if text is not None:
+                if not text.has_stop_strings:
+                    text.push(self.output)
+                if self.finished:
+                    text.finish(self.output)
+                delta = text.take(final=self.finished)
+        except Exception:
+            self.finish_reason = None
+            raise
+        kept_logprobs = None
+        if logprobs is not None:
+            kept_logprobs = logprobs[:len(kept)]
+            self.logprobs += kept_logprobs
+        return kept, delta, kept_logprobs
+
+    def final_text(self) -> str | None:
+        """Ending outside the token flow (cancelled, timeout): the text held back is final now."""
+        if self.text is None or self.error is not None:
+            return None
+        self.text.finish(self.output)
+        return self.text.take(final=True)
+
+    def to_output(self, block_size: int, imposed_acceptance: bool) -> GenerationOutput:
+        """The finished request's output (``block_size``: the draft's, 0 without one)."""
+        stats = RequestStats(accept_lengths=self.accept_lengths, drafts_verified=self.drafts_verified,
+                             block_size=block_size, imposed_acceptance=imposed_acceptance,
+                             prompt_tokens=len(self.prompt_ids), prompt_tokens_cached=self.cached_tokens,
+                             ttft_s=(self.first_token_at - self.submitted) if self.first_token_at else 0.0,
+                             decode_s=(self.finished_at - self.first_token_at) if self.first_token_at else 0.0)
+        text = self.text.text if self.text is not None and self.finish_reason != "error" else None
+        return GenerationOutput(prompt_token_ids=self.prompt_ids, token_ids=list(self.output),
+                                finish_reason=self.finish_reason, text=text, stats=stats, request_id=self.request_id,
+                                error=describe(self.error) if self.error is not None else None,
+                                stop_reason=self.stop_reason, sample=self.sample,
+                                logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+                                prompt_logprobs=self.prompt_logprobs)
+
+    def event(self, tokens: list[int], text: str | None, logprobs: list[TokenLogprobs] | None = None,
+              output: GenerationOutput | None = None) -> StreamEvent:
+        return StreamEvent(self.index, tokens, text, finished=output is not None, output=output,
+                           request_id=self.request_id, sample=self.sample, logprobs=logprobs)
+
+
+@dataclass
+class PrefillPlan:
+    """One prefill forward: ``chunks[i]`` of ``rows[i]``'s prompt, from ``starts[i]``."""
+
+    rows: list[Request]
+    chunks: list[list[int]]
+    starts: list[int]
+    budgeted: bool               # requests are decoding: this is the step's one prefill forward
+
+    @property
+    def ends(self) -> list[int]:
+        """Where each row's prompt stands after the forward."""
+        return [s + len(c) for s, c in zip(self.starts, self.chunks)]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is validated against: the engine's vocabulary, length and slots, its
+    tokenizer (None: token-id prompts only), whether text prompts take the chat template, and the
+    default stop ids."""
+
+    vocab_size: int
+    max_seq_len: int
+    verify_width: int                 # the round's window: a request needs room for one past its end
+    max_batch: int
+    tokenizer: object | None = None
+    chat: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits, request_id: str, *,
+                  index: int = 0, sink: Callable[[StreamEvent], None] | None = None, label: str = "",
+                  rng: random.Random | None = None) -> list[Request]:
+    """Validate one prompt and its parameters and make its requests (``params.n`` samples: ids
+    ``{request_id}-{j}`` sharing the group ``request_id``). Raises :class:`RequestError` naming the
+    problem (``label`` prefixes it) and the fix; nothing is queued."""
+    try:
+        p = params.snapshot()     # the request's own copy: later changes to the caller's object change nothing
+        p.validate(limits.vocab_size)
+        ids = encode_prompt(prompt, limits.tokenizer, limits.vocab_size, limits.chat)
+    except (PromptError, SamplingError) as e:
+        raise RequestError(f"{label}{e}") from e
+    need = len(ids) + p.max_new_tokens + limits.verify_width
+    if need > limits.max_seq_len:
+        raise RequestError(f"{label}prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) + "
+                           f"the verify window ({limits.verify_width}) = {need} exceeds max_seq_len "
+                           f"{limits.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
+                           "engine with a larger max_seq_len")
+    # explicit stop ids always stop; ignore_eos drops only the default (EOS) ones
+    if p.stop_token_ids is not None:
+        stops = frozenset(p.stop_token_ids)
+    else:
+        stops = frozenset(() if p.ignore_eos else limits.stop_token_ids)
+    if p.stop and limits.tokenizer is None:
+        raise RequestError(f"{label}stop strings need a tokenizer, and this engine has none: use stop_token_ids")
+    if p.n > limits.max_batch:
+        raise RequestError(f"{label}n={p.n} samples run at once, one slot each, and the engine has "
+                           f"max_batch={limits.max_batch}: lower n or raise max_batch")
+    rng = rng or random.Random()
+    now, requests = time.perf_counter(), []
+    for j in range(p.n):
+        seed = p.seed + j if p.seed is not None else rng.getrandbits(32)
+        text = (TextStream(limits.tokenizer, p.stop or (), p.include_stop_str_in_output)
+                if limits.tokenizer is not None else None)
+        rid = request_id if p.n == 1 else f"{request_id}-{j}"
+        requests.append(Request(rid, index, ids, p, stops, seed, now, sink=sink, text=text,
+                                group=request_id if p.n > 1 else None, sample=j))
+    return requests
 
 
 def is_single_prompt(prompts) -> bool:

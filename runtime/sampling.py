@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from . import distributions
 from .distributions import Filtered, SamplingMode, filter_rows
 
 
@@ -315,3 +317,15 @@ class SlotSampling:
         index: padding rows write the trash entry); ``keep [B, T]`` masks the real ones."""
         ones = torch.ones_like(tokens, dtype=torch.float32) if keep is None else keep.to(torch.float32)
         self.counts.index_put_((index[:, None].expand_as(tokens), tokens), ones, accumulate=True)
+
+
+def sampling_mode(params: Iterable[SamplingParams], vocab: int) -> SamplingMode:
+    """The mode a batch of requests runs in: ``GREEDY`` when none needs a distribution, ``TOP_K``
+    when every sampled one has ``1 <= top_k <= CANDIDATES`` (or the vocabulary has no more
+    tokens than that), else ``FULL``."""
+    sampled = [p for p in params if p.needs_distribution]
+    if not sampled:
+        return SamplingMode.GREEDY
+    if vocab <= distributions.CANDIDATES or all(p.greedy or 1 <= p.top_k <= distributions.CANDIDATES for p in sampled):
+        return SamplingMode.TOP_K
+    return SamplingMode.FULL

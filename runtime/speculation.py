@@ -133,7 +133,7 @@ class SpeculationStats:
                 "drafts_accepted": self.drafts_accepted, "acceptance_per_position": rates}
 
 
-class VerifyScheduler:
+class WidthPolicy:
     """Picks each round's verify width (see the module doc) and keeps the estimates it reads, per slot
     (the request holding it) and engine-wide. Every per-round method works on arrays over the
     round's rows: it runs on the host each round, beside the GPU's round, and must stay shorter."""

@@ -1,4 +1,4 @@
-"""Per-slot device state and the host-side slot allocator (DESIGN §4).
+"""Per-slot device state (the slots themselves are handed out by runtime/scheduler.py).
 
 Per slot, on the device: the committed length ``s`` (tokens whose target KV, conv state and draft
 context are stored), the anchor token ``x0`` (the last token produced, not yet in any cache) and
@@ -34,34 +34,3 @@ class SlotState:
     def scatter_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Index for writing per-slot values of a batch (padding rows write the trash entry)."""
         return torch.where(slots >= 0, slots, self.n_slots)
-
-
-class SlotsFullError(RuntimeError):
-    pass
-
-
-class SlotPool:
-    """Host-side free list of state slots. Slots are taken at admission and returned at finish,
-    cancel or error; ``in_use`` lets tests assert that none leaked."""
-
-    def __init__(self, n_slots: int):
-        self._free = list(range(n_slots - 1, -1, -1))
-        self.n_slots = n_slots
-
-    def acquire(self) -> int:
-        if not self._free:
-            raise SlotsFullError("all slots are in use")
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.n_slots:
-            raise RuntimeError(f"slot {slot} released twice or out of range")
-        self._free.append(slot)
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def in_use(self) -> int:
-        return self.n_slots - len(self._free)

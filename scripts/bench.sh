@@ -32,4 +32,4 @@ device = args[args.index("--device") + 1] if "--device" in args[:-1] else "cuda"
 name = f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") and torch.cuda.is_available() else ""
 print(f"bench.sh: python {sys.executable}, torch {torch.__version__}, device {device}{name}")
 EOF
-exec "$PY" -m lfmspark.runtime.cli bench "$@"
+exec "$PY" -m lfmspark.tools.cli bench "$@"

@@ -91,7 +91,7 @@ for step in $STEPS; do
           p=${preset%%:*}; b=${preset#*:}
           echo "--- $name $p $b"
           (cd $tree && LFMSPARK_CACHE_DIR=/tmp/oldnew_$name TORCHINDUCTOR_CACHE_DIR=/tmp/oldnew_$name timeout ${T_OLDNEW:-240} \
-            python3 -m lfmspark.runtime.cli bench --preset $p --batch-sizes $b --runs 2 --no-hf --no-phase-split \
+            python3 -m lfmspark.tools.cli bench --preset $p --batch-sizes $b --runs 2 --no-hf --no-phase-split \
             ${OLDNEW_IMPOSED---imposed-acceptance 0.8} ${OLDNEW_ARGS:-} --json $RUN/oldnew_${name}_$p.json > $RUN/oldnew_${name}_$p.log 2>&1) \
             || tail -20 $RUN/oldnew_${name}_$p.log
         done

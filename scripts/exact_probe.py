@@ -44,7 +44,7 @@ def identity(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def tpot_ms(engine: Engine, batch: int, tokens: int) -> float:
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    ps = prompts(batch, engine.config.vocab_size, length=128, seed=7)
+    ps = prompts(batch, engine.model_config.vocab_size, length=128, seed=7)
     engine.generate(ps, params)
     return statistics.median(o.stats.decode_s / (len(o.token_ids) - 1) * 1e3
                              for _ in range(2) for o in engine.generate(ps, params))
@@ -68,7 +68,7 @@ def main() -> None:
             widths = [gamma + 1] if draft else None
             engine = Engine.from_preset(args.preset, draft, exact=exact, verify_widths=widths, **kw)
             engine.warmup(progress=False, sampling=False)
-            outs[kind] = outputs(engine, prompts(args.prompts, engine.config.vocab_size), args.tokens)
+            outs[kind] = outputs(engine, prompts(args.prompts, engine.model_config.vocab_size), args.tokens)
             if draft is not None:     # the cost of a round: imposed acceptance 0.8 (labelled), its own engine
                 del engine
                 engine = Engine.from_preset(args.preset, draft, exact=exact, imposed_acceptance=[0.8] * gamma,

@@ -37,7 +37,7 @@ def timed(engine: Engine, name: str, sink: dict[str, list[float]]) -> None:
 
 
 def probe(engine: Engine, batch: int, new_tokens: int, label: str) -> dict:
-    high = min(60000, engine.config.vocab_size)
+    high = min(60000, engine.model_config.vocab_size)
     prompts = [torch.randint(high // 10, high, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

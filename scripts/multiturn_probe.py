@@ -79,7 +79,7 @@ def main() -> None:
         engine = Engine.from_preset(args.preset, **kw)
         if engine.cuda_graphs:
             engine.warmup(progress=False, sampling=False)
-        results[name] = run_chats(engine, args, engine.config.vocab_size)
+        results[name] = run_chats(engine, args, engine.model_config.vocab_size)
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

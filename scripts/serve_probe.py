@@ -86,7 +86,7 @@ def main() -> int:
     args = ap.parse_args()
 
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [sys.executable, "-m", "lfmspark.runtime.cli", "serve", "--preset", args.preset, "--port", str(args.port),
+    cmd = [sys.executable, "-m", "lfmspark.tools.cli", "serve", "--preset", args.preset, "--port", str(args.port),
            "--max-batch", str(args.clients), "--cuda-graph-sizes", args.cuda_graph_sizes,
            "--imposed-acceptance", args.imposed_acceptance, "--max-seq-len", "2048"]
     if args.replicas:

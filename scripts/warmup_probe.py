@@ -30,7 +30,7 @@ from lfmspark.models.presets import DEFAULT_DRAFT, draft_preset
 
 def tpot_ms(engine: Engine, batch: int) -> float:
     """Median per-request TPOT of two batches (after one untimed)."""
-    high = min(60000, engine.config.vocab_size)
+    high = min(60000, engine.model_config.vocab_size)
     prompts = [torch.randint(high // 10, high, (128,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
     params = SamplingParams(max_new_tokens=128, ignore_eos=True)

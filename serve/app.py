@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import __version__
 from ..runtime.async_engine import AsyncEngine, EngineShutdownError, QueueFullError
 from ..runtime.outputs import GenerationOutput, StreamEvent
-from ..runtime.prompts import PromptError, encode_prompt
+from ..runtime.prompts import PromptError
 from ..runtime.requests import EngineDeadError, RequestError, RequestFailedError
 from ..runtime.sampling import SamplingParams
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
@@ -50,8 +50,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app = FastAPI(title="lfmspark", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     _install_error_handlers(app)
-    core = engine.engine
-    token_text = TokenText(core.tokenizer)
+    token_text = TokenText(engine.tokenizer)
 
     @app.get("/health")
     async def health():
@@ -65,13 +64,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Drop every cached prefix (vLLM's endpoint of that name); running requests are unaffected."""
-        dropped = await asyncio.to_thread(core.clear_prefix_cache)
+        dropped = await engine.clear_prefix_cache()
         return {"status": "ok", "dropped_blocks": dropped}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "lfmspark", "max_model_len": core.max_seq_len}]}
+                                            "owned_by": "lfmspark", "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -88,13 +87,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
 
     def encode(prompt, chat: bool, param: str) -> list[int]:
         try:
-            return encode_prompt(prompt, core.tokenizer, core.config.vocab_size, chat=chat)
+            return engine.encode(prompt, chat=chat)
         except PromptError as e:
             raise UnsupportedParameter(param, f"{param}: {e}") from e
 
     def room(prompt_ids: list[int]) -> int:
         """The most tokens a request with this prompt may generate (the default chat max_tokens)."""
-        return max(1, core.max_seq_len - len(prompt_ids) - core.verify_width)
+        return engine.max_new_tokens(len(prompt_ids))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -103,7 +102,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         body.check()
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompts = [encode(p, chat=False, param="prompt") for p in body.prompts()]
-        defaults = core.sampling_defaults
+        defaults = engine.sampling_defaults
         max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
         params = body.sampling(max_tokens, defaults, logprobs=body.logprobs)
         streams = await _start(engine, prompts, params, rid)
@@ -128,7 +127,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         body.check()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt_ids = encode(body.messages, chat=True, param="messages")
-        defaults = core.sampling_defaults
+        defaults = engine.sampling_defaults
         max_tokens = body.requested_max_tokens or min(room(prompt_ids), defaults.get("max_new_tokens", 1 << 30))
         params = body.sampling(max_tokens, defaults, logprobs=body.logprobs_count)
         streams = await _start(engine, [prompt_ids], params, rid)

@@ -30,6 +30,7 @@ requests that share only a system prompt still spread by load (every replica mat
 
 # no `from __future__ import annotations`: FastAPI reads the ingress routes' parameter types at runtime,
 # and Ray Serve's wrapping of class routes keeps string annotations unresolved
+import argparse
 import asyncio
 import hashlib
 import json
@@ -47,6 +48,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from ..runtime.config import EngineConfig
+from ..runtime.engine import Engine
 from .protocol import error_json
 
 log = logging.getLogger("lfmspark.serve")
@@ -228,30 +231,13 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def build_engine(config: dict):
-    """The replica's engine from its config: ``target`` (+ ``draft``) checkpoint directories or a
-    ``preset`` (+ ``draft_preset``), and any ``Engine`` keyword in ``engine`` (max_batch, ...)."""
-    import torch
-
-    from ..runtime.bench import _dtype
-    from ..runtime.engine import Engine
-
-    device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw = dict(config.get("engine", {}))
-    kw["dtype"] = _dtype(config.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32"))
-    kw["device"] = device
-    if config.get("target"):
-        return Engine.from_pretrained(config["target"], config.get("draft"), **kw)
-    return Engine.from_preset(config["preset"], config.get("draft_preset", "default"), **kw)
-
-
 class Replica:
     """One engine and the single-server app (module doc)."""
 
-    def __init__(self, config: dict, model_name: str, warmup: bool = True, max_waiting: int = 256) -> None:
+    def __init__(self, config: EngineConfig, model_name: str, warmup: bool = True, max_waiting: int = 256) -> None:
         from . import make_server_app
 
-        self.app = make_server_app(build_engine(config), model_name, max_waiting=max_waiting, warmup=warmup)
+        self.app = make_server_app(Engine.from_config(config), model_name, max_waiting=max_waiting, warmup=warmup)
         self.engine = self.app.state.engine
         self.metrics = self.app.state.metrics
         context = serve.get_replica_context()
@@ -353,7 +339,7 @@ class Ingress:
         return await relay(stream)
 
 
-def deployments(config: dict, model_name: str, replicas: int, *, warmup: bool = True, max_waiting: int = 256,
+def deployments(config: EngineConfig, model_name: str, replicas: int, *, warmup: bool = True, max_waiting: int = 256,
                 imbalance: int = 4, gpus_per_replica: float | None = None):
     """The Ray Serve application: ``replicas`` engines behind one ingress (see the module doc)."""
     import torch
@@ -362,9 +348,8 @@ def deployments(config: dict, model_name: str, replicas: int, *, warmup: bool = 
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if gpus_per_replica is None:
         gpus_per_replica = 1 if torch.cuda.is_available() else 0
-    slots = int(config.get("engine", {}).get("max_batch", 8))
     replica = serve.deployment(
-        Replica, num_replicas=replicas, max_ongoing_requests=slots,
+        Replica, num_replicas=replicas, max_ongoing_requests=config.max_batch,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 0 if gpus_per_replica else 1},
         health_check_period_s=5, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
@@ -374,17 +359,30 @@ def deployments(config: dict, model_name: str, replicas: int, *, warmup: bool = 
 
 
 def app_builder(args: dict[str, str]):
-    """For ``serve run lfmspark.serve.ray_app:app_builder key=value ...``: ``target`` and ``draft``
-    (or ``preset``), ``replicas`` (default 1), ``max_batch``, ``max_seq_len``, ``name`` (the model
-    name clients send)."""
-    config: dict[str, Any] = {"engine": {}}
-    for key in ("target", "draft", "preset", "dtype", "device"):
-        if key in args:
-            config[key] = args[key]
-    for key in ("max_batch", "max_seq_len"):
-        if key in args:
-            config["engine"][key] = int(args[key])
-    if not config.get("target") and not config.get("preset"):
+    """For ``serve run lfmspark.serve.ray_app:app_builder key=value ...``: every engine flag of
+    ``lfmspark serve`` by its name (``target=DIR draft=DIR``, or ``preset=NAME``; ``max_batch=16``,
+    ``exact=true``, ...), ``replicas`` (default 1) and ``name`` (the model name clients send)."""
+    args = dict(args)
+    replicas, name = int(args.pop("replicas", 1)), args.pop("name", None)
+    parser = argparse.ArgumentParser(prog="app_builder", add_help=False, exit_on_error=False)
+    EngineConfig.add_arguments(parser)
+    flags = parser._option_string_actions
+    argv = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if flag not in flags:
+            raise ValueError(f"app_builder: unknown key {key!r}: keys are lfmspark serve's engine flags (max_batch=16, "
+                             "...), replicas and name")
+        if flags[flag].nargs == 0:           # a switch: key=true turns it on
+            if str(value).lower() in ("true", "1", "yes"):
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    try:
+        config = EngineConfig.from_args(parser.parse_args(argv))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"app_builder: {e}") from None
+    if config.target is None and config.preset is None:
         raise ValueError("app_builder needs target=DIR (and draft=DIR) or preset=NAME")
-    name = args.get("name") or (config.get("target") or config["preset"]).rstrip("/").split("/")[-1]
-    return deployments(config, name, int(args.get("replicas", 1)))
+    name = name or (config.target or config.preset).rstrip("/").split("/")[-1]
+    return deployments(config, name, replicas)

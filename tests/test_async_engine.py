@@ -51,7 +51,7 @@ def run(coro, timeout: float = 120):
 def assert_clean(ae: AsyncEngine) -> None:
     """No slot, stream or waiting request left; the engine thread collects a trailing round (launched
     before its last request finished) on its own, so idleness may take one more step."""
-    assert ae.engine.pool.in_use == 0 and not ae._streams and ae.num_waiting == 0
+    assert ae.engine.scheduler.pool.in_use == 0 and not ae._streams and ae.num_waiting == 0
     deadline = time.monotonic() + 5
     while not ae.engine.idle:
         assert time.monotonic() < deadline, "the engine thread left a round in flight"
@@ -100,12 +100,12 @@ def test_abort_by_id_and_leaving_the_stream_free_the_slot_within_a_round(target,
         long = SamplingParams(max_new_tokens=100, ignore_eos=True)
         stream = ae.generate([1, 2, 3], long, request_id="a")
         first = await stream.__anext__()
-        assert first.request_id == "a" and ae.engine.pool.in_use == 1
+        assert first.request_id == "a" and ae.engine.scheduler.pool.in_use == 1
         await ae.abort("a")
         rest = [ev async for ev in stream]
         assert rest[-1].finished and rest[-1].output.finish_reason == "cancelled"
         assert len(first.token_ids) + sum(len(ev.token_ids) for ev in rest) < 100
-        assert ae.engine.pool.in_use == 0
+        assert ae.engine.scheduler.pool.in_use == 0
 
         async for _ in ae.generate([4, 5], long, request_id="b"):       # a client that walks away
             break
@@ -124,13 +124,13 @@ def test_a_deadline_ends_the_stream_with_timeout(target, draft):
     async def main():
         ae = AsyncEngine(make(target, draft))
         p = SamplingParams(max_new_tokens=110, ignore_eos=True, timeout_s=0.05)
-        real_run = ae.engine.runner.run
+        real_run = ae.engine.model_runner.step_runner.run
 
         def slow(*args, **kw):
             threading.Event().wait(0.01)
             return real_run(*args, **kw)
 
-        ae.engine.runner.run = slow
+        ae.engine.model_runner.step_runner.run = slow
         tokens, out = await collect(ae, [1, 2], p)
         assert out.finish_reason == "timeout" and len(tokens) < 110 and tokens == out.token_ids
         assert_clean(ae)
@@ -193,7 +193,7 @@ def test_shutdown_with_requests_in_flight(target, draft, drain):
             for r in results:
                 assert isinstance(r, EngineShutdownError) or r[1].finish_reason in ("cancelled", "length")
             assert any(not isinstance(r, Exception) and r[1].finish_reason == "cancelled" for r in results)
-        assert ae.engine.pool.in_use == 0 and not ae._streams
+        assert ae.engine.scheduler.pool.in_use == 0 and not ae._streams
         with pytest.raises(EngineShutdownError):
             await collect(ae, [1], None)
 
@@ -225,7 +225,7 @@ def test_a_device_error_reaches_every_waiter_and_never_hangs(target, draft):
     async def main():
         ae = AsyncEngine(make(target, draft, max_batch=2))
         calls = []
-        real_run = ae.engine.runner.run
+        real_run = ae.engine.model_runner.step_runner.run
 
         def dying(*args, **kw):
             calls.append(1)
@@ -233,7 +233,7 @@ def test_a_device_error_reaches_every_waiter_and_never_hangs(target, draft):
                 raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
             return real_run(*args, **kw)
 
-        ae.engine.runner.run = dying
+        ae.engine.model_runner.step_runner.run = dying
         results = await asyncio.gather(*(collect(ae, [i + 1], params(i, 60)) for i in range(4)),
                                        return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -241,7 +241,7 @@ def test_a_device_error_reaches_every_waiter_and_never_hangs(target, draft):
         assert ae.failure is not None and not ae.ready
         with pytest.raises(EngineDeadError):
             await collect(ae, [1], None)
-        assert ae.engine.pool.in_use == 0
+        assert ae.engine.scheduler.pool.in_use == 0
         await ae.shutdown()
 
     run(main())

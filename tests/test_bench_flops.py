@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lfmspark.runtime import Engine
-from lfmspark.runtime.bench import prefill_flops
+from lfmspark.tools.bench import prefill_flops
 
 
 def tiny(name: str) -> Engine:
@@ -18,7 +18,7 @@ def tiny(name: str) -> Engine:
 @pytest.mark.parametrize("rows, tokens", [(1, 1), (1, 37), (3, 20)])
 def test_dense_prefill_flops(rows: int, tokens: int):
     e = tiny("tiny")
-    c = e.config
+    c = e.model_config
     H, I, hd = c.hidden_size, c.intermediate_size, c.head_dim
     ffn = 2 * I * H + H * I                                    # w13 (gate and up), w2
     conv = 3 * H * H + H * H + H * 3                           # in_proj (B, C, x), out_proj, the 3-tap filter
@@ -31,7 +31,7 @@ def test_dense_prefill_flops(rows: int, tokens: int):
 
 def test_moe_prefill_flops_count_the_routed_experts_only():
     e = tiny("tiny-moe")
-    c = e.config
+    c = e.model_config
     H, hd, k, E, Im = c.hidden_size, c.head_dim, c.num_experts_per_tok, c.num_experts, c.moe_intermediate_size
     dense_ffn = 3 * c.intermediate_size * H
     moe_ffn = E * H + k * 3 * Im * H                           # the router, and k experts' gate, up and down

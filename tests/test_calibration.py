@@ -10,8 +10,8 @@ import torch
 from lfmspark.models.config import ConfigError, DraftConfig
 from lfmspark.models.dspark import ConfidenceHead
 from lfmspark.runtime import Engine, SamplingParams
-from lfmspark.runtime.calibration import expected_calibration_error, fit_sts, record_rounds
-from lfmspark.runtime.cli import main
+from lfmspark.tools.calibration import expected_calibration_error, fit_sts, record_rounds
+from lfmspark.tools.cli import main
 from spec_fixtures import random_tiny_draft, random_tiny_target, tiny_draft_config
 
 
@@ -74,7 +74,7 @@ def test_record_rounds_reads_every_row_of_rounds_verified_whole():
     engine = Engine(target, draft, max_batch=4, max_seq_len=64, verify_widths=[4])
     with pytest.raises(ValueError, match="want_confidence"):
         record_rounds(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=8))
-    engine.steps.want_confidence = True
+    engine.model_runner.steps.want_confidence = True
     z, accepted = record_rounds(engine, [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert z.shape[1] == 3 and z.shape[0] == len(accepted) > 0
     assert bool(((accepted >= 0) & (accepted <= 3)).all()) and bool(torch.isfinite(z).all())

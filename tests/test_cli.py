@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from lfmspark.environment import VARIABLES
-from lfmspark.runtime.cli import main
+from lfmspark.tools.cli import main
 
 
 def lfmspark(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lfmspark.runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lfmspark.tools.cli", *args], capture_output=True, text=True,
                           timeout=600)
 
 
@@ -71,7 +71,7 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
 def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, monkeypatch):
     # on the H200 new small allocations slowed every later step of a process (docs/benchmarks.md,
     # session 12), so the work that allocates (phase-split captures, HF) comes after the engine rows
-    from lfmspark.runtime import bench  # noqa: PLC0415
+    from lfmspark.tools import bench  # noqa: PLC0415
 
     calls: list[tuple[str, int]] = []
 
@@ -83,7 +83,7 @@ def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, m
 
     monkeypatch.setattr(bench, "measure_engine", recorded("row", bench.measure_engine, lambda e, cfg, b, *a: b))
     monkeypatch.setattr(bench, "time_round_phases", recorded("phases", bench.time_round_phases, lambda e, b, **kw: b))
-    monkeypatch.setattr(bench, "_hf_row", recorded("hf", bench._hf_row, lambda t, cfg, b, *a, **kw: b))
+    monkeypatch.setattr(bench, "hf_row", recorded("hf", bench.hf_row, lambda t, cfg, b, *a, **kw: b))
     code = main(["bench", "--preset", "tiny", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "5",
                  "--runs", "1", "--imposed-acceptance", "0.5", "--device", "cpu", "--json", str(tmp_path / "b.json")])
     assert code == 0
@@ -143,7 +143,7 @@ def test_serve_answers_on_its_port_and_stops_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lfmspark.runtime.cli", "serve", "--preset", "tiny", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "lfmspark.tools.cli", "serve", "--preset", "tiny", "--port",
                              str(port), "--max-batch", "2", "--max-seq-len", "128", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -171,10 +171,10 @@ def test_serve_passes_the_engine_flags(monkeypatch):
     """``serve --prefix-cache-outputs --exact`` builds the engine with them (the server itself is
     replaced: tests/test_server.py runs it)."""
     import lfmspark.serve as serve_pkg
-    from lfmspark.runtime.cli import main
+    from lfmspark.tools.cli import main
 
     built = {}
     monkeypatch.setattr(serve_pkg, "run_server", lambda engine, name, **kw: built.update(engine=engine, name=name))
     assert main(["serve", "--preset", "tiny", "--device", "cpu", "--no-warmup", "--prefix-cache-outputs",
                  "--exact"]) == 0
-    assert built["engine"].prefix_cache_outputs and built["engine"].exact and built["name"] == "tiny"
+    assert built["engine"].config.prefix_cache_outputs and built["engine"].exact and built["name"] == "tiny"

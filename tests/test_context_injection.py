@@ -36,7 +36,7 @@ def _engine(models, early: bool = True, compile: bool = False) -> Engine:
     engine = Engine(target, draft, max_batch=len(PROMPTS), max_seq_len=96, compile=compile,
                     imposed_acceptance=[0.7] * GAMMA)
     if not early:
-        engine.steps.target = TapsNeverReadyEarly(target)
+        engine.model_runner.steps.target = TapsNeverReadyEarly(target)
     return engine
 
 
@@ -56,10 +56,10 @@ def _record_injections(engine: Engine) -> list[int]:
         layers_run[0] = 0
         return verify_head(*args, **kwargs)
 
-    engine.steps.later_target_layers = [counted(layer) for layer in engine.steps.later_target_layers]
-    verify_head, inject = engine.steps.verify_head, engine.steps.round_inject
-    engine.steps.verify_head = head
-    engine.steps.round_inject = lambda aux, rows, side_stream: calls.append(layers_run[0]) or inject(aux, rows, side_stream)
+    engine.model_runner.steps.later_target_layers = [counted(layer) for layer in engine.model_runner.steps.later_target_layers]
+    verify_head, inject = engine.model_runner.steps.verify_head, engine.model_runner.steps.round_inject
+    engine.model_runner.steps.verify_head = head
+    engine.model_runner.steps.round_inject = lambda aux, rows, side_stream: calls.append(layers_run[0]) or inject(aux, rows, side_stream)
     return calls
 
 
@@ -68,25 +68,25 @@ def _admit(engine: Engine, mode: SamplingMode) -> list[int]:
               for i in range(len(PROMPTS))]
     reqs = [r for p, q in zip(PROMPTS, params) for r in engine.prepare(p, q)]
     engine.submit(reqs)
-    engine._admit([])               # prefill only: the test runs the rounds itself
+    engine.prefill_step()           # prefill only: the test runs the rounds itself
     return [r.slot for r in reqs]
 
 
 def _rounds(engine: Engine, slots: list[int], mode: SamplingMode, n: int) -> list[list[list[int]]]:
     out = []
     for _ in range(n):
-        step = engine.runner.run(StepKind.ROUND, slots, mode)
+        step = engine.model_runner.step_runner.run(StepKind.ROUND, slots, mode)
         out.append([step.tokens[i, :int(step.n_new[i])].tolist() for i in range(len(slots))])
     return out
 
 
 def _check_same_state(on: Engine, off: Engine, slots: list[int]) -> None:
     for name in ("seq_len", "anchor"):
-        assert torch.equal(getattr(on.state, name)[slots], getattr(off.state, name)[slots]), name
-    assert torch.equal(on.tcache.conv_state[:, slots], off.tcache.conv_state[:, slots])
-    for i, committed in zip(slots, off.state.seq_len[slots].tolist()):
-        for a, b in ((on.tcache.k, off.tcache.k), (on.tcache.v, off.tcache.v), (on.dcache.k, off.dcache.k),
-                     (on.dcache.v, off.dcache.v)):
+        assert torch.equal(getattr(on.model_runner.state, name)[slots], getattr(off.model_runner.state, name)[slots]), name
+    assert torch.equal(on.model_runner.tcache.conv_state[:, slots], off.model_runner.tcache.conv_state[:, slots])
+    for i, committed in zip(slots, off.model_runner.state.seq_len[slots].tolist()):
+        for a, b in ((on.model_runner.tcache.k, off.model_runner.tcache.k), (on.model_runner.tcache.v, off.model_runner.tcache.v), (on.model_runner.dcache.k, off.model_runner.dcache.k),
+                     (on.model_runner.dcache.v, off.model_runner.dcache.v)):
             assert torch.equal(a[:, i, :committed], b[:, i, :committed])
 
 
@@ -120,7 +120,7 @@ def test_early_injection_waits_for_the_last_tap():
 def test_early_injection_matches_compiled(models):
     """The same with the regions compiled: the injection is a region of its own (graphs/compile.py)."""
     early, late = _engine(models, compile=True), _engine(models, early=False, compile=True)
-    assert "round_inject" in vars(early.steps)  # compiled wrapper
+    assert "round_inject" in vars(early.model_runner.steps)  # compiled wrapper
     slots = _admit(early, SamplingMode.GREEDY)
     assert slots == _admit(late, SamplingMode.GREEDY)
     want = _rounds(late, slots, SamplingMode.GREEDY, 6)
@@ -135,13 +135,13 @@ def test_early_injection_matches_compiled(models):
 
 def test_target_only_engines_have_no_side_stream(models):
     engine = Engine(models[0], None, max_batch=1, max_seq_len=64)
-    assert engine.steps.side_stream is None and "round_inject" not in engine.steps.region_names()
+    assert engine.model_runner.steps.side_stream is None and "round_inject" not in engine.model_runner.steps.region_names()
 
 
 def test_bench_phase_split_runs_with_the_injection(models):
     """runtime/bench.py times the verify phase with the injection it forks (joined there), and the
     commit phase through ``Steps.round_commit``, which then injects nothing."""
-    from lfmspark.runtime.bench import time_round_phases
+    from lfmspark.tools.bench import time_round_phases
 
     engine = _engine(models)
     calls = _record_injections(engine)

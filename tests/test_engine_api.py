@@ -36,7 +36,7 @@ def greedy(n, **kw) -> SamplingParams:
 
 
 def assert_clean(e: Engine) -> None:
-    assert e.pool.in_use == 0 and e.pool.n_free == e.max_batch
+    assert e.scheduler.pool.in_use == 0 and e.scheduler.pool.n_free == e.max_batch
     assert e.idle
 
 
@@ -211,8 +211,8 @@ def test_warmup_captures_the_prefill_before_the_step_graphs(target, draft, monke
             return warmup(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(e.prefill_runner, "warmup", recorded("prefill", e.prefill_runner.warmup))
-    monkeypatch.setattr(e.runner, "warmup", recorded("steps", e.runner.warmup))
+    monkeypatch.setattr(e.model_runner.prefill_runner, "warmup", recorded("prefill", e.model_runner.prefill_runner.warmup))
+    monkeypatch.setattr(e.model_runner.step_runner, "warmup", recorded("steps", e.model_runner.step_runner.warmup))
     e.warmup(progress=False, sampling=False)
     assert calls == ["prefill", "steps"]
 
@@ -632,7 +632,7 @@ def test_more_prompts_than_slots(target, draft, spec):
     e = engine(target, draft if spec else None, max_batch=2)
     tokens, outputs = {}, {}
     for ev in e.stream(SCHED_PROMPTS, params):
-        assert e.pool.in_use <= 2
+        assert e.scheduler.pool.in_use <= 2
         tokens.setdefault(ev.index, []).extend(ev.token_ids)
         if ev.finished:
             outputs[ev.index] = ev.output
@@ -662,7 +662,7 @@ def test_leaving_a_stream_early_cancels_and_frees_everything(target, draft, how)
     else:
         it = e.stream(SCHED_PROMPTS[:5], greedy(30))
         seen = [next(it) for _ in range(3)]
-        assert e.pool.in_use == 2                          # both slots busy, three prompts queued
+        assert e.scheduler.pool.in_use == 2                          # both slots busy, three prompts queued
         it.close()
     assert not any(ev.finished for ev in seen)
     assert_clean(e)
@@ -728,7 +728,7 @@ def test_a_failing_round_ends_every_request_in_it_and_frees_the_slots(target, dr
     sa = e.stream([[1, 2], [3]], greedy(20))
     next(sa)
     sb = e.stream([[4, 5]], greedy(20))
-    real_run, calls = e.runner.run, []
+    real_run, calls = e.model_runner.step_runner.run, []
 
     def failing_run(*args, **kw):
         calls.append(1)
@@ -736,15 +736,15 @@ def test_a_failing_round_ends_every_request_in_it_and_frees_the_slots(target, dr
             raise RuntimeError("device fell over")
         return real_run(*args, **kw)
 
-    monkeypatch.setattr(e.runner, "run", failing_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="device fell over"):
         for _ in sb:
             pass
-    assert e.pool.in_use == 0
+    assert e.scheduler.pool.in_use == 0
     with pytest.raises(RuntimeError, match="device fell over"):       # the other stream learns it too
         for _ in sa:
             pass
-    monkeypatch.setattr(e.runner, "run", real_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", real_run)
     assert_clean(e)
     assert [o.token_ids for o in e.generate([[6, 7]], greedy(8))] == one_by_one(target, [[6, 7]], greedy(8))
 
@@ -760,7 +760,7 @@ def test_closing_one_stream_leaves_the_others_running(target, draft):
     for _ in range(4):
         next(sb)
     sb.close()                                            # b's requests leave; a's keep their slots
-    assert e.pool.in_use == 2
+    assert e.scheduler.pool.in_use == 2
     for ev in sa:
         tokens.setdefault(ev.index, []).extend(ev.token_ids)
     assert [tokens[0], tokens[1]] == ref_a
@@ -878,7 +878,7 @@ def test_from_preset_tiny_with_and_without_draft():
     spec = Engine.from_preset("tiny", **F32, max_batch=2, max_seq_len=64)
     plain = Engine.from_preset("tiny", None, **F32, max_batch=2, max_seq_len=64)
     assert spec.draft is not None and spec.block_size == 4 and plain.draft is None
-    assert spec.config.vocab_size == 256 and spec.stop_token_ids == (7,)
+    assert spec.model_config.vocab_size == 256 and spec.stop_token_ids == (7,)
     a, b = spec.generate(prompts, params), plain.generate(prompts, params)
     for x, y in zip(a, b):
         assert len(x.token_ids) == 10 and x.token_ids == y.token_ids       # greedy speculation is lossless

@@ -51,7 +51,7 @@ def test_exact_speculation_equals_target_only_on_the_presets(preset: str):
     # that is rarely accepted, and the windows are what is tested)
     spec = Engine.from_preset(preset, verify_widths=[gamma + 1], **kw)
     spec.warmup(progress=False, sampling=False)
-    batch = prompts(N_PROMPTS, spec.config.vocab_size)
+    batch = prompts(N_PROMPTS, spec.model_config.vocab_size)
     out_spec = in_batches(spec, batch, 32, N_TOKENS)
     alone = [tokens(spec, [p], N_TOKENS)[0] for p in batch[:32]]
     by_eight = in_batches(spec, batch[:32], 8, N_TOKENS)

@@ -33,7 +33,7 @@ def a_reference(target, draft) -> list[list[int]]:
 
 
 def assert_clean(e: Engine) -> None:
-    assert e.pool.in_use == 0 and e.idle and not e._live
+    assert e.scheduler.pool.in_use == 0 and e.idle and not e.scheduler.live
 
 
 def drain(stream) -> dict[int, list[int]]:
@@ -52,14 +52,14 @@ def test_a_failing_prefill_ends_only_the_requests_being_admitted(target, draft, 
     got = {}
     ev = next(sa)                                   # a's requests are prefilled and running
     got.setdefault(ev.index, []).extend(ev.token_ids)
-    real_run = e.prefill_runner.run
+    real_run = e.model_runner.prefill_runner.run
 
     def failing_run(chunks, slots, c0):
         if chunks[0][:1] == [44]:
             raise RuntimeError("prefill kernel rejected the shape")
         return real_run(chunks, slots, c0)
 
-    monkeypatch.setattr(e.prefill_runner, "run", failing_run)
+    monkeypatch.setattr(e.model_runner.prefill_runner, "run", failing_run)
     sb = e.stream([[44, 1, 2]], sampled(8, 9))
     with pytest.raises(RequestFailedError, match="prefill kernel rejected the shape") as err:
         for ev in sb:
@@ -77,7 +77,7 @@ def test_a_failing_round_ends_its_rows_and_leaves_the_queue_and_the_engine(targe
     sa = e.stream(A_PROMPTS, A_PARAMS)              # fills both slots
     next(sa)
     sb = e.stream([[7, 8]], sampled(6, 3))          # waits for a slot
-    real_run, calls = e.runner.run, []
+    real_run, calls = e.model_runner.step_runner.run, []
 
     def failing_run(*args, **kw):
         calls.append(1)
@@ -85,11 +85,11 @@ def test_a_failing_round_ends_its_rows_and_leaves_the_queue_and_the_engine(targe
             raise RuntimeError("graph replay failed")
         return real_run(*args, **kw)
 
-    monkeypatch.setattr(e.runner, "run", failing_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", failing_run)
     with pytest.raises(RequestFailedError, match="graph replay failed") as err:
         drain(sa)
     assert len(err.value.request_ids) == 2
-    monkeypatch.setattr(e.runner, "run", real_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", real_run)
     got = drain(sb)                                 # b was queued, not in the round: it runs as it would alone
     assert got[0] == make(target, draft).generate([[7, 8]], sampled(6, 3))[0].token_ids
     assert_clean(e)
@@ -159,10 +159,10 @@ def test_a_device_error_fails_every_request_and_the_engine_stays_dead(target, dr
     def dead_run(*args, **kw):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(e.runner, "run", dead_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", dead_run)
     with pytest.raises(EngineDeadError, match="illegal memory access"):
         drain(sa)
-    assert e.dead is not None and e.pool.in_use == 0 and not e._live and queued not in e._live
+    assert e.dead is not None and e.scheduler.pool.in_use == 0 and not e.scheduler.live and queued not in e.scheduler.live
     with pytest.raises(EngineDeadError, match="restart the process"):
         e.add_request([1, 2])
     with pytest.raises(EngineDeadError):
@@ -189,8 +189,8 @@ def test_request_ids_abort_and_polling(target, draft):
         e.add_request([1], {"temperature": 0.5})
     e.add_request([9, 9, 9], sampled(40, 2), request_id="doomed")
     tokens = [t for ev in e.step() if ev.request_id == rid for t in ev.token_ids]
-    assert e.num_running == 2 and e.pool.in_use == 2
-    assert e.abort("doomed") is True and e.pool.in_use == 1
+    assert e.num_running == 2 and e.scheduler.pool.in_use == 2
+    assert e.abort("doomed") is True and e.scheduler.pool.in_use == 1
     assert e.abort("doomed") is False and e.abort("never") is False
     last = None
     while not e.idle:
@@ -206,18 +206,18 @@ def test_request_ids_abort_and_polling(target, draft):
 
 def test_a_deadline_ends_a_request_with_timeout_and_keeps_its_tokens(target, draft, monkeypatch):
     e = make(target, draft)
-    slow_run = e.runner.run
+    slow_run = e.model_runner.step_runner.run
 
     def run(*args, **kw):
         time.sleep(0.02)
         return slow_run(*args, **kw)
 
-    monkeypatch.setattr(e.runner, "run", run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", run)
     params = [SamplingParams(max_new_tokens=60, ignore_eos=True, timeout_s=0.15), A_PARAMS[1]]
     outs = e.generate([A_PROMPTS[0], A_PROMPTS[1]], params)
     assert outs[0].finish_reason == "timeout" and 0 < len(outs[0].token_ids) < 60
     assert outs[1].finish_reason == "length"
-    monkeypatch.setattr(e.runner, "run", slow_run)
+    monkeypatch.setattr(e.model_runner.step_runner, "run", slow_run)
     full = make(target, draft).generate([A_PROMPTS[0]], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
     assert full.token_ids[:len(outs[0].token_ids)] == outs[0].token_ids
     assert_clean(e)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lfmspark.graphs.capture import default_batch_sizes
+from lfmspark.graphs.runner import default_batch_sizes
 from lfmspark.runtime import Engine, SamplingParams
 from env_vars import set_env
 from spec_fixtures import random_tiny_target
@@ -97,7 +97,7 @@ def test_compiled_regions_keep_eager_bf16_roundings():
 def test_profile_replays_writes_its_tables_without_a_gpu(tmp_path):
     """The per-kernel profile of ``lfmspark bench --profile-dir`` on CPU: no device kernels to list,
     each table says so, and the file is written (the profiler export and its parsing run)."""
-    from lfmspark.runtime.bench import profile_replays
+    from lfmspark.tools.bench import profile_replays
 
     engine = Engine(random_tiny_target(seed=3), None, max_batch=1, max_seq_len=64)
     engine.generate([[3, 1, 4]], SamplingParams(max_new_tokens=2))

@@ -52,7 +52,7 @@ def prefill_rows(engine: Engine, n: int, mode: SamplingMode) -> list[int]:
               for i in range(n)]
     reqs = [r for i, p in enumerate(params) for r in engine.prepare([7 + i, 3, 9 + 2 * i, 11] * (i + 1), p)]
     engine.submit(reqs)
-    engine._admit([])               # prefill only: the test runs the rounds itself
+    engine.prefill_step()           # prefill only: the test runs the rounds itself
     return [r.slot for r in reqs]
 
 
@@ -63,8 +63,8 @@ def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mo
     n = len(a_slots)
     for r in range(rounds):
         width = widths[r % len(widths)]
-        x = a.runner.run(StepKind.ROUND, a_slots, mode, width)
-        y = b.runner.run(StepKind.ROUND, b_slots, mode, width)
+        x = a.model_runner.step_runner.run(StepKind.ROUND, a_slots, mode, width)
+        y = b.model_runner.step_runner.run(StepKind.ROUND, b_slots, mode, width)
         assert torch.equal(x.n_new[:n], y.n_new[:n])
         for i in range(n):
             k = int(y.n_new[i])
@@ -72,11 +72,11 @@ def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mo
 
 
 def snapshot(engine: Engine, slots: list[int]) -> dict:
-    st = engine.state
+    st = engine.model_runner.state
     return {"seq_len": st.seq_len[slots].clone(), "anchor": st.anchor[slots].clone(),
-            "conv": engine.tcache.conv_state[:, slots].clone(), "k": engine.tcache.k[:, slots].clone(),
-            "v": engine.tcache.v[:, slots].clone(), "dk": engine.dcache.k[:, slots].clone(),
-            "dv": engine.dcache.v[:, slots].clone()}
+            "conv": engine.model_runner.tcache.conv_state[:, slots].clone(), "k": engine.model_runner.tcache.k[:, slots].clone(),
+            "v": engine.model_runner.tcache.v[:, slots].clone(), "dk": engine.model_runner.dcache.k[:, slots].clone(),
+            "dv": engine.model_runner.dcache.v[:, slots].clone()}
 
 
 @pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)
@@ -108,8 +108,8 @@ def test_graph_replay_equals_eager_round(moe, mode):
             for key, value in before_spare.items():
                 assert torch.equal(after[key], value), key
         for engine, slots in ((graph_engine, g_slots), (eager_engine, e_slots)):
-            for r in list(engine._active):
-                engine._finish(r, "cancelled")
+            for r in list(engine.scheduler.running):
+                engine.abort(r.request_id)
 
 
 def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
@@ -122,7 +122,7 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
 
     target, draft = small_models()
     graph_engine = Engine(target, draft, max_batch=2, max_seq_len=256, batch_sizes=[1, 2])
-    graph_engine.steps.count_walk_passes = True
+    graph_engine.model_runner.steps.count_walk_passes = True
     graph_engine.warmup(progress=False, sampling=False)
     eager_engine = Engine(target, draft, max_batch=2, max_seq_len=256, cuda_graphs=False, markov_walk="steps")
     for n in (1, 2):
@@ -133,8 +133,8 @@ def test_jacobi_walk_in_graphs_proposes_what_the_step_walk_does():
         passes, walks = (a - b for a, b in zip(jacobi_pass_counts(), before))
         assert walks == 8 and passes > walks, (passes, walks)
         for engine in (graph_engine, eager_engine):
-            for r in list(engine._active):
-                engine._finish(r, "cancelled")
+            for r in list(engine.scheduler.running):
+                engine.abort(r.request_id)
 
 
 @pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)
@@ -162,7 +162,7 @@ def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, m
             engines[early].steps.target = TapsNeverReadyEarly(target)
         engines[early].warmup(progress=False, sampling=[mode])
     on, off = engines[True], engines[False]
-    assert on.steps.side_stream is not None and off.steps.side_stream is not None
+    assert on.model_runner.steps.side_stream is not None and off.model_runner.steps.side_stream is not None
     # early forks where the last tap is a tensor already: the norm carry's sum, at the skinny products'
     # row counts (batch 1 and 2: 6 and 12 rows); at batch 4 (24 rows) the pending add is a tensor
     # until the next layer runs, which is the last one here, so the fork waits for the commit
@@ -178,8 +178,8 @@ def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, m
             for i, committed in enumerate(es["seq_len"].tolist()):
                 assert torch.equal(gs[key][:, i, :committed], es[key][:, i, :committed]), key
         for engine in (on, off):
-            for r in list(engine._active):
-                engine._finish(r, "cancelled")
+            for r in list(engine.scheduler.running):
+                engine.abort(r.request_id)
 
 
 def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
@@ -194,7 +194,7 @@ def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
     eager = Engine(target, draft, max_batch=8, max_seq_len=256, cuda_graphs=False).generate(prompts, params)
 
     torch._dynamo.config.error_on_recompile = True
-    run = graph_engine.runner.run
+    run = graph_engine.model_runner.step_runner.run
     calls = []
 
     def strict_run(kind, slots, mode, width=None):
@@ -205,12 +205,12 @@ def test_generation_through_graphs_matches_eager_and_needs_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    graph_engine.runner.run = strict_run
+    graph_engine.model_runner.step_runner.run = strict_run
     try:
         out = graph_engine.generate(prompts, params)
     finally:
         torch._dynamo.config.error_on_recompile = False
-        graph_engine.runner.run = run
+        graph_engine.model_runner.step_runner.run = run
     assert calls and max(calls) == len(prompts)
     for a, b in zip(out, eager):
         assert a.token_ids == b.token_ids
@@ -247,7 +247,7 @@ def test_bf16_speculation_identity_rate():
 def test_eager_runner_is_used_without_cuda_graphs():
     target, draft = small_models()
     engine = Engine(target, draft, max_batch=2, max_seq_len=64, cuda_graphs=False)
-    assert isinstance(engine.runner, EagerRunner)
+    assert isinstance(engine.model_runner.step_runner, EagerRunner)
     engine2 = Engine(target, draft, max_batch=2, max_seq_len=64)
     assert isinstance(engine2.runner, CudaGraphRunner)
 

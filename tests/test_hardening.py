@@ -29,7 +29,7 @@ def reference(engine) -> list[list[int]]:
 
 def _still_serves(engine: Engine, reference: list[list[int]]) -> None:
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == reference
-    assert engine.pool.n_free == engine.max_batch and engine.idle
+    assert engine.scheduler.pool.n_free == engine.max_batch and engine.idle
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -72,7 +72,7 @@ def test_parameters_are_copied_at_submission(engine):
     params.max_new_tokens = 960
     tokens = list(first.token_ids) + [t for event in stream for t in event.token_ids]
     assert len(tokens) == 5
-    assert engine.pool.n_free == engine.max_batch
+    assert engine.scheduler.pool.n_free == engine.max_batch
 
 
 def test_stop_ids_from_an_iterator_are_read_once(engine):
@@ -110,7 +110,7 @@ def test_two_threads_share_one_engine(engine, reference):
         t.join()
     assert not errors, errors
     assert out[0] == reference and out[1] == reference
-    assert engine.pool.n_free == engine.max_batch and engine.idle
+    assert engine.scheduler.pool.n_free == engine.max_batch and engine.idle
 
 
 @pytest.mark.parametrize("prompts, message", [
@@ -176,7 +176,7 @@ def test_soak_of_mixed_requests_with_aborts_and_refusals(engine, reference):
             engine.step()
         if live and rng.random() < 0.25:
             engine.abort(rng.choice(live))
-        live = [r for r in live if r in engine._live]
+        live = [r for r in live if r in engine.scheduler.live]
     while not engine.idle:
         engine.step()
     aborted = 0
@@ -187,5 +187,5 @@ def test_soak_of_mixed_requests_with_aborts_and_refusals(engine, reference):
         else:
             assert out.finish_reason == "length" and out.token_ids == expected[rid], rid
     assert aborted > 10 and len(finished) == 200
-    assert not engine._live
+    assert not engine.scheduler.live
     _still_serves(engine, reference)

@@ -7,8 +7,11 @@ import torch
 
 from lfmspark.models.cache import TargetCache
 from lfmspark.models.lfm2 import ForwardMode
-from lfmspark.runtime.hf_baseline import hf_model_like, time_hf_generate
+from lfmspark.runtime.config import EngineConfig
+from lfmspark.tools.hf_baseline import hf_model_like, time_hf_generate
 from spec_fixtures import random_tiny_target
+
+CPU = EngineConfig(device="cpu")
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -30,12 +33,12 @@ def test_hf_model_shares_our_weights_and_matches_our_logits(moe):
 def test_a_baseline_child_past_its_time_limit_is_reported_as_failed():
     import time
 
-    from lfmspark.runtime import bench
+    from lfmspark.tools import bench
 
     # the child cannot even import torch in 0.3 s: the parent must stop waiting and say why
-    cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=0.3)
+    cfg = bench.BenchConfig(CPU, prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=0.3)
     t0 = time.perf_counter()
-    row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
+    row = bench.hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
     assert time.perf_counter() - t0 < 10
     assert row["error"].startswith("BaselineTimeout: did not finish within 0.3 s")
     assert "tpot_ms_p50" not in row
@@ -44,7 +47,7 @@ def test_a_baseline_child_past_its_time_limit_is_reported_as_failed():
 def test_a_crashing_baseline_child_is_reported_with_its_signal(monkeypatch):
     import sys
 
-    from lfmspark.runtime import bench, hf_subprocess
+    from lfmspark.tools import bench, hf_baseline
 
     # a native crash: faulthandler's dump names the Python frame it happened in
     crash = ("import ctypes, sys; print('compiling...', file=sys.stderr)\n"
@@ -52,14 +55,14 @@ def test_a_crashing_baseline_child_is_reported_with_its_signal(monkeypatch):
              "compile_step()")
     tried = []
 
-    def command(cfg, batch, device, mode):
+    def command(config, shape, mode):
         tried.append(mode)
         return [sys.executable, "-X", "faulthandler", "-c", crash]
 
-    monkeypatch.setattr(hf_subprocess, "child_command", command)
-    cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=60)
-    row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
-    assert tried == list(hf_subprocess.COMPILE_MODES)          # every mode was tried before giving up
+    monkeypatch.setattr(hf_baseline, "child_command", command)
+    cfg = bench.BenchConfig(CPU, prompt_len=4, output_len=2, runs=1, hf_compile=True, hf_compile_timeout_s=60)
+    row = bench.hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
+    assert tried == list(hf_baseline.COMPILE_MODES)          # every mode was tried before giving up
     assert row["error"].startswith("BaselineFailed: child process killed by SIGSEGV: Fatal Python error")
     assert "compile_step" in row["error"]
     assert row["error_reduce_overhead"].startswith("BaselineFailed: child process killed by SIGSEGV")
@@ -67,16 +70,16 @@ def test_a_crashing_baseline_child_is_reported_with_its_signal(monkeypatch):
 
 
 def test_a_compiled_baseline_falls_back_to_the_next_mode_and_says_so(monkeypatch):
-    from lfmspark.runtime import bench, hf_subprocess
+    from lfmspark.tools import bench, hf_baseline
 
-    def run(cfg, batch, device, compile_mode):
+    def run(config, shape, compile_mode, timeout_s):
         if compile_mode == "reduce-overhead":
-            raise hf_subprocess.BaselineFailed("child process killed by SIGSEGV: ...")
+            raise hf_baseline.BaselineFailed("child process killed by SIGSEGV: ...")
         return {"ttft_ms": 3.0, "tpot_ms": 2.0}
 
-    monkeypatch.setattr(hf_subprocess, "run_baseline", run)
-    cfg = bench.BenchConfig(prompt_len=4, output_len=2, runs=1, hf_compile=True)
-    row = bench._hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
+    monkeypatch.setattr(bench, "run_baseline", run)
+    cfg = bench.BenchConfig(CPU, prompt_len=4, output_len=2, runs=1, hf_compile=True)
+    row = bench.hf_row(random_tiny_target(seed=1), cfg, 1, torch.device("cpu"), compiled=True)
     assert row["compile_mode"] == "default" and row["tpot_ms_p50"] == 2.0
     assert "SIGSEGV" in row["error_reduce_overhead"] and "error" not in row
     report = {"results": {"target_only": [], "speculative": [], "hf_eager": [], "hf_static_compile": [row]}}
@@ -84,21 +87,20 @@ def test_a_compiled_baseline_falls_back_to_the_next_mode_and_says_so(monkeypatch
 
 
 def test_a_baseline_child_rebuilds_the_benchmarked_weights_and_reports_its_timing():
-    from lfmspark.runtime import bench, hf_subprocess
+    from lfmspark.tools import hf_baseline
 
     # the eager baseline through the child (the compiled one needs a GPU-sized time budget)
-    # 16 tokens, median of 3: decode time well above the noise of a busy 2-core machine (3 tokens, one
-    # run read a negative TPOT there once; time_hf_generate now refuses such a timing)
-    cfg = bench.BenchConfig(prompt_len=4, output_len=16, runs=3, hf_compile_timeout_s=300, seed=3)
-    timing = hf_subprocess.run_baseline(cfg, 2, torch.device("cpu"), compile_mode=None)
+    # 16 tokens, median of 3: decode time well above the noise of a busy 2-core machine (3 tokens and
+    # one run can read a negative TPOT there; time_hf_generate refuses such a timing)
+    shape = hf_baseline.BaselineShape(batch=2, prompt_len=4, output_len=16, runs=3, seed=3)
+    timing = hf_baseline.run_baseline(EngineConfig(device="cpu", seed=3), shape, None, timeout_s=300)
     assert timing["tpot_ms"] > 0 and timing["ttft_ms"] > 0
 
 
 def test_the_child_builds_the_same_target_as_the_benchmark():
-    from lfmspark.runtime import bench
+    from lfmspark.runtime.loader import load_models
 
-    cfg = bench.BenchConfig(seed=5, device="cpu")
-    ours, _, _ = bench.build_models(cfg, torch.device("cpu"))
-    again, _, _ = bench.build_models(bench.BenchConfig(seed=5, device="cpu", draft_preset=None), torch.device("cpu"))
+    ours = load_models(EngineConfig(seed=5, device="cpu")).target
+    again = load_models(EngineConfig(seed=5, device="cpu", draft_preset=None)).target     # as the child does
     for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

@@ -20,7 +20,7 @@ PROMPTS = [[3, 9, 27], [5], [11, 12], list(range(1, 40)), [60, 2, 2, 2, 7, 8, 1]
 def run(target, draft, prompts, max_new=24, max_batch=8, **params):
     engine = Engine(target, draft, max_batch=max_batch, max_seq_len=128)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, **params))
-    assert engine.pool.in_use == 0 and engine.idle
+    assert engine.scheduler.pool.in_use == 0 and engine.idle
     return outs
 
 
@@ -143,14 +143,14 @@ def test_state_after_every_round_equals_target_only_decoding(moe):
     draft = oracle_draft(mix_permutations(perm, derangement_of(perm), 0.6, 1))
     S = 96
     engine = Engine(target, draft, max_batch=4, max_seq_len=S)
-    steps, st, W = engine.steps, engine.state, engine.verify_width
+    steps, st, W = engine.model_runner.steps, engine.model_runner.state, engine.verify_width
     prompts = [[5, 6, 7], [9], [40, 41, 42, 43, 44, 45]]
     slots = torch.tensor([2, 0, 3, -1])               # permuted slots and a padding row
     lens = torch.tensor([len(p) for p in prompts] + [1])
     ids = torch.zeros(4, max(lens), dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = torch.tensor(p)
-    untouched = engine.tcache.conv_state[:, 1].clone()
+    untouched = engine.model_runner.tcache.conv_state[:, 1].clone()
     first = steps.prefill(ids, slots, torch.zeros(4, dtype=torch.int64), lens, SamplingMode.GREEDY)
     seqs = [p + [int(first[i])] for i, p in enumerate(prompts)]     # committed tokens + the anchor
     for _ in range(5):
@@ -163,10 +163,10 @@ def test_state_after_every_round_equals_target_only_decoding(moe):
             committed = seqs[i][:-1]                  # the anchor is not in any cache yet
             assert s == len(committed) and int(st.anchor[slot]) == seqs[i][-1]
             ref = reference_state(target, committed, S, W)
-            torch.testing.assert_close(engine.tcache.conv_state[:, slot], ref.conv_state[:, 0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(engine.tcache.k[:, slot, :s], ref.k[:, 0, :s], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(engine.tcache.v[:, slot, :s], ref.v[:, 0, :s], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(engine.model_runner.tcache.conv_state[:, slot], ref.conv_state[:, 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(engine.model_runner.tcache.k[:, slot, :s], ref.k[:, 0, :s], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(engine.model_runner.tcache.v[:, slot, :s], ref.v[:, 0, :s], rtol=1e-5, atol=1e-5)
             dref = reference_draft_context(target, draft, committed, S, W)
-            torch.testing.assert_close(engine.dcache.k[:, slot, :s], dref.k[:, 0, :s], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(engine.dcache.v[:, slot, :s], dref.v[:, 0, :s], rtol=1e-4, atol=1e-4)
-    assert torch.equal(engine.tcache.conv_state[:, 1], untouched)    # the padding row wrote nothing
+            torch.testing.assert_close(engine.model_runner.dcache.k[:, slot, :s], dref.k[:, 0, :s], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(engine.model_runner.dcache.v[:, slot, :s], dref.v[:, 0, :s], rtol=1e-4, atol=1e-4)
+    assert torch.equal(engine.model_runner.tcache.conv_state[:, 1], untouched)    # the padding row wrote nothing

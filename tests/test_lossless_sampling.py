@@ -16,7 +16,8 @@ import torch
 from lfmspark.models.cache import TargetCache
 from lfmspark.models.lfm2 import ForwardMode
 from lfmspark.runtime import Engine, SamplingParams, distributions
-from lfmspark.runtime.distributions import SamplingMode, sampling_mode
+from lfmspark.runtime.distributions import SamplingMode
+from lfmspark.runtime.sampling import sampling_mode
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
 VOCAB = 8

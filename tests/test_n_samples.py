@@ -34,20 +34,20 @@ def sampled(**kw) -> SamplingParams:
 def test_each_sample_is_the_lone_request_with_its_seed(models, spec, chunk):
     e = make(models, spec, prefill_chunk=chunk)
     prefilled = []
-    real_run = e.prefill_runner.run
+    real_run = e.model_runner.prefill_runner.run
 
     def counting_run(chunks, slots, c0):
         prefilled.append(sum(len(c) for c in chunks))
         return real_run(chunks, slots, c0)
 
-    e.prefill_runner.run = counting_run
+    e.model_runner.prefill_runner.run = counting_run
     outs = e.generate([PROMPT], sampled(n=3, seed=10, repetition_penalty=1.2))
     assert [o.sample for o in outs] == [0, 1, 2]
     assert sum(prefilled) == len(PROMPT)                     # one prefill for the three
     alone = make(models, spec, prefill_chunk=chunk)
     for j, out in enumerate(outs):
         assert out.token_ids == alone.generate([PROMPT], sampled(seed=10 + j, repetition_penalty=1.2))[0].token_ids
-    assert e.pool.in_use == 0 and e.idle
+    assert e.scheduler.pool.in_use == 0 and e.idle
 
 
 def test_greedy_samples_are_all_the_greedy_output(models):
@@ -75,7 +75,7 @@ def test_a_group_waits_for_enough_slots_and_is_aborted_as_one(models):
         e.add_request(PROMPT, sampled(n=4))
     with pytest.raises(RequestError, match="n must be"):
         e.add_request(PROMPT, sampled(n=0))
-    assert e.pool.in_use == 0
+    assert e.scheduler.pool.in_use == 0
 
 
 def test_the_async_stream_carries_every_sample(models):

@@ -54,7 +54,7 @@ def _engine(tokens: int, max_batch: int = 4, prefill_chunk: int = 2048) -> Engin
 
 
 def _state(engine: Engine) -> dict[str, torch.Tensor]:
-    tc, dc, st = engine.tcache, engine.dcache, engine.state
+    tc, dc, st = engine.model_runner.tcache, engine.model_runner.dcache, engine.model_runner.state
     return {"k": tc.k, "v": tc.v, "conv": tc.conv_state, "dk": dc.k, "dv": dc.v, "seq_len": st.seq_len,
             "anchor": st.anchor}
 
@@ -68,7 +68,7 @@ def test_bucketed_prefill_computes_what_the_exact_shape_computes(prefill_chunk):
     params = SamplingParams(max_new_tokens=6)
     bucketed, exact = _engine(1024, prefill_chunk=prefill_chunk), _engine(0, prefill_chunk=prefill_chunk)
     shapes = []
-    bucketed.prefill_runner.forward = lambda *a, f=bucketed.prefill_runner.forward: shapes.append(a[0].shape) or f(*a)
+    bucketed.model_runner.prefill_runner.forward = lambda *a, f=bucketed.model_runner.prefill_runner.forward: shapes.append(a[0].shape) or f(*a)
     out_b = bucketed.generate(prompts, params)
     out_e = exact.generate(prompts, params)
     assert [o.token_ids for o in out_b] == [o.token_ids for o in out_e]
@@ -83,7 +83,7 @@ def test_bucketed_prefill_computes_what_the_exact_shape_computes(prefill_chunk):
 def test_a_prompt_no_bucket_holds_runs_at_its_own_shape():
     engine = _engine(64)                              # buckets up to 64 tokens
     shapes = []
-    engine.prefill_runner.forward = lambda *a, f=engine.prefill_runner.forward: shapes.append(a[0].shape) or f(*a)
+    engine.model_runner.prefill_runner.forward = lambda *a, f=engine.model_runner.prefill_runner.forward: shapes.append(a[0].shape) or f(*a)
     engine.generate([[5] * 70, [6] * 20], SamplingParams(max_new_tokens=2))
     assert shapes == [(2, 70)]
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cache_tensors(engine: Engine) -> dict[str, torch.Tensor]:
-    tc, dc = engine.tcache, engine.dcache
+    tc, dc = engine.model_runner.tcache, engine.model_runner.dcache
     return {"k": tc.k, "v": tc.v, "conv": tc.conv_state, "draft_k": dc.k, "draft_v": dc.v}
 
 
@@ -36,7 +36,7 @@ def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
     target, draft = small_models(moe=moe, dtype=dtype)
     engine = Engine(target, draft, max_batch=4, max_seq_len=320, batch_sizes=[1, 4], stop_token_ids=(),
                     prefill_graph_tokens=1024)
-    runner = engine.prefill_runner
+    runner = engine.model_runner.prefill_runner
     runner.warmup(progress=False, capture=True)
     assert set(runner.captured) == set(runner.buckets)
     chunks = [[(5 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((70, 3, 41))]
@@ -58,7 +58,7 @@ def test_a_bucket_graph_replays_the_eager_forward_bit_for_bit(moe, dtype):
         assert torch.equal(replayed, expected)
         for name, t in _cache_tensors(engine).items():
             assert torch.equal(t, expected_caches[name]), name
-        assert not engine.tcache.k[:, 3].any() and not engine.tcache.conv_state[:, 3].any()  # the padding row
+        assert not engine.model_runner.tcache.k[:, 3].any() and not engine.model_runner.tcache.conv_state[:, 3].any()  # the padding row
 
 
 def test_a_warmed_engine_serves_prompts_from_its_prefill_graphs(monkeypatch):
@@ -66,7 +66,7 @@ def test_a_warmed_engine_serves_prompts_from_its_prefill_graphs(monkeypatch):
     engine = Engine(target, draft, max_batch=2, max_seq_len=320, batch_sizes=[1, 2], stop_token_ids=(),
                     prefill_graph_tokens=1024)
     engine.warmup(progress=False, sampling=False)
-    runner = engine.prefill_runner
+    runner = engine.model_runner.prefill_runner
     assert set(runner.captured) == set(runner.buckets)
     replayed = []
     original = torch.cuda.CUDAGraph.replay

@@ -34,15 +34,15 @@ class PrefillLog:
         self.calls: list[tuple[int, int]] = []
         self.padded: list[int] = []         # rows (to a power of two, as the buckets) x the widest chunk
         self.rows: list[int] = []
-        real = engine.prefill_runner.run
+        real = engine.model_runner.prefill_runner.run
 
         def run(chunks, slots, starts):
-            self.calls.append((sum(len(c) for c in chunks), len(engine._active)))
-            if engine._active:
+            self.calls.append((sum(len(c) for c in chunks), len(engine.scheduler.running)))
+            if engine.scheduler.running:
                 self.padded.append((1 << (len(chunks) - 1).bit_length()) * max(len(c) for c in chunks))
                 self.rows.append(len(chunks))
             return real(chunks, slots, starts)
-        engine.prefill_runner.run = run
+        engine.model_runner.prefill_runner.run = run
 
 
 def run_with_arrival(engine: Engine, running: SamplingParams, arrival: SamplingParams, arrive_after: int = 2):
@@ -116,7 +116,7 @@ def test_leaving_while_prefilling_frees_the_slot(target, draft, how):
     e.add_request(ARRIVAL, params(False, 0, 8, timeout_s=0.05 if how == "timeout" else None), request_id="b",
                   on_event=ended.append)
     e.step()                                                   # b holds a slot, its prompt a quarter in
-    assert e.num_running == 2 and e._prefilling and not ended
+    assert e.num_running == 2 and e.scheduler.prefilling and not ended
     if how == "abort":
         assert e.abort("b")
     else:
@@ -125,9 +125,9 @@ def test_leaving_while_prefilling_frees_the_slot(target, draft, how):
         e.step()
     assert len(ended) == 1 and ended[0].output.finish_reason == ("cancelled" if how == "abort" else "timeout")
     assert ended[0].output.token_ids == []
-    assert e.num_running == 1 and not e._prefilling
+    assert e.num_running == 1 and not e.scheduler.prefilling
     e.abort_all()
-    assert e.pool.in_use == 0
+    assert e.scheduler.pool.in_use == 0
 
 
 def test_a_sample_takes_over_when_the_one_prefilling_for_it_leaves(target, draft):
@@ -149,7 +149,7 @@ def test_a_sample_takes_over_when_the_one_prefilling_for_it_leaves(target, draft
             e.abort_all()
     assert out.finish_reason == "length"
     assert out.token_ids == alone(target, draft, True, ARRIVAL, params(True, 51, 10))
-    assert e.pool.in_use == 0
+    assert e.scheduler.pool.in_use == 0
 
 
 def test_a_bad_budget_is_refused(target):

@@ -153,9 +153,9 @@ def test_moe_launch_variant_names_everything_its_kernels_compile_for(monkeypatch
 
 def test_cpu_engine_warms_one_short_prefill():
     engine = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=3, max_seq_len=64)
-    assert engine.prefill_warm_shapes() == [(1, 16)]
+    assert engine.model_runner.prefill_warm_shapes() == [(1, 16)]
     engine.warmup(progress=False, sampling=True)       # runs them (greedy and sampling) without error
-    assert engine.pool.in_use == 0
+    assert engine.scheduler.pool.in_use == 0
 
 
 @pytest.mark.gpu

@@ -158,13 +158,13 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     long = [rng.randrange(60) for _ in range(5)]
     shorts = [[rng.randrange(60) for _ in range(2 * BLOCK - 3)] for _ in range(4)]   # + 9 tokens: 2 full blocks
     forwards: list[tuple[int, int]] = []    # (cache-job rows, decoding requests) of each prefill forward
-    real = eng._prefill_forward
+    real = eng.model_runner.prefill
 
-    def spy(rows, chunks):
-        forwards.append((sum(r.cache_only for r in rows), len(eng._active)))
-        return real(rows, chunks)
+    def spy(plan):
+        forwards.append((sum(r.cache_only for r in plan.rows), len(eng.scheduler.running)))
+        return real(plan)
 
-    eng._prefill_forward = spy
+    eng.model_runner.prefill = spy
     outs = eng.generate([long] + shorts, [SamplingParams(max_new_tokens=70, ignore_eos=True)]
                         + [SamplingParams(max_new_tokens=9, ignore_eos=True)] * 4)
     assert not eng.idle and not any(jobs for jobs, _ in forwards)     # two jobs wait; none ran yet
@@ -195,7 +195,7 @@ def test_a_next_turn_added_as_the_last_one_finishes_finds_its_output_cached(with
 
     prompt = list(range(1, 2 * BLOCK - 2))                      # 13 tokens: one full block
     first = run(prompt, 12, "first")
-    assert eng._cache_jobs                                      # its job waits (and, speculative, a round is out)
+    assert eng.scheduler.cache_jobs                                      # its job waits (and, speculative, a round is out)
     second = run(prompt + first.token_ids + [5, 6, 7], 2, "second")   # the output completes 3 blocks
     assert second.stats.prompt_tokens_cached == 3 * BLOCK
 
@@ -208,14 +208,14 @@ def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
     prompt = list(range(1, 2 * BLOCK - 2))
     eng.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert not eng.idle                                   # its cache job waits
-    real = eng._prefill_chunk
+    real = eng.model_runner.prefill
 
-    def failing(rows, chunks, starts):
-        if any(r.cache_only for r in rows):
+    def failing(plan):
+        if any(r.cache_only for r in plan.rows):
             raise RuntimeError("injected failure")
-        return real(rows, chunks, starts)
+        return real(plan)
 
-    eng._prefill_chunk = failing
+    eng.model_runner.prefill = failing
     follow_up = [prompt + [5, 6, 7], list(range(3, 20))]
     with caplog.at_level("WARNING", logger="lfmspark"):
         outs = eng.generate(follow_up, SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -225,7 +225,7 @@ def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
     assert all(o.finish_reason == "length" for o in outs)
     while not eng.idle:
         eng.step()
-    assert eng.pool.n_free == 2
+    assert eng.scheduler.pool.n_free == 2
 
 
 def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
@@ -250,13 +250,13 @@ def test_chunks_end_at_block_boundaries_and_prompt_logprobs_never_hit():
     target = random_tiny_target(seed=14)
     eng = engine(target, None, None, prefill_chunk=100)
     forwards: list[tuple[list[int], list[int]]] = []
-    real = eng._prefill_chunk
+    real = eng.model_runner.prefill
 
-    def spy(rows, chunks, starts):
-        forwards.append((list(starts), [len(c) for c in chunks]))
-        return real(rows, chunks, starts)
+    def spy(plan):
+        forwards.append((list(plan.starts), [len(c) for c in plan.chunks]))
+        return real(plan)
 
-    eng._prefill_chunk = spy
+    eng.model_runner.prefill = spy
     prompt = list(range(1, 30))
     eng.generate([prompt], SamplingParams(max_new_tokens=2))
     assert forwards == [([0], [8]), ([8], [8]), ([16], [8]), ([24], [5])]
@@ -278,7 +278,7 @@ def test_stats_clear_and_configuration_errors():
     assert eng.clear_prefix_cache() == stats["cached_blocks"] > 0
     assert eng.generate([prompt], SamplingParams(max_new_tokens=2))[0].stats.prompt_tokens_cached == 0
     assert engine(target, None, 0).prefix_cache_stats == {}
-    assert Engine(target, None, max_batch=1, max_seq_len=64).prefix_cache is None   # a 256-token block never fills
+    assert Engine(target, None, max_batch=1, max_seq_len=64).model_runner.prefix_cache is None   # a 256-token block never fills
     for bad in (dict(prefix_cache_tokens=-1), dict(prefix_cache_tokens=1.5), dict(prefix_block=0)):
         with pytest.raises(ValueError, match="prefix_"):
             Engine(target, None, max_batch=1, max_seq_len=64, **bad)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lfmspark.graphs.capture import default_batch_sizes
+from lfmspark.graphs.runner import default_batch_sizes
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.runtime.distributions import SamplingMode, filter_rows
 from lfmspark.runtime.randomness import draw_key
@@ -28,7 +28,7 @@ def test_default_engine_warms_and_samples_at_every_batch_size(preset: str, specu
     warmed = {(e.mode, e.batch_size) for e in report.entries if not e.kind.startswith("prefill")}
     assert warmed >= {(mode.value, b) for mode in SamplingMode for b in sizes}, warmed
 
-    vocab = engine.config.vocab_size
+    vocab = engine.model_config.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(5 + i)] for i in range(engine.max_batch)]
     params = [SamplingParams(temperature=0.8, top_k=50 * (i % 2), top_p=0.9, max_new_tokens=24, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]

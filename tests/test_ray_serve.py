@@ -16,6 +16,7 @@ import torch
 
 from engine_fixtures import save_tiny_draft, save_tiny_target
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.config import EngineConfig
 
 ray = pytest.importorskip("ray", reason="the ray extra (pip install 'lfmspark[ray]') is not installed")
 serve = pytest.importorskip("ray.serve")
@@ -46,11 +47,33 @@ def cluster(ckpt):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     target, draft = ckpt
-    config = {"target": str(target), "draft": str(draft), "engine": {"max_batch": MAX_BATCH, "max_seq_len": 512}}
+    config = EngineConfig(target=str(target), draft=str(draft), max_batch=MAX_BATCH, max_seq_len=512)
     serve.run(deployments(config, MODEL, 2), route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+def test_app_builder_takes_the_engine_flags_by_name(ckpt, monkeypatch):
+    """``serve run lfmspark.serve.ray_app:app_builder key=value ...``: every engine flag of
+    ``lfmspark serve`` by its name, switches as key=true; an unknown key is named."""
+    from lfmspark.serve import ray_app
+
+    built = {}
+    monkeypatch.setattr(ray_app, "deployments", lambda config, name, replicas: built.update(
+        config=config, name=name, replicas=replicas))
+    target, draft = ckpt
+    ray_app.app_builder({"target": str(target), "draft": str(draft), "max_batch": "3", "max_model_len": "300",
+                         "exact": "true", "prefix_cache_outputs": "false", "replicas": "2", "name": "m"})
+    assert built["config"] == EngineConfig(target=str(target), draft=str(draft), max_batch=3, max_seq_len=300,
+                                           exact=True)
+    assert (built["name"], built["replicas"]) == ("m", 2)
+    with pytest.raises(ValueError, match="unknown key 'max_batches'"):
+        ray_app.app_builder({"preset": "tiny", "max_batches": "3"})
+    with pytest.raises(ValueError, match="needs target=DIR"):
+        ray_app.app_builder({"max_batch": "3"})
+    with pytest.raises(ValueError, match="max-batch"):
+        ray_app.app_builder({"preset": "tiny", "max_batch": "three"})
 
 
 def client(url: str):

@@ -14,7 +14,7 @@ import torch
 from lfmspark.models.lfm2_moe import Lfm2MoeBlock, impose_routing_locality, routing_locality
 from lfmspark.models.presets import random_target, target_preset
 from lfmspark.runtime import Engine, SamplingParams
-from lfmspark.runtime.cli import main
+from lfmspark.tools.cli import main
 
 
 def tiny_moe():
@@ -52,7 +52,7 @@ def test_speculation_under_routing_locality_is_lossless():
     kw = dict(dtype=torch.float32, device="cpu", max_batch=4, max_seq_len=128, routing_locality=2)
     spec = Engine.from_preset("tiny-moe", **kw)
     plain = Engine.from_preset("tiny-moe", None, **kw)
-    assert spec.routing_locality == 2 and plain.routing_locality == 2
+    assert spec.model_runner.routing_locality == 2 and plain.model_runner.routing_locality == 2
     prompts = [[5, 9, 13], [7, 7, 7, 7, 2], [100, 3], [42] * 6]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
@@ -78,7 +78,7 @@ def test_bench_reports_the_distinct_experts_of_a_verify(tmp_path):
                  "--runs", "1", "--no-hf", "--device", "cpu", "--routing-locality", "2", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert report["config"]["routing_locality"] == 2 and report["num_experts"] == 8
+    assert report["config"]["engine"]["routing_locality"] == 2 and report["num_experts"] == 8
     rows = {r["batch"]: r for r in report["results"]["speculative"]}
     assert rows[1]["distinct_experts_per_verify"] == 2.0
     assert 2.0 <= rows[2]["distinct_experts_per_verify"] <= 4.0

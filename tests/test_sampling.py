@@ -9,7 +9,8 @@ import torch
 
 from lfmspark.runtime import SamplingParams
 from lfmspark.runtime import distributions
-from lfmspark.runtime.distributions import SamplingMode, filter_rows, filtered_probs, row_prefix_sums, sampling_mode
+from lfmspark.runtime.distributions import SamplingMode, filter_rows, filtered_probs, row_prefix_sums
+from lfmspark.runtime.sampling import sampling_mode
 from lfmspark.runtime.randomness import draw_key, sample, uniforms
 from test_lossless_sampling import filtered as reference_filtered
 

@@ -1,4 +1,4 @@
-"""``lfmspark bench serve`` end to end on the tiny preset (issue 35): open-loop arrivals through
+"""``lfmspark bench serve`` end to end on the tiny preset: open-loop arrivals through
 AsyncEngine, target-only and speculative on one trace, the documented JSON and vLLM-style table."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import math
 import pytest
 
 from lfmspark.models.presets import target_preset
-from lfmspark.runtime.cli import main
-from lfmspark.runtime.serve_bench import ServeBenchConfig, format_report, make_trace, run_serve_bench
+from lfmspark.runtime.config import EngineConfig
+from lfmspark.tools.cli import main
+from lfmspark.tools.serve_bench import ServeBenchConfig, format_report, make_trace, run_serve_bench
 
 KEYS = {"successful_requests", "failed_requests", "errors", "duration_s", "total_input_tokens",
         "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms",
@@ -18,8 +19,8 @@ KEYS = {"successful_requests", "failed_requests", "errors", "duration_s", "total
 
 
 def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
-    cfg = ServeBenchConfig(preset="tiny", num_prompts=10, input_len=12, output_len=8, range_ratio=0.5,
-                           request_rate=50.0, max_batch=4, imposed_acceptance=[0.7] * 4,
+    engine = EngineConfig(preset="tiny", device="cpu", max_batch=4, max_seq_len=128, imposed_acceptance=[0.7])
+    cfg = ServeBenchConfig(engine, num_prompts=10, input_len=12, output_len=8, range_ratio=0.5, request_rate=50.0,
                            json_path=str(tmp_path / "r.json"))
     trace = make_trace(cfg, vocab=target_preset("tiny").vocab_size)     # what the run draws (same seed)
     returned = run_serve_bench(cfg)
@@ -42,8 +43,8 @@ def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
 def test_a_fraction_of_the_measured_capacity(tmp_path):
     """--capacity-fraction: each engine serves the trace all at once (its capacity), then at the given
     fraction of that rate; both runs reported, the rate with them."""
-    cfg = ServeBenchConfig(preset="tiny", draft_preset=None, num_prompts=8, input_len=10, output_len=6,
-                           max_batch=4, capacity_fraction=0.5)
+    cfg = ServeBenchConfig(EngineConfig(preset="tiny", draft_preset=None, device="cpu", max_batch=4, max_seq_len=128),
+                           num_prompts=8, input_len=10, output_len=6, capacity_fraction=0.5)
     results = run_serve_bench(cfg)["results"]
     assert set(results) == {"target_only_saturation", "target_only"}
     saturation, served = results["target_only_saturation"], results["target_only"]
@@ -51,7 +52,7 @@ def test_a_fraction_of_the_measured_capacity(tmp_path):
     assert served["request_rate"] == pytest.approx(0.5 * saturation["request_throughput"])
     assert "Request rate (req/s):" in format_report({"results": results})
     with pytest.raises(ValueError, match="capacity_fraction"):
-        run_serve_bench(ServeBenchConfig(preset="tiny", capacity_fraction=1.5))
+        run_serve_bench(ServeBenchConfig(EngineConfig(preset="tiny", device="cpu"), capacity_fraction=1.5))
 
 
 def test_arrivals_are_poisson_at_the_rate_or_all_at_once():

@@ -73,7 +73,7 @@ def served(ckpt):
     s = Served(make_server_app(load(ckpt, max_batch=MAX_BATCH), MODEL, warmup=False))
     yield s
     s.stop()
-    assert s.engine.engine.pool.in_use == 0          # shutting the app down freed everything
+    assert s.engine.engine.scheduler.pool.in_use == 0          # shutting the app down freed everything
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_a_client_that_disconnects_frees_its_slot(served):
             if line.startswith("data: {"):
                 break                                       # one chunk, then walk away
     deadline = time.monotonic() + 10
-    while ae.engine.pool.in_use:
+    while ae.engine.scheduler.pool.in_use:
         assert time.monotonic() < deadline, "the disconnected stream still holds its slot"
         time.sleep(0.005)
     peak = []
@@ -340,7 +340,7 @@ def test_what_the_server_cannot_honour_is_a_400_naming_it(served, kw, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert error["param"] == param and param in error["message"]
-    assert served.engine.engine.pool.in_use == 0
+    assert served.engine.engine.scheduler.pool.in_use == 0
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -464,7 +464,7 @@ def test_a_device_failure_answers_every_waiter_and_shows_on_health(ckpt):
         def dead(*args, **kw):
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-        engine.runner.run = dead
+        engine.model_runner.step_runner.run = dead
         with pytest.raises(openai.APIStatusError) as err:
             s.client().completions.create(model=MODEL, prompt="w3 w4", max_tokens=20)
         assert err.value.status_code in (500, 503) and "illegal memory access" in err.value.message

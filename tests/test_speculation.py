@@ -2,7 +2,7 @@
 engine's scheduled rounds, lossless whatever width each round takes and whatever cap a request sets.
 
 The schedules are driven through the round-cost table the GPU warm-up measures
-(``engine.runner.costs``, graphs/capture.py ``profile_rounds``), filled here by hand.
+(``engine.model_runner.step_runner.costs``, graphs/capture.py ``profile_rounds``), filled here by hand.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.runtime.distributions import SamplingMode
-from lfmspark.runtime.speculation import (VerifyScheduler, choose_width, default_verify_widths, expected_tokens,
+from lfmspark.runtime.speculation import (WidthPolicy, choose_width, default_verify_widths, expected_tokens,
                                           survival)
 from spec_fixtures import (bigram_target, mix_permutations, oracle_draft, permutation, random_tiny_draft,
                            random_tiny_target)
@@ -25,7 +25,7 @@ def set_costs(engine: Engine, cost_of_width, sizes=range(1, 65)) -> None:
     for mode in SamplingMode:
         for b in sizes:
             for w in engine.verify_widths:
-                engine.runner.costs[(mode, b, w)] = cost_of_width(b, w)
+                engine.model_runner.step_runner.costs[(mode, b, w)] = cost_of_width(b, w)
 
 
 # -- the choice --------------------------------------------------------------------------------
@@ -55,10 +55,10 @@ def test_choose_width_maximises_tokens_per_second_and_prefers_the_narrower_on_ti
     assert choose_width([[0.0] * 4] * 4, [4] * 4, (1, 3, 5), flat) == 1       # confidences all 0: a decode step
 
 
-def scheduler(widths, gamma, confidences=True, estimates=(), limits=()) -> VerifyScheduler:
+def scheduler(widths, gamma, confidences=True, estimates=(), limits=()) -> WidthPolicy:
     """A scheduler over 8 slots; slot i admitted with ``limits[i]`` (default gamma) and given
     ``estimates[i]`` (conditional rates) as its own survival estimate."""
-    s = VerifyScheduler(widths, gamma, confidences, slots=8)
+    s = WidthPolicy(widths, gamma, confidences, slots=8)
     for slot in range(8):
         s.admit(slot, limits[slot] if slot < len(limits) else gamma)
     for slot, conf in enumerate(estimates):
@@ -240,15 +240,16 @@ def test_every_round_width_copies_its_tokens_into_a_contiguous_host_buffer():
     engine = Engine(target, draft, max_batch=4, max_seq_len=96, verify_widths=[1, 3, 5])
     set_costs(engine, lambda b, w: {1: 1.0, 3: 1.0 + (0 if b <= 2 else 9), 5: 1.0 + (0 if b <= 1 else 9)}[w])
     seen = {}
-    launch = engine._launch
+    step = engine.model_runner.step
 
-    def recording():
-        inflight = launch()
+    def recording(rows):
+        results = step(rows)
+        inflight = engine.model_runner.in_flight       # the round this step launched
         if inflight is not None:
             seen[inflight.tokens.shape[1]] = seen.get(inflight.tokens.shape[1], True) and inflight.tokens.is_contiguous()
-        return inflight
+        return results
 
-    engine._launch = recording
+    engine.model_runner.step = recording
     engine.generate([[3 + i, 17, 9] for i in range(4)],
                     [SamplingParams(max_new_tokens=6 + 6 * i, ignore_eos=True) for i in range(4)])
     assert set(engine.speculation_stats["rounds_by_width"]) == {1, 3, 5}

@@ -47,7 +47,7 @@ def _count(step):
 
 @pytest.mark.parametrize("step", ["decode", "spec_round"])
 def test_compiled_step_runs_no_eager_compute_between_regions(engine, step):
-    ops = _count(getattr(engine.steps, step))
+    ops = _count(getattr(engine.model_runner.steps, step))
     unexpected = {op: n for op, n in ops.compute.items() if op not in ALLOWED}
     assert not unexpected, ops.table()
     # the regions did run, and their ops were told apart as compiled code
@@ -58,19 +58,19 @@ def test_compiled_step_runs_no_eager_compute_between_regions(engine, step):
 
 def test_every_declared_region_is_compiled(engine):
     """The regions runtime/steps.py declares (``@region``) are what compile_regions compiled."""
-    names = set(engine.steps.region_names())
+    names = set(engine.model_runner.steps.region_names())
     assert names == {"decode_head", "finish_decode", "draft_head", "finish_draft", "verify_head", "round_inject",
                      "round_accept_commit"}
-    assert all(hasattr(getattr(engine.steps, name), "_torchdynamo_orig_callable") for name in names)
+    assert all(hasattr(getattr(engine.model_runner.steps, name), "_torchdynamo_orig_callable") for name in names)
     target_only = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
-    assert set(target_only.steps.region_names()) == {"decode_head", "finish_decode"}
+    assert set(target_only.model_runner.steps.region_names()) == {"decode_head", "finish_decode"}
 
 
 def test_recorder_counts_glue_of_an_uncompiled_step():
     """The recorder is not blind: run uncompiled, the decode step's every op is eager (the
     embedding lookup, the per-slot gathers, the layers' GEMMs and lfmspark ops)."""
     plain = Engine.from_preset("tiny", None, dtype=torch.float32, device="cpu", max_batch=1, max_seq_len=64)
-    ops = eager_ops(plain.steps.decode, torch.tensor([-1]), SamplingMode.GREEDY)
+    ops = eager_ops(plain.model_runner.steps.decode, torch.tensor([-1]), SamplingMode.GREEDY)
     assert not ops.inside
     attention = "qkv_window_attention"
     for op in ("aten.embedding.default", "aten.index.Tensor", "aten.mm.default", f"lfmspark.{attention}.default"):

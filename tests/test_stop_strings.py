@@ -71,7 +71,7 @@ def test_the_output_ends_exactly_at_the_stop_string(perm, spec, stop, include, t
     else:
         assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text
     assert streamed == out.text
-    assert e.pool.in_use == 0
+    assert e.scheduler.pool.in_use == 0
 
 
 def test_the_earliest_of_several_stop_strings_wins(perm):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lfmspark.runtime.timeline import (critical_path, launch_lines, split_replays, timeline_lines,
+from lfmspark.tools.timeline import (critical_path, launch_lines, split_replays, timeline_lines,
                                        trace_kernel_launches)
 
 # one replay: gemv runs 0-10; attn starts early at 4 (PDL) and ends at 13: it adds 3; norm starts at

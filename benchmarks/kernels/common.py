@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from lfmspark.runtime.bench import copy_bandwidth_gbps as _measure_copy
-from lfmspark.runtime.bench import median_seconds
+from lfmspark.tools.bench import copy_bandwidth_gbps as _measure_copy
+from lfmspark.tools.bench import median_seconds
 
 
 def copy_bandwidth_gbps() -> float:

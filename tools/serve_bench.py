@@ -29,20 +29,22 @@ from pathlib import Path
 
 import torch
 
-from .async_engine import AsyncEngine
+from ..runtime.async_engine import AsyncEngine
+from ..runtime.config import EngineConfig
+from ..runtime.engine import Engine
+from ..runtime.loader import load_models
+from ..runtime.sampling import SamplingParams
 from .bench import bench_mode
-from .engine import Engine
-from .sampling import SamplingParams
 
 log = logging.getLogger("lfmspark")
 
 
 @dataclass
 class ServeBenchConfig:
-    preset: str | None = None
-    target_dir: str | None = None
-    draft_dir: str | None = None
-    draft_preset: str | None = "default"
+    """The trace and its arrivals; the engines' config is ``engine`` (its ``max_seq_len`` is fitted to
+    the trace by :func:`fitted_seq_len` unless the command line sets one)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
     num_prompts: int = 64
     input_len: int = 512
     output_len: int = 128
@@ -50,17 +52,10 @@ class ServeBenchConfig:
     dataset: str | None = None
     request_rate: float = math.inf
     max_concurrency: int | None = None
-    max_batch: int = 64
-    cuda_graph_sizes: list[int] | None = None      # the batch sizes captured (None: the engine's default)
-    prefill_budget: int = 256                      # Engine(prefill_budget=...)
     # set: each engine first serves the trace all at once (its capacity, requests per second at
     # saturation), then again with Poisson arrivals at this fraction of that capacity
     capacity_fraction: float | None = None
     temperature: float = 0.0
-    imposed_acceptance: list[float] | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
     json_path: str | None = None
 
 
@@ -85,7 +80,7 @@ class _Result:
 
 
 def make_trace(cfg: ServeBenchConfig, vocab: int) -> _Trace:
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.engine.seed)
 
     def length(base: int) -> int:
         lo, hi = max(1, int(base * (1 - cfg.range_ratio))), max(1, int(base * (1 + cfg.range_ratio)))
@@ -132,7 +127,7 @@ async def _drive(engine: AsyncEngine, trace: _Trace, cfg: ServeBenchConfig) -> t
         await asyncio.sleep(max(0.0, start + trace.arrivals[i] - time.perf_counter()))
         async with gate:
             params = SamplingParams(max_new_tokens=trace.output_lens[i], temperature=cfg.temperature,
-                                    seed=cfg.seed + i, ignore_eos=True)
+                                    seed=cfg.engine.seed + i, ignore_eos=True)
             t0 = last = time.perf_counter()
             res = _Result(ok=False)
             try:
@@ -197,19 +192,8 @@ def _summarise(results: list[_Result], duration: float, peak_bytes: int | None, 
     }
 
 
-def _build(cfg: ServeBenchConfig, speculative: bool) -> Engine:
-    from .bench import _dtype
-
-    kw = dict(dtype=_dtype(cfg.dtype), device=cfg.device, max_batch=cfg.max_batch,
-              max_seq_len=_seq_len(cfg), batch_sizes=cfg.cuda_graph_sizes, prefill_budget=cfg.prefill_budget)
-    if speculative and cfg.imposed_acceptance is not None:
-        kw["imposed_acceptance"] = cfg.imposed_acceptance
-    if cfg.target_dir:
-        return Engine.from_pretrained(cfg.target_dir, cfg.draft_dir if speculative else None, **kw)
-    return Engine.from_preset(cfg.preset or "tiny", cfg.draft_preset if speculative else None, seed=cfg.seed, **kw)
-
-
-def _seq_len(cfg: ServeBenchConfig) -> int:
+def fitted_seq_len(cfg: ServeBenchConfig) -> int:
+    """A ``max_seq_len`` that holds the trace's longest request and its verify window."""
     longest = int(cfg.input_len * (1 + cfg.range_ratio)) + int(cfg.output_len * (1 + cfg.range_ratio))
     if cfg.dataset:
         longest = max(longest, 4096)
@@ -220,16 +204,18 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     """Both engines on one trace; the report (also written to ``cfg.json_path``)."""
     if cfg.capacity_fraction is not None and not 0 < cfg.capacity_fraction <= 1:
         raise ValueError(f"capacity_fraction must be in (0, 1], got {cfg.capacity_fraction}")
-    kinds = ["target_only"]
-    if cfg.draft_dir or (not cfg.target_dir and cfg.draft_preset):
-        kinds.append("speculative")
+    models = load_models(cfg.engine)       # one set of weights for both engines
+    kinds = ["target_only"] + (["speculative"] if models.draft is not None else [])
     report: dict = {"schema": 1, "config": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
                                              for k, v in asdict(cfg).items()},
                     "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "results": {}}
-    trace = None
+    trace = make_trace(cfg, models.target.config.vocab_size)
     for kind in kinds:
-        engine = _build(cfg, kind == "speculative")
-        trace = trace or make_trace(cfg, engine.config.vocab_size)
+        if kind == "speculative":
+            engine = Engine.from_config(cfg.engine, models)
+        else:
+            engine = Engine.from_config(cfg.engine.replace(imposed_acceptance=None, verify_widths=None),
+                                        models.without_draft())
         t0 = time.perf_counter()
         engine.warmup(progress=False, sampling=[bench_mode(cfg.temperature, engine)])   # the trace's mode only
         warmup_s = time.perf_counter() - t0
@@ -245,7 +231,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             report["results"][f"{kind}_saturation"] = saturation
             rate = cfg.capacity_fraction * saturation["request_throughput"]
             served = _Trace(trace.prompts, trace.output_lens,
-                            poisson_arrivals(len(trace.prompts), rate, random.Random(cfg.seed + 1)))
+                            poisson_arrivals(len(trace.prompts), rate, random.Random(cfg.engine.seed + 1)))
             log.info("%s: capacity %.2f req/s; serving at %.2f req/s", kind, saturation["request_throughput"], rate)
             if engine.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(engine.device)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams
+from ..runtime.sampling import SamplingParams
 
 log = logging.getLogger("lfmspark")
 
@@ -82,19 +82,20 @@ def record_rounds(engine, prompts: Sequence, params: SamplingParams) -> tuple[to
     if engine.verify_widths != (engine.block_size + 1,):
         raise ValueError("calibration needs every round verified whole: build the engine with "
                          f"verify_widths=[{engine.block_size + 1}]")
-    if engine.draft.confidence_head.temperatures is not None or not engine.steps.want_confidence:
+    if engine.draft.confidence_head.temperatures is not None or not engine.model_runner.steps.want_confidence:
         raise ValueError("calibration reads the raw confidences of every round: set "
-                         "draft.confidence_head.temperatures = None and steps.want_confidence = True before warm-up")
+                         "draft.confidence_head.temperatures = None and model_runner.steps.want_confidence = True "
+                         "before warm-up")
     rows: list[tuple[list[float], int]] = []
 
     def observe(request_id: str, verified: int, accepted: int, confidence: list[float] | None) -> None:
         if confidence is not None and verified == engine.block_size:
             rows.append((confidence, accepted))
 
-    engine.round_observer = observe
+    engine.model_runner.round_observer = observe
     try:
         engine.generate(list(prompts), params)
     finally:
-        engine.round_observer = None
+        engine.model_runner.round_observer = None
     c = torch.tensor([r[0] for r in rows], dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
     return torch.logit(c), torch.tensor([r[1] for r in rows], dtype=torch.int64)

@@ -21,21 +21,22 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from ..environment import VARIABLES
-from ..models.loading import load_draft, load_target
-from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
+from ..models.lfm2_moe import Lfm2MoeBlock, Lfm2MoeExperts
 from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
-from ..ops.routing import exact_scope
-from .distributions import SamplingMode, sampling_mode
-from ..models.lfm2_moe import Lfm2MoeBlock, Lfm2MoeExperts
-from .engine import Engine
-from .sampling import SamplingParams
+from ..runtime.config import EngineConfig
+from ..runtime.distributions import SamplingMode
+from ..runtime.engine import Engine
+from ..runtime.loader import load_models
+from ..runtime.sampling import SamplingParams, sampling_mode
+from ..runtime.steps import Drafted, Verified
+from .hf_baseline import COMPILE_MODES, BaselineFailed, BaselineShape, run_baseline, time_baseline
 from .timeline import launch_lines, timeline_lines, trace_kernel_launches
 
 log = logging.getLogger("lfmspark")
@@ -46,10 +47,11 @@ DEFAULT_IMPOSED_RATE = 0.9     # per-position conditional rate imposed on random
 
 @dataclass
 class BenchConfig:
-    preset: str | None = None
-    target_dir: str | None = None
-    draft_dir: str | None = None
-    draft_preset: str | None = "default"
+    """The benchmark's own settings; the engines' are ``engine`` (its model source names the weights
+    both engines share; ``max_batch``, ``max_seq_len`` and the captured sizes follow the batch sizes
+    and lengths measured)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     prompt_len: int = 128
     output_len: int = 128
@@ -59,17 +61,18 @@ class BenchConfig:
     hf: bool = True
     hf_compile: bool = False
     hf_compile_timeout_s: float = 600.0   # past it the HF compiled baseline is reported as failed
-    device: str | None = None
-    dtype: str = "bfloat16"
-    seed: int = 0
     phase_split: bool = True
     json_path: str | None = None
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
-    prefill_graph_tokens: int = 1024   # the engines' prefill buckets / graphs (0: eager, exact shapes)
-    markov_walk: str = "jacobi"        # Engine(markov_walk=...)
-    verify_widths: list[int] | None = None   # Engine(verify_widths=...): None, the scheduler's default set
-    routing_locality: int | None = None      # Engine(routing_locality=...): MoE benchmark mode, labelled
-    exact: bool = False                      # Engine(exact=...): exact mode (both engines)
+
+    def engine_config(self, block_size: int) -> EngineConfig:
+        """The config of the measured engines (``block_size``: the draft's, 0 without one): lengths and
+        slots for the batches measured, only the batch sizes measured captured."""
+        max_seq_len = self.prompt_len + self.output_len + 64 * (block_size + 1) + 64
+        changes = dict(max_batch=max(self.batch_sizes), max_seq_len=max_seq_len)
+        if self.engine.torch_device().type == "cuda":
+            changes["batch_sizes"] = sorted(set(self.batch_sizes))
+        return self.engine.replace(**changes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +130,7 @@ def prefill_flops(engine: Engine, rows: int, tokens: int) -> int:
     position 0: every weight matrix of the layers once per token (of an MoE layer's experts, the
     ``k`` of ``E`` a token is routed to), the causal attention's scores and weighted values, and the
     LM head once per row (a prefill computes only the last token's logits)."""
-    cfg = engine.config
+    cfg = engine.model_config
     per_token = 0.0
     for module in engine.target.model.layers.modules():
         weights = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
@@ -155,13 +158,13 @@ def step_bytes(engine: Engine, context: int, batch: int) -> int:
     routing-locality mode each row's tokens within its own subset), the KV of ``context`` tokens
     per row, and for a speculative round the draft's own weights, its context KV and a second pass
     over the LM head (the draft projects with the target's)."""
-    cfg = engine.config
+    cfg = engine.model_config
     total = module_bytes(engine.target)
     if cfg.is_moe:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * engine.dtype.itemsize
         n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         k, E, width = cfg.num_experts_per_tok, cfg.num_experts, engine.verify_width
-        subset = engine.routing_locality or E
+        subset = engine.model_runner.routing_locality or E
         per_row = subset * (1 - (1 - k / subset) ** width)            # a row's window within its subset
         touched = E * (1 - (1 - per_row / E) ** batch)                  # the union over rows' random subsets
         total -= int(n_moe * (E - touched) * expert)
@@ -181,23 +184,23 @@ def _sync(device: torch.device) -> None:
 
 def bench_mode(temperature: float, engine: Engine) -> SamplingMode:
     """The sampling mode the benchmark's requests (``temperature``, no other parameter) run in."""
-    return sampling_mode([SamplingParams(temperature=temperature)], engine.config.vocab_size)
+    return sampling_mode([SamplingParams(temperature=temperature)], engine.model_config.vocab_size)
 
 
 def time_replays(engine: Engine, batch: int, iters: int, mode: SamplingMode) -> float:
     """Median seconds of one step (decode or round) for ``batch`` real rows, graph-replayed on a GPU.
     Runs on the slots the measured requests used (now free); their lengths are restored after."""
     slots = list(range(batch))
-    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
+    saved = engine.model_runner.state.seq_len.clone(), engine.model_runner.state.anchor.clone()
     times = []
     for _ in range(iters):
         _sync(engine.device)
         t0 = time.perf_counter()
-        engine.runner.run(engine.step_kind, slots, mode)
+        engine.model_runner.step_runner.run(engine.model_runner.step_kind, slots, mode)
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
-    engine.state.seq_len.copy_(saved[0])
-    engine.state.anchor.copy_(saved[1])
+    engine.model_runner.state.seq_len.copy_(saved[0])
+    engine.model_runner.state.anchor.copy_(saved[1])
     return percentile(times, 50)
 
 
@@ -205,7 +208,7 @@ def time_prefill(engine: Engine, batch: int, prompt_len: int, iters: int) -> tup
     """Median seconds of one prefill of ``batch`` prompts of ``prompt_len`` tokens (a graph replay
     at their bucket when captured, else the eager forward), and the bucket. Every row is a padding
     row (slot ``-1``): the same kernels run, and no state changes."""
-    runner = engine.prefill_runner
+    runner = engine.model_runner.prefill_runner
     chunks, slots = [[1] * prompt_len] * batch, [-1] * batch
     times = []
     for _ in range(iters):
@@ -222,9 +225,9 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     """Milliseconds of the round's phases (draft / verify / accept+commit), each captured as its own
     CUDA graph on a GPU (plain calls elsewhere), for ``batch`` real rows. The phases run the
     engine's compiled regions, so they compile nothing new when the batch size was warmed up."""
-    steps = engine.steps
+    steps = engine.model_runner.steps
     slots = torch.arange(batch, device=engine.device)
-    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()   # each commit advances the rows
+    saved = engine.model_runner.state.seq_len.clone(), engine.model_runner.state.anchor.clone()   # each commit advances the rows
 
     def draft_phase():
         inp = steps.round_inputs(slots, SamplingMode.GREEDY)
@@ -240,8 +243,6 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
     hidden, delta, aux, rows, injected = verify_phase()
 
     def commit_phase():
-        from .steps import Drafted, Verified
-
         # round_commit: with the injection's fork where the verify did not fork it (injected False)
         out = steps.round_commit(steps.round_inputs(slots, SamplingMode.GREEDY), Drafted(tokens, None),
                                  Verified(hidden, delta, aux, rows, injected))
@@ -270,8 +271,8 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
                 _sync(engine.device)
                 times.append(time.perf_counter() - t0)
         result[name + "_ms"] = percentile(times, 50) * 1e3
-    engine.state.seq_len.copy_(saved[0])
-    engine.state.anchor.copy_(saved[1])
+    engine.model_runner.state.seq_len.copy_(saved[0])
+    engine.model_runner.state.anchor.copy_(saved[1])
     return result
 
 
@@ -281,9 +282,9 @@ def distinct_experts_per_verify(engine: Engine, batch: int, rounds: int = 8) -> 
     ``batch`` rows (what bounds the verify's bytes: each distinct expert is read once, ops/moe.py):
     ``rounds`` rounds of the rows the measurement left (as :func:`time_round_phases`), run eagerly so
     that each MoE layer's routing can be read, averaged over layers and rounds."""
-    steps, width = engine.steps, engine.verify_width
+    steps, width = engine.model_runner.steps, engine.verify_width
     slots = torch.arange(batch, device=engine.device)
-    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
+    saved = engine.model_runner.state.seq_len.clone(), engine.model_runner.state.anchor.clone()
     counts: list[int] = []
     blocks = [m for m in engine.target.modules() if isinstance(m, Lfm2MoeBlock)]
 
@@ -304,8 +305,8 @@ def distinct_experts_per_verify(engine: Engine, batch: int, rounds: int = 8) -> 
     finally:
         for block in blocks:
             del block.route                              # the class's method again
-        engine.state.seq_len.copy_(saved[0])
-        engine.state.anchor.copy_(saved[1])
+        engine.model_runner.state.seq_len.copy_(saved[0])
+        engine.model_runner.state.anchor.copy_(saved[1])
     return sum(counts) / len(counts)
 
 
@@ -316,21 +317,21 @@ def profile_replays(engine: Engine, batch: int, path: Path, iters: int = 10) -> 
     from torch.profiler import ProfilerActivity, profile
 
     slots = list(range(batch))
-    saved = engine.state.seq_len.clone(), engine.state.anchor.clone()
-    engine.runner.run(engine.step_kind, slots, SamplingMode.GREEDY)
+    saved = engine.model_runner.state.seq_len.clone(), engine.model_runner.state.anchor.clone()
+    engine.model_runner.step_runner.run(engine.model_runner.step_kind, slots, SamplingMode.GREEDY)
     _sync(engine.device)
     # the device's kernels; on CPU (tests) the host ops, which leave every table empty
     activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(iters):
-            engine.runner.run(engine.step_kind, slots, SamplingMode.GREEDY)
+            engine.model_runner.step_runner.run(engine.model_runner.step_kind, slots, SamplingMode.GREEDY)
         _sync(engine.device)
-    engine.state.seq_len.copy_(saved[0])
-    engine.state.anchor.copy_(saved[1])
+    engine.model_runner.state.seq_len.copy_(saved[0])
+    engine.model_runner.state.anchor.copy_(saved[1])
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in kernels) / iters
-    lines = [f"{engine.step_kind.value} replay, batch {batch}: {total:.1f} us of kernel time per replay, "
+    lines = [f"{engine.model_runner.step_kind.value} replay, batch {batch}: {total:.1f} us of kernel time per replay, "
              f"{sum(e.count for e in kernels) / iters:.0f} kernels per replay",
              f"{'us/replay':>10} {'n/replay':>8}  kernel"]
     lines += [f"{e.device_time_total / iters:10.1f} {e.count / iters:8.1f}  {e.key[:150]}" for e in kernels]
@@ -357,8 +358,8 @@ def _traced_launches(prof) -> list[tuple[str, float, float, str]]:
 def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: float | None,
                    matmul_peak: float | None = None) -> dict:
     """One row: ``cfg.runs`` batches of requests through ``engine``, then step timings."""
-    gen = torch.Generator().manual_seed(cfg.seed + batch)
-    vocab = engine.config.vocab_size
+    gen = torch.Generator().manual_seed(cfg.engine.seed + batch)
+    vocab = engine.model_config.vocab_size
     ttft, tpot, loop_step, taus, accept = [], [], [], [], []
     per_position: list[list[float]] = []
     imposed = False
@@ -368,7 +369,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
     # in its TTFT on the H200; it is reported apart, not mixed into p50/p99
     warm = engine.generate(torch.randint(0, vocab, (1, cfg.prompt_len), generator=gen).tolist(),
                            SamplingParams(temperature=cfg.temperature, max_new_tokens=2, stop_token_ids=[],
-                                          seed=cfg.seed))
+                                          seed=cfg.engine.seed))
     first_ttft = warm[0].stats.ttft_s
     passes_before = jacobi_pass_counts()
     widths_before = dict(engine.speculation_stats.get("rounds_by_width", {}))
@@ -377,7 +378,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         # one seed per request: imposed acceptance draws are keyed by (seed, position), so shared
         # seeds would make every row accept in lockstep
         params = [SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.output_len, stop_token_ids=[],
-                                 seed=cfg.seed + 1000 * run + i) for i in range(batch)]
+                                 seed=cfg.engine.seed + 1000 * run + i) for i in range(batch)]
         outs = engine.generate(prompts, params)
         for o in outs:
             ttft.append(o.stats.ttft_s)
@@ -395,7 +396,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
     passes, walks = (now - before for now, before in zip(jacobi_pass_counts(), passes_before))
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
     step_s = time_replays(engine, batch, iters=20, mode=bench_mode(cfg.temperature, engine))
-    with exact_scope(engine.exact):     # an uncaptured bucket runs the layers eagerly here
+    with engine.model_runner.numerics():     # an uncaptured bucket runs the layers eagerly here
         prefill_s, bucket = time_prefill(engine, batch, cfg.prompt_len, iters=10)
     context = cfg.prompt_len + cfg.output_len
     n_bytes = step_bytes(engine, context, batch)
@@ -433,31 +434,6 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# building the models
-
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                "float32": torch.float32, "fp32": torch.float32}[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use bfloat16, float16 or float32") from None
-
-
-def build_models(cfg: BenchConfig, device: torch.device):
-    dtype = _dtype(cfg.dtype)
-    if cfg.target_dir:
-        target = load_target(cfg.target_dir, dtype=dtype, device=device)
-        draft = load_draft(cfg.draft_dir, target.config, dtype=dtype, device=device) if cfg.draft_dir else None
-        return target, draft, "checkpoint"
-    name = cfg.preset or ("lfm2.5-1.2b" if device.type == "cuda" else "tiny")
-    tcfg = target_preset(name)
-    target = random_target(tcfg, dtype, device, cfg.seed)
-    draft_name = DEFAULT_DRAFT.get(name) if cfg.draft_preset == "default" else cfg.draft_preset
-    draft = random_draft(draft_preset(draft_name), tcfg.hidden_size, dtype, device, cfg.seed + 1) if draft_name else None
-    return target, draft, f"preset {name}" + (f" + {draft_name}" if draft_name else "")
-
-
-# ---------------------------------------------------------------------------------------------
 # the run
 
 def environment(device: torch.device) -> dict:
@@ -485,7 +461,7 @@ def environment(device: torch.device) -> dict:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = cfg.engine.torch_device()
     report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device), "config": asdict(cfg)}
     copy_gbps = copy_bandwidth_gbps(device)
     report["copy_gbps"] = copy_gbps
@@ -494,19 +470,20 @@ def run_bench(cfg: BenchConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)       # the probe's buffers are not the engine's
-    target, draft, source = build_models(cfg, device)
-    report["models"] = source
+    # one set of weights for both engines; no stop tokens: every request runs its output_len
+    models = replace(load_models(cfg.engine), stop_token_ids=())
+    target, draft = models.target, models.draft
+    report["models"] = models.source
     report["target_bytes"] = module_bytes(target)
     report["draft_bytes"] = module_bytes(draft) if draft is not None else 0
-    max_seq_len = cfg.prompt_len + cfg.output_len + 64 * ((draft.config.block_size + 1) if draft else 1) + 64
-    max_batch = max(cfg.batch_sizes)
+    engine_cfg = cfg.engine_config(draft.config.block_size if draft is not None else 0)
     engines: dict[str, Engine] = {}
 
     profiles = cfg.imposed_acceptance
     if profiles is not None and draft is None:
         raise ValueError("--imposed-acceptance needs a draft (it sets the draft's acceptance), and this run has "
                          "none: drop it, or give a draft (--draft-preset, --draft)")
-    if draft is not None and source.startswith("preset") and profiles is None:
+    if draft is not None and cfg.engine.target is None and profiles is None:
         profiles = [[DEFAULT_IMPOSED_RATE]]
         log.info("random-weight draft: imposing a per-position acceptance rate of %.2f (outputs are labelled)",
                  DEFAULT_IMPOSED_RATE)
@@ -523,17 +500,13 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     def engine_for(kind: str) -> Engine:
         if kind not in engines:
-            kw = dict(max_batch=max_batch, max_seq_len=max_seq_len, stop_token_ids=(),
-                      prefill_graph_tokens=cfg.prefill_graph_tokens, routing_locality=cfg.routing_locality,
-                      exact=cfg.exact)
-            if device.type == "cuda":
-                kw["batch_sizes"] = sorted(set(cfg.batch_sizes))
             if kind == "speculative":
-                engines[kind] = Engine(target, draft, imposed_acceptance=imposed, markov_walk=cfg.markov_walk,
-                                       verify_widths=cfg.verify_widths, **kw)
+                engines[kind] = Engine.from_config(engine_cfg.replace(imposed_acceptance=imposed), models)
             else:
-                engines[kind] = Engine(target, None, **kw)
-            engines[kind].steps.count_walk_passes = True   # walk_passes; read when the graphs are traced
+                engines[kind] = Engine.from_config(engine_cfg.replace(imposed_acceptance=None, verify_widths=None),
+                                                   models.without_draft())
+            # walk_passes; read when the graphs are traced
+            engines[kind].model_runner.steps.count_walk_passes = True
             t0 = time.perf_counter()
             rep = engines[kind].warmup(progress=True, sampling=[bench_mode(cfg.temperature, engines[kind])])
             warmups[kind] = {"seconds": time.perf_counter() - t0, **rep.as_dict()}
@@ -549,10 +522,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 json.dump(report, f, indent=2, default=str)
 
     # Order: every engine row first, then the phase splits, then the HF baselines, then the profiles.
-    # On the H200 a process's decode steps ran 20 us slower (rounds up to 50 us) for good once new
-    # small allocator segments had been created on a stream or pool with none cached, as the phase
-    # split's captures do, so work that allocates runs after every
-    # engine timing.
+    # A process's decode steps ran ~20 us slower (rounds up to 50 us) for good once new small allocator
+    # segments had been created on a stream or pool with none cached, as the phase split's captures
+    # do (docs/decisions.md), so work that allocates runs after every engine timing.
     phase_rows: list[tuple[dict, list[float] | None]] = []
     for batch in cfg.batch_sizes:
         log.info("batch %d: target-only", batch)
@@ -573,7 +545,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         for row, profile in phase_rows:
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
-            with exact_scope(engine.exact):     # the phases call the steps directly
+            with engine.model_runner.numerics():     # the phases call the steps directly
                 row.update(time_round_phases(engine, row["batch"], iters=20))
         save()
     if draft is not None and target.config.is_moe:
@@ -581,16 +553,16 @@ def run_bench(cfg: BenchConfig) -> dict:
         for row, profile in phase_rows:
             if profile is not None:
                 engine.set_imposed_acceptance(profile)
-            with exact_scope(engine.exact):
+            with engine.model_runner.numerics():
                 row["distinct_experts_per_verify"] = distinct_experts_per_verify(engine, row["batch"])
-            row["routing_locality"] = cfg.routing_locality
+            row["routing_locality"] = cfg.engine.routing_locality
         report["num_experts"] = target.config.num_experts
         save()
     if cfg.hf:
         for batch in cfg.batch_sizes:
-            results["hf_eager"].append(_hf_row(target, cfg, batch, device, compiled=False))
+            results["hf_eager"].append(hf_row(target, cfg, batch, device, compiled=False))
             if cfg.hf_compile:
-                results["hf_static_compile"].append(_hf_row(target, cfg, batch, device, compiled=True))
+                results["hf_static_compile"].append(hf_row(target, cfg, batch, device, compiled=True))
             save()
     # Profiles come last, after every timing: a torch.profiler session leaves CUPTI attached to the
     # process, which slows later kernel launches (10.0 us per eager launch on
@@ -598,17 +570,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.profile_dir and device.type == "cuda":
         for engine in engines.values():
             batch = min(cfg.batch_sizes)
-            with exact_scope(engine.exact):     # a mode not warmed is captured on first use
-                profile_replays(engine, batch, Path(cfg.profile_dir) / f"profile_{engine.step_kind.value}_bs{batch}.txt")
+            with engine.model_runner.numerics():     # a mode not warmed is captured on first use
+                profile_replays(engine, batch, Path(cfg.profile_dir) / f"profile_{engine.model_runner.step_kind.value}_bs{batch}.txt")
     save()
     return report
 
 
-def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
-    """HF eager ``generate`` runs in this process; static cache + compile runs in a child process
-    (runtime/hf_subprocess.py), so its crash or over-long compile becomes a failed row."""
-    from .hf_baseline import time_baseline
-    from .hf_subprocess import COMPILE_MODES, BaselineFailed, run_baseline
+def hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled: bool) -> dict:
+    """One HF baseline row. Eager ``generate`` runs in this process; static cache + compile runs in a child process
+    (tools/hf_baseline.py), so its crash or over-long compile becomes a failed row."""
+    shape = BaselineShape(batch, cfg.prompt_len, cfg.output_len, cfg.runs, cfg.engine.seed)
 
     label = "HF static cache + torch.compile" if compiled else "HF eager generate"
     log.info("batch %d: %s%s", batch, label, " (child process)" if compiled else "")
@@ -617,7 +588,7 @@ def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled
         if compiled:    # each mode in turn; a crashed attempt is kept in the row, not hidden
             for mode in COMPILE_MODES:
                 try:
-                    timing = run_baseline(cfg, batch, device, compile_mode=mode)
+                    timing = run_baseline(cfg.engine, shape, mode, cfg.hf_compile_timeout_s)
                     row["compile_mode"] = mode
                     break
                 except BaselineFailed as e:
@@ -626,7 +597,7 @@ def _hf_row(target, cfg: BenchConfig, batch: int, device: torch.device, compiled
                     log.warning("%s, mode=%s failed (%s); trying the next mode", label, mode, e)
                     row[f"error_{mode.replace('-', '_')}"] = f"{type(e).__name__}: {e}"[:500]
         else:
-            timing = time_baseline(target, cfg, batch, device)
+            timing = time_baseline(target, shape, device)
         row.update(ttft_ms_p50=timing["ttft_ms"], tpot_ms_p50=timing["tpot_ms"],
                    tok_s_per_user=1e3 / timing["tpot_ms"], tok_s_total=batch * 1e3 / timing["tpot_ms"])
     except Exception as e:       # a baseline that fails is reported as such, not hidden
@@ -653,10 +624,10 @@ def table(report: dict) -> str:
                 continue
             label = name
             note = f"mode={r['compile_mode']}" if "compile_mode" in r else ""
-            locality = report.get("config", {}).get("routing_locality")
+            locality = report.get("config", {}).get("engine", {}).get("routing_locality")
             if locality and key in ("target_only", "speculative"):
                 note = (note + " " if note else "") + f"routing locality {locality}"
-            if report.get("config", {}).get("exact") and key in ("target_only", "speculative"):
+            if report.get("config", {}).get("engine", {}).get("exact") and key in ("target_only", "speculative"):
                 note = (note + " " if note else "") + "exact mode"
             if any(k.startswith("error_") for k in r):
                 note += " (" + ", ".join(k[6:] + " failed" for k in r if k.startswith("error_")) + ")"
