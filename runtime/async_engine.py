@@ -100,6 +100,12 @@ class AsyncEngine:
     def num_running(self) -> int:
         return self.engine.num_running
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose stream has not delivered its last event (0 once everything has ended)."""
+        with self._lock:
+            return len(self._streams)
+
     # -- what a server needs to know -----------------------------------------------------------
     @property
     def tokenizer(self):

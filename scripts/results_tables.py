@@ -26,19 +26,19 @@ and the table's command list there. The prose around the markers is written by h
 
 From ``lfmspark bench --json`` to a row: a report's ``results.target_only`` and
 ``results.speculative`` entries are rows of the TPOT tables (``tpot_lfm2.5-1.2b``,
-``tpot_8b-a1b``). ``--import-bench REPORT --into NAME --commit SHA`` does that mapping:
+``tpot_8b-a1b``). ``--import-bench REPORT --into NAME [--commit SHA]`` does that mapping:
 
 - ``batch`` <- the entry's ``batch``; ``engine`` <- ``target-only`` for ``results.target_only``, else
   ``DSpark, imposed R`` (``imposed_profile``, one rate) or ``DSpark`` (real acceptance); `` (exact)``
-  appended when ``config.exact``;
+  appended when ``config.engine.exact``;
 - ``tpot_p50_ms`` / ``tpot_p99_ms`` <- ``tpot_ms_p50`` / ``tpot_ms_p99`` (3 decimals), ``tau`` <-
   ``tau`` (2 decimals), ``vs_target_only`` <- the target-only entry's ``tpot_ms_p50`` of the same
   batch over the entry's (2 decimals and ``x``);
-- ``preset`` <- ``config.preset`` upper-cased (``LFM2-8B-A1B``), ``output_tokens`` <-
-  ``config.output_len``;
+- ``preset`` <- ``config.engine.preset`` (or the preset ``models`` names) upper-cased
+  (``LFM2-8B-A1B``), ``output_tokens`` <- ``config.output_len``;
 - ``gpu`` <- ``environment.gpu`` (the H100 / H200 / ... part of the device name), ``date`` <-
-  ``environment.date`` (the day), ``command`` <- ``environment.command``, ``commit`` <- ``--commit``
-  (the report does not record one).
+  ``environment.date`` (the day), ``command`` <- ``environment.command``, ``commit`` <-
+  ``environment.commit`` (the checkout the benchmark ran from), or ``--commit`` where it has none.
 
 Only the fields that are columns of the target table are kept, and only entries whose preset the
 table's ``"import"`` list names. The other tables' rows (floors, TTFT, HF baselines, warm-up,
@@ -137,10 +137,15 @@ def short_gpu(name: str) -> str:
     return match.group(1) if match else name
 
 
-def import_bench(report: dict, table: dict, commit: str) -> list[dict]:
+def import_bench(report: dict, table: dict, commit: str | None = None) -> list[dict]:
     """Rows of a TPOT table from one ``lfmspark bench --json`` report (see the module docstring)."""
     env, cfg = report["environment"], report["config"]
-    preset = str(cfg.get("preset") or "")
+    engine_cfg = cfg["engine"]
+    models = re.match(r"preset (\S+)", report.get("models", ""))
+    preset = str(engine_cfg.get("preset") or (models.group(1) if models else ""))
+    commit = commit or env.get("commit")
+    if not commit:
+        raise ValueError("the report records no commit (not run from a git checkout): pass --commit")
     if preset not in table.get("import", []):
         raise ValueError(f"preset {preset!r} is not one this table takes ({table.get('import', [])})")
     results = report["results"]
@@ -155,7 +160,7 @@ def import_bench(report: dict, table: dict, commit: str) -> list[dict]:
             engine = "target-only" if kind == "target_only" else (
                 f"DSpark, imposed {rates[0]:g}" if len(rates) == 1 else "DSpark")
             values = {"preset": preset.upper(), "batch": str(entry["batch"]),
-                      "engine": engine + (" (exact)" if cfg.get("exact") else ""),
+                      "engine": engine + (" (exact)" if engine_cfg.get("exact") else ""),
                       "output_tokens": str(cfg.get("output_len")),
                       "tpot_p50_ms": f"{entry['tpot_ms_p50']:.3f}", "tpot_p99_ms": f"{entry['tpot_ms_p99']:.3f}"}
             if "tau" in entry and kind == "speculative":
@@ -189,13 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--import-bench", metavar="REPORT", type=Path,
                         help="an `lfmspark bench --json` report whose rows go into --into")
     parser.add_argument("--into", metavar="NAME", help="the results table the report's rows go into")
-    parser.add_argument("--commit", help="the commit the report measured (with --import-bench)")
+    parser.add_argument("--commit", help="the commit the report measured, where the report records none")
     args = parser.parse_args(argv)
     results, markdown_path = args.root / "docs" / "results", args.root / "docs" / "benchmarks.md"
 
     if args.import_bench:
-        if not (args.into and args.commit):
-            parser.error("--import-bench needs --into and --commit")
+        if not args.into:
+            parser.error("--import-bench needs --into")
         path = results / f"{args.into}.json"
         table = json.loads(path.read_text(encoding="utf-8"))
         merge(table, import_bench(json.loads(args.import_bench.read_text(encoding="utf-8")), table, args.commit))

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -451,6 +452,7 @@ def environment(device: torch.device) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
+    env["commit"] = source_commit()
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     # the LFMSPARK_* variables set (lfmspark/environment.py) and whether the kernels launch with
@@ -458,6 +460,22 @@ def environment(device: torch.device) -> dict:
     env["variables"] = {name: os.environ[name] for name in sorted(VARIABLES) if name in os.environ}
     env["pdl"] = use_pdl(torch.empty(0, device=device))
     return env
+
+
+def source_commit() -> str | None:
+    """The commit of the checkout lfmspark runs from (``+dirty`` with uncommitted changes), or None
+    outside a git checkout: every results row names the commit it measured."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def run_bench(cfg: BenchConfig) -> dict:

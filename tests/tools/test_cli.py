@@ -57,20 +57,32 @@ def test_bench_runs_on_the_tiny_preset_and_writes_the_documented_json(tmp_path, 
     for r in res["hf_eager"]:
         assert "error" in r or r["tpot_ms_p50"] > 0
     assert "target_only" in report["warmup"] and "speculative" in report["warmup"]
-    # docs/benchmarks.md's tables come from this JSON (scripts/bench_markdown.py): a line per engine row
-    script = Path(__file__).parents[1] / "scripts" / "bench_markdown.py"
-    table = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=60)
-    assert table.returncode == 0, table.stderr
-    rows = [line.split(" | ")[:2] for line in table.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[1:7] == [["| target-only (graphs)", "1"], ["| target-only (graphs)", "2"],
-                         ["| DSpark, imposed 0.5", "1"], ["| DSpark, imposed 1", "1"],
-                         ["| DSpark, imposed 0.5", "2"], ["| DSpark, imposed 1", "2"]]
-    assert "round split, batch 2, DSpark, imposed 1: draft" in table.stdout
+    # docs/benchmarks.md's tables are rendered from rows of such reports (scripts/results_tables.py)
+    import_bench = results_tables().import_bench
+    table = {"import": ["tiny"], "columns": [{"key": k} for k in ("preset", "batch", "engine", "tpot_p50_ms", "tau")]}
+    rows = import_bench(report, table, commit="abc1234")
+    assert [(r["batch"], r["engine"]) for r in rows] == [
+        ("1", "target-only"), ("2", "target-only"), ("1", "DSpark, imposed 0.5"), ("1", "DSpark, imposed 1"),
+        ("2", "DSpark, imposed 0.5"), ("2", "DSpark, imposed 1")]
+    assert all(r["preset"] == "TINY" and r["commit"] == "abc1234" and r["command"].startswith("lfmspark bench")
+               for r in rows)
+    assert [r["tpot_p50_ms"] for r in rows[:2]] == [f"{r['tpot_ms_p50']:.3f}" for r in res["target_only"]]
+
+
+def results_tables():
+    """scripts/results_tables.py as a module."""
+    import importlib.util  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "results_tables.py"
+    spec = importlib.util.spec_from_file_location("results_tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_times_every_engine_row_before_the_phase_splits_and_hf(tmp_path, monkeypatch):
-    # on the H200 new small allocations slowed every later step of a process (docs/benchmarks.md,
-    # session 12), so the work that allocates (phase-split captures, HF) comes after the engine rows
+    # new small allocations slow every later step of a process (docs/decisions.md), so the work that
+    # allocates (phase-split captures, HF) comes after the engine rows
     from lfmspark.tools import bench  # noqa: PLC0415
 
     calls: list[tuple[str, int]] = []

@@ -51,7 +51,7 @@ def run(coro, timeout: float = 120):
 def assert_clean(ae: AsyncEngine) -> None:
     """No slot, stream or waiting request left; the engine thread collects a trailing round (launched
     before its last request finished) on its own, so idleness may take one more step."""
-    assert ae.engine.scheduler.pool.in_use == 0 and not ae._streams and ae.num_waiting == 0
+    assert ae.engine.scheduler.pool.in_use == 0 and ae.num_open_streams == 0 and ae.num_waiting == 0
     deadline = time.monotonic() + 5
     while not ae.engine.idle:
         assert time.monotonic() < deadline, "the engine thread left a round in flight"
@@ -193,7 +193,7 @@ def test_shutdown_with_requests_in_flight(target, draft, drain):
             for r in results:
                 assert isinstance(r, EngineShutdownError) or r[1].finish_reason in ("cancelled", "length")
             assert any(not isinstance(r, Exception) and r[1].finish_reason == "cancelled" for r in results)
-        assert ae.engine.scheduler.pool.in_use == 0 and not ae._streams
+        assert ae.engine.scheduler.pool.in_use == 0 and ae.num_open_streams == 0
         with pytest.raises(EngineShutdownError):
             await collect(ae, [1], None)
 
