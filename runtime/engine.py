@@ -61,13 +61,12 @@ class Engine:
                  *, tokenizer=None, stop_token_ids: Sequence[int] = (), sampling_defaults: dict | None = None,
                  **options):
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
-        self.config = (config or EngineConfig()).replace(**options)
+        self.config = cfg = (config or EngineConfig()).replace(**options)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.sampling_defaults = dict(sampling_defaults or {})
         SamplingParams(**self.sampling_defaults).validate(target.config.vocab_size)   # a bad default fails here
-        self.model_runner = ModelRunner(target, draft, self.config)
-        cfg = self.config
+        self.model_runner = ModelRunner(target, draft, cfg)
         self.scheduler = Scheduler(cfg.max_batch, cfg.prefill_chunk, cfg.prefill_budget, alignment=cfg.prefix_block)
         self.limits = RequestLimits(target.config.vocab_size, cfg.max_seq_len, self.model_runner.verify_width,
                                     cfg.max_batch, tokenizer, cfg.chat, self.stop_token_ids)
@@ -281,10 +280,8 @@ class Engine:
         """The first half of :meth:`step`: admit queued requests and run this step's prefill, without
         launching a round (for code that runs the rounds itself, such as tests of the round)."""
         with self._lock:
-            events: list[StreamEvent] = []
             self._admit()
-            self._prefill(events)
-            return events
+            return self._prefill()
 
     def _admit(self) -> None:
         """Give queued requests free slots (runtime/scheduler.py); at a step where nothing decodes,
@@ -300,10 +297,11 @@ class Engine:
             self.model_runner.admit(group)
             self.scheduler.begin_prefill(group[0], group[1:])
 
-    def _prefill(self, events: list[StreamEvent]) -> None:
+    def _prefill(self) -> list[StreamEvent]:
         """Run the prefill forwards the scheduler plans for this step (one while requests decode,
         else every prompt to its end); requests whose prompt completes get their first token and
         decode from the next round on. A failure ends the requests of the failing forward only."""
+        events: list[StreamEvent] = []
         started = []
         while (plan := self.scheduler.next_prefill()) is not None:
             try:
@@ -315,13 +313,12 @@ class Engine:
                 break
             if plan.budgeted:
                 break                            # one budgeted forward per step
-        if not started:
-            return
         now = time.perf_counter()
-        for first in self.model_runner.read_first_tokens(started):
+        for first in self.model_runner.read_first_tokens(started) if started else []:
             first.request.first_token_at = now
             self.scheduler.start_running(first.request)
             events.append(self._emit(first))
+        return events
 
     def _contain(self, error: BaseException, concerned: list[Request], events: list[StreamEvent]) -> None:
         """Fail the requests a failure concerns. A device error fails every request and kills the
@@ -371,12 +368,11 @@ class Engine:
     def _end(self, req: Request, reason: str, error: BaseException | None = None) -> StreamEvent:
         """Finish a request outside the token flow (cancelled, timeout, error) and deliver its last event."""
         req.error = error
-        delta = req.final_text()
-        return self._deliver(req, req.event([], delta, output=self._finish(req, reason)))
+        return self._deliver(req, req.event([], req.final_text(), output=self._finish(req, reason)))
 
     def _deliver(self, req: Request, event: StreamEvent) -> StreamEvent:
-        """Hand an event to the request's consumer and return it; a consumer that raises ends its own
-        request, and the event returned is then that request's last."""
+        """Hand an event to the request's consumer; one that raises ends its own request (the event
+        returned is then that request's last)."""
         if req.sink is None:
             return event
         try:
