@@ -14,7 +14,9 @@ window, the batch or the SMs: 16-row query tiles, 64-key blocks, and key slices 
 of absolute positions (``plan_launch``). A query then visits the same key blocks in the same order
 and its slices merge in the same order whether it is a decode step's token, a verify window's or a
 prefill chunk's, alone or among other rows: its output bits depend only on its own query and the
-cache. (Key blocks past a row's end are masked to exact no-ops of the online softmax.)
+cache. (Key blocks past a row's end are masked to exact no-ops of the online softmax.) That also
+takes a dot that computes a row alike wherever it sits in the tile: the GPU's ``tl.dot`` does; the
+interpreter's (the CPU's BLAS) need not, so on CPU exact mode sums the products itself (``_exact_dot``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return c
 
 
+@triton.jit
+def _exact_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROWWISE: tl.constexpr):
+    # ROWWISE (exact mode on CPU): the interpreter's tl.dot is numpy's matmul, i.e. the machine's BLAS,
+    # whose kernels may sum a row's products in an order that follows the row's position in the
+    # product (OpenBLAS's AVX2 sgemm: rows 0-5, 6-11 and 12-15 of a 16-row product, three orders),
+    # so a query's bits would follow its place in the tile. The GPU's dot computes every row with
+    # the same instructions. Under ROWWISE each element is its row's products summed in k order,
+    # whatever the row's position, the other rows or the BLAS build.
+    if ROWWISE:
+        c = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    else:
+        c = _dot(a, b, PRECISION, UPCAST)
+    return c
+
+
 # The ints that change with the prompt length and the batch are not specialized (Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" class of each): every prefill shape of one
 # launch class (``AttentionLaunch.variant``) then shares one binary, which the engine's prefill
@@ -56,7 +73,7 @@ def _cache_attention_kernel(
     stride_cs, stride_cp, stride_ch,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    FIXED_SLICES: tl.constexpr, PDL: tl.constexpr,
+    DOT_ROWWISE: tl.constexpr, FIXED_SLICES: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -107,7 +124,7 @@ def _cache_attention_kernel(
         keys = n0 + tl.arange(0, BLOCK_N)
         kv_offs = keys[:, None] * stride_cp + dims[None, :]
         k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        qk = _exact_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST, DOT_ROWWISE) * qk_scale
         qk = tl.where(keys[None, :] < row_end[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # a row with no visible key yet keeps m = -inf: shift by 0 instead so exp2 gives 0, not NaN
@@ -116,7 +133,7 @@ def _cache_attention_kernel(
         p = tl.exp2(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _exact_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST, DOT_ROWWISE)
         m_i = m_new
 
     _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, (b * T + t) * H + h, row_ok, split,
@@ -321,7 +338,8 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
-        DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, FIXED_SLICES=exact,
+        DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        DOT_ROWWISE=exact and q.device.type != "cuda", FIXED_SLICES=exact,  # _exact_dot
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_kwargs(q),
     )
     combine_splits(part_m, part_l, part_acc, out)

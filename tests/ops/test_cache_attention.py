@@ -220,7 +220,10 @@ def test_exact_plan_gives_a_query_the_same_bits_in_any_window_and_batch(triton_d
     """The query at absolute position ``p`` of slot 2, run as a decode step (alone, and beside other
     rows), at position 4 of a verify window and at position 20 of a 33-token prefill chunk (other
     queries random, the window's keys already in the cache, as the engine writes them first): the
-    same output bits each time, and the reference's values within rounding."""
+    same output bits each time, and the reference's values within rounding. The query sits at rows
+    0-1 of its 16-row tile alone and at rows 8-9 in the window and the chunk; under the interpreter
+    the kernel's exact dots are its own per-element sums (``_exact_dot``), as numpy's BLAS may sum a
+    row by its position in the product (the GPU's dot does not)."""
     hd, n_heads, n_kv, p = 16, 4, 2, S - 40
     g = torch.Generator().manual_seed(5)
     k_cache = torch.randn(LAYERS, SLOTS, S, n_kv, hd, generator=g).to(triton_device, dtype)
