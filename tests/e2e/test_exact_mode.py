@@ -3,7 +3,7 @@ interpreter here, ``LFMSPARK_TRITON_ON_CPU=1``), greedy speculative output equal
 output token for token with drafts that are accepted often and rarely, and a request's tokens and
 log-probabilities do not depend on the batch it shares. The per-kernel guarantees behind it are
 tested with each op (tests/ops/test_exact_linear.py, test_exact_swiglu.py, test_exact_norm.py, test_cache_attention.py,
-test_moe.py); tests/test_exact_mode_gpu.py holds the GPU runs the issue asks for."""
+test_moe.py); tests/test_exact_mode_gpu.py holds the GPU runs (bf16, CUDA graphs, the presets' shapes)."""
 
 from __future__ import annotations
 

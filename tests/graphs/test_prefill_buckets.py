@@ -97,8 +97,8 @@ def test_bad_prefill_settings_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("shape", [(1, 16), (1, 17), (3, 75), (4, 128), (5, 1000), (7, 33)])
 def test_packed_chunk_inputs_are_16_byte_aligned_views_that_round_trip(shape):
-    """Triton specializes kernels on 16-byte pointer alignment: a misaligned ``start`` compiled a
-    variant the warm-up had not (H200, 2026-11-30). Every input view starts on 16 bytes, is
+    """Triton specializes kernels on 16-byte pointer alignment: a misaligned ``start`` would compile
+    a variant the warm-up has not. Every input view starts on 16 bytes, is
     contiguous, and holds what was packed (padding rows: slot -1, length 0; padding tokens 0)."""
     R, W = shape
     chunks = [[r * 10 + t + 1 for t in range(W - r)] for r in range(R - 1)]
