@@ -28,7 +28,7 @@ kinds); a greedy round the draft head, the later draft layer, the draft tail, th
 verify head, the later target layer kinds, the injection and the commit (8). The step as a
 whole is still captured into one CUDA graph per batch size (graphs/capture.py). Between regions
 the step runs no tensor computation, only the per-layer cache slicing (views, no kernels;
-tests/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
+tests/runtime/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
 code (Inductor's kernels, the lfmspark ops, extern GEMMs), so the chain of PDL kernels
 (ops/_dispatch.py) is not cut by loose ATen kernels, each of which would be a CUDA-graph node of
 its own launched without PDL and cost its full launch latency. Each layer receives its one-layer
@@ -107,7 +107,7 @@ def configure_compile(n_variants: int) -> None:
     # fused decode kernels (add_rmsnorm_gemv, skinny_swiglu) round there, as HF eager does; with the
     # rounding elided, a verify's compiled unfused layers computed slightly different numbers than
     # the decode step's kernels, and bf16 speculation diverged from target-only decoding far more
-    # often (tests/test_graphs_gpu.py: 1 of 8 sequences identical).
+    # often (tests/graphs/test_graphs_gpu.py: 1 of 8 sequences identical).
     inductor.emulate_precision_casts = True
     dynamo = torch._dynamo.config
     dynamo.automatic_dynamic_shapes = True     # the batch dimension (module doc)

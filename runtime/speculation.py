@@ -20,7 +20,7 @@ engine then runs at target-only speed.
 to ``r - 1`` returned (the loop is pipelined: runtime/engine.py), so it cannot depend on any token
 round ``r + 1`` drafts. That is DeepSeek's production form of Algorithm 1 (§6.4: a capacity from
 confidences two steps old). The peeking alternative, a width chosen from the current block's own
-confidences, changes the output distribution (the paper's Appendix A; tests/test_speculation.py).
+confidences, changes the output distribution (the paper's Appendix A; tests/runtime/test_speculation.py).
 
 **The survival estimates** ``a_{r,j}``: the cumulative product of the confidences the draft's
 confidence head gave request ``r`` in its last drafted round (``c_k`` reads ``x_{k-1}``, never

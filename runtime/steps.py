@@ -11,7 +11,7 @@ layers after the first are compiled too, one graph per kind.
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 
-No tensor computation runs between two regions (tests/test_step_glue.py counts it): uncompiled,
+No tensor computation runs between two regions (tests/runtime/test_step_glue.py counts it): uncompiled,
 each op there would be a CUDA-graph node of its own that cannot join the programmatic-dependent-
 launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
 it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that

@@ -1,7 +1,7 @@
 """Prefill at bucket shapes (graphs/prefill.py), on CPU: the bucket list, the choice of a bucket,
 and that padding a chunk to its bucket (padding rows with slot -1, padding columns past each
 row's length) computes what the chunk at its own shape computes: the same caches, draft context,
-slot state and tokens. The graphs themselves are tested on the GPU (tests/test_prefill_graphs_gpu.py).
+slot state and tokens. The graphs themselves are tested on the GPU (tests/graphs/test_prefill_graphs_gpu.py).
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def test_a_request_without_speculation_shares_rounds_and_accepts_no_draft():
 def test_scheduled_sampled_rounds_follow_the_target_distribution():
     """Sampling with rounds that switch between width 1 (no draft: the target's own draw), width 3
     (probes) and the whole block (before any estimate), and requests capped at 0 and 1 beside uncapped ones: the 2nd and 3rd tokens follow the
-    exact target distribution (chi-square, as tests/test_lossless_sampling.py)."""
+    exact target distribution (chi-square, as tests/e2e/test_lossless_sampling.py)."""
     setting = dict(temperature=0.7, top_k=5, top_p=0.9)
     target = random_tiny_target(seed=3, vocab=VOCAB)
     draft = random_tiny_draft(block=3, seed=4, vocab=VOCAB)
