@@ -84,7 +84,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         # the pool's growth: release cached blocks first, or the capture may recycle them and the
-        # difference comes out negative (seen on the H200)
+        # difference comes out negative
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -106,7 +106,7 @@ class CudaGraphRunner:
         (graphs/compile.py: the batch dimension turns symbolic at the second size compiled, with that
         size as its hint), then the rest, largest first, so the smaller graphs reuse the shared
         pool's memory. Then the rounds' replay times are measured (:meth:`profile_rounds`), when
-        there is a choice of width for the scheduler to make."""
+        there is a choice of width for the width policy to make."""
         from torch._dynamo.utils import counters
 
         report = WarmupReport(mode="cuda-graphs")
@@ -156,7 +156,7 @@ class CudaGraphRunner:
 
     def profile_rounds(self, modes: Sequence[SamplingMode], replays: int = 7) -> None:
         """Measure each captured round's replay time (the median of ``replays``, padding rows only:
-        the same kernels a full batch runs, and no state changes) into :attr:`costs`: the scheduler's
+        the same kernels a full batch runs, and no state changes) into :attr:`costs`: the width policy's
         cost table (runtime/speculation.py), per sampling mode, batch size and verify width."""
         stream = torch.cuda.current_stream(self.device)
         for (kind, mode, bs, width), captured in self._graphs.items():

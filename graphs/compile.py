@@ -21,14 +21,14 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
 The step module declares its regions (``@region`` in runtime/steps.py); :func:`compile_regions`
 compiles what it declares, plus every layer after the first.
 
-A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which is what
-made whole-step compiles take about a minute per batch size on the H200. Per batch size: decode
-compiles its head, one graph per later layer kind and its tail (4 for a dense LFM2 whose later
-layers have both kinds); a greedy round the draft head, the later draft layer, the draft tail, the
+A 16-layer target then costs three layer compiles instead of sixteen inlined layers, which make a
+whole-step compile take about a minute per batch size. Per batch size: decode compiles its head,
+one graph per later layer kind and its tail (4 for a dense LFM2 whose later layers have both
+kinds); a greedy round the draft head, the later draft layer, the draft tail, the
 verify head, the later target layer kinds, the injection and the commit (8). The step as a
 whole is still captured into one CUDA graph per batch size (graphs/capture.py). Between regions
 the step runs no tensor computation, only the per-layer cache slicing (views, no kernels;
-tests/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
+tests/runtime/test_step_glue.py checks this): every kernel of the captured step is launched by compiled
 code (Inductor's kernels, the lfmspark ops, extern GEMMs), so the chain of PDL kernels
 (ops/_dispatch.py) is not cut by loose ATen kernels, each of which would be a CUDA-graph node of
 its own launched without PDL and cost its full launch latency. Each layer receives its one-layer
@@ -107,7 +107,7 @@ def configure_compile(n_variants: int) -> None:
     # fused decode kernels (add_rmsnorm_gemv, skinny_swiglu) round there, as HF eager does; with the
     # rounding elided, a verify's compiled unfused layers computed slightly different numbers than
     # the decode step's kernels, and bf16 speculation diverged from target-only decoding far more
-    # often (tests/test_graphs_gpu.py: 1 of 8 sequences identical).
+    # often (tests/graphs/test_graphs_gpu.py: 1 of 8 sequences identical).
     inductor.emulate_precision_casts = True
     dynamo = torch._dynamo.config
     dynamo.automatic_dynamic_shapes = True     # the batch dimension (module doc)
@@ -124,8 +124,8 @@ class CacheKeyOfOps(CustomGraphPass):
     Why: a compiled region checks every custom op's outputs against the shapes the op's fake kernel
     gave when it was compiled, and some of those follow launch parameters (the ssq partials of
     ``lfmspark::skinny_linear_add_norm`` have one row per column tile, whose width ``LFMSPARK_TUNE``
-    may change). A graph cached under another tuning table, or by an older heuristic, then failed
-    its size assert at the first run.
+    may change). A graph cached under another tuning table, or by an older heuristic, would then
+    fail its size assert at the first run.
 
     ``inner``: a pass the process had installed in this slot; it still runs, and its ``uuid`` joins
     the key (none, or a plain callable without one, turns Inductor's caching off, as it would alone)."""
@@ -151,7 +151,7 @@ class CacheKeyOfOps(CustomGraphPass):
 
 def inductor_pdl_enabled() -> bool:
     """Whether Inductor's kernels follow the PDL contract too: with lfmspark's (unless ``LFMSPARK_PDL=0``;
-    on the H200 it took 0.1 ms off the batch-1 round).
+    it takes ~0.1 ms off the batch-1 round: docs/decisions.md, "Launch parameters and PDL").
 
     Inductor's PDL codegen (``triton.enable_pdl``) skips ``gdc_wait`` in a kernel that does not
     touch what the kernel scheduled just before it wrote. That breaks the chain: such a kernel can

@@ -1,10 +1,9 @@
 """Prefill at bucket shapes, replayed from CUDA graphs when captured (the TTFT path).
 
-Why: an eager prefill launches each of its kernels from Python. For LFM2.5-1.2B on the H200 a
-128-token prompt took 14-21 ms that way, most of it host-side launch
-work, while the GPU needs a fraction of that: below a few hundred tokens a prefill is bound by
-reading the weights once, like a decode step. A captured graph replays the same kernels without
-the host in the loop.
+Why: an eager prefill launches each of its kernels from Python. For LFM2.5-1.2B on a GPU a
+128-token prompt takes 14-21 ms that way, most of it host-side launch work, while the GPU needs a
+fraction of that: below a few hundred tokens a prefill is bound by reading the weights once, like
+a decode step. A captured graph replays the same kernels without the host in the loop.
 
 Buckets: a graph has fixed shapes, so a chunk of ``rows`` prompts of up to ``width`` tokens runs at
 the smallest bucket ``(R, W)`` that holds it (:func:`prefill_buckets`, :meth:`PrefillRunner.bucket`):
@@ -24,14 +23,15 @@ forward is captured (:meth:`lfmspark.runtime.steps.Steps.prefill_logits`); picki
 and writing the slot state stay eager (a few kernels), so greedy and sampling share the graphs.
 
 On by default (``Engine(prefill_graph_tokens=1024)``; ``0`` runs every chunk eagerly at its own
-shape). On the H200 the buckets take the TTFT of a 128-token prompt from 12-20 ms to 2.3-2.5 ms
-(LFM2.5-1.2B). Sessions 11-12 kept them opt-in because, captured after the step graphs, they left
-every later decode step ~20 us slower (batch 1: 0.731 -> 0.752 ms per token). Session 13 found this
-to be a driver-level state of CUDA graphs with PDL edges: a synthetic chain of
-PDL launches replays ~12% slower for good once the process has captured its fourth graph, or once a
-kernel on a side stream has been the first to write newly allocated memory. Captured *before* the
-step graphs, the buckets cost the decode nothing (0.731 ms), so :meth:`Engine.warmup` now warms and
-captures the prefill first, and the eager bucket runs stay on the current stream.
+shape). The buckets take the TTFT of a 128-token prompt from 12-20 ms to 2.3-2.5 ms
+(LFM2.5-1.2B; docs/benchmarks.md, "TTFT"). Captured after the step graphs, they would leave every
+later decode step ~20 us slower (batch 1: 0.731 -> 0.752 ms per token; docs/decisions.md, "Prefill,
+warm-up and the allocator"): a driver-level state of CUDA graphs with PDL edges, in which a
+synthetic chain of PDL launches replays ~12% slower for good once the process has captured its
+fourth graph, or once a kernel on a side stream has been the first to write newly allocated memory.
+Captured *before* the step graphs, the buckets cost the decode nothing (0.731 ms), so
+:meth:`Engine.warmup` warms and captures the prefill first, and the eager bucket runs stay on the
+current stream.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class PrefillRunner:
         engine's state changes.
 
         Why the eager runs are on the current stream: a kernel on a side stream that is the first to
-        write new memory made every later decode step 20 us slower on the H200 (module doc)."""
+        write new memory makes every later decode step 20 us slower (module doc)."""
         if self.device.type != "cuda":
             return []
         if capture and self._pool is None:

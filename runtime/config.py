@@ -214,9 +214,9 @@ class EngineConfig:
         e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d.logprobs_mode,
                        help="what logprobs are of: the raw logits or the processed ones each token was drawn from "
                             f"(default: {d.logprobs_mode})")
-        e.add_argument("--verify-widths", type=int_list, metavar="WIDTHS", help="verify widths the scheduler "
-                       "picks from each round (default: 1 and the whole block; the block size + 1 alone: the whole "
-                       "block every round)")
+        e.add_argument("--verify-widths", type=int_list, metavar="WIDTHS", help="verify widths the width "
+                       "policy picks from each round (default: 1 and the whole block; the block size + 1 alone: "
+                       "the whole block every round)")
         e.add_argument("--prefix-cache-tokens", type=_int_from(0), default=None, help="the prefix cache's budget "
                        "in tokens (default: half the slots' worth; 0: off)")
         e.add_argument("--prefix-block", type=_int_from(1), default=d.prefix_block,

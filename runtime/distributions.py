@@ -21,7 +21,7 @@ Two ways to the same threshold (:class:`SamplingMode`, chosen per batch on the h
   from the candidates alone.
 
 The whole-row sums (``z``, and ``z_k`` of the top-k path) run in ``lfmspark::row_mass``, not in
-Inductor: fused with the draft walk's other work, Inductor (torch 2.11) failed to generate them.
+Inductor: fused with the draft walk's other work, Inductor (torch 2.11) fails to generate them.
 
 Drawing: the exponential race ``argmax_i p_i / E_i`` over the whole vocabulary
 (runtime/randomness.py), with ``p`` written pointwise from ``x`` and the row's three numbers. The same uniforms at the same token ids as
@@ -154,8 +154,8 @@ def _threshold_from_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torc
     z_k = row_mass(x, top, kth)
     e = torch.exp(vals - top[:, None]) * (vals >= kth[:, None])
     # the mass before each candidate as a masked sum over the candidates before it (64 x 64 products per
-    # row): it keeps every reduction Inductor generates here a plain sum; scans fused into the sampling
-    # tail have failed its Triton codegen before (see row_prefix_sums)
+    # row): it keeps every reduction Inductor generates here a plain sum; a scan fused into the sampling
+    # tail can fail its Triton codegen (see row_prefix_sums)
     idx = torch.arange(m, device=x.device)
     mass_before = (e[:, :, None] * (idx[:, None] < idx[None, :])).sum(dim=1) / z_k[:, None]
     # the kept prefix's length; when all m candidates are kept the prefix ends at the k-th value (ties beyond

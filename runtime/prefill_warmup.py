@@ -17,9 +17,10 @@ def prefill_warm_shapes(max_batch: int, longest: int,
     """The ``(rows, length)`` prefills that compile every Triton variant a prefill can need, for
     prompts of up to ``longest`` tokens per chunk.
 
-    On the H200 each variant a first request compiled cost it 0.3-0.6 s of TTFT.
-    Which variant a kernel needs is decided by compile-time choices
-    and by Triton's specialization of integer arguments ("== 1", "% 16 == 0"):
+    Each variant a first request compiles costs it 0.3-0.6 s of TTFT on a GPU (a first 128-token
+    request: 577 ms without the warm-up, 22.9 ms with it; docs/decisions.md, "Prefill, warm-up and
+    the allocator"). Which variant a kernel needs is decided by compile-time choices and by
+    Triton's specialization of integer arguments ("== 1", "% 16 == 0"):
 
     - the row count selects the LM head's and argmax's tiles: every row count, at length 16;
     - the length: one token, a multiple of 16 (above) and not (17);

@@ -50,7 +50,7 @@ class SamplingParams:
     ``logprobs_mode`` (runtime/logprobs.py): by default the target's raw logits, as vLLM returns them;
     an accepted draft token's log-probability is the target's, never the draft's.
     ``max_speculative_tokens``: the most draft tokens a round may accept for this request (``0``:
-    speculation off for it; ``None``: as the engine's scheduler decides, runtime/speculation.py).
+    speculation off for it; ``None``: as the engine's width policy decides, runtime/speculation.py).
     Such a request shares its rounds with the others; its output does not depend on the setting.
     """
 

@@ -12,7 +12,7 @@ block; any widths in between may be added) and picks one per round here.
 chance that drafts ``1..j`` all survive (``limit_r``: its ``max_speculative_tokens``), and
 ``cost(B, W)`` the replay time of the captured round at the padded batch size, measured at warm-up
 (graphs/capture.py ``profile_rounds``). Without measurements (eager or CPU engines) every width
-costs the same and the whole block wins, which is what the engine did before the scheduler. Width 1
+costs the same and the whole block wins, as in an engine with one verify width. Width 1
 wins where drafting and verifying cost more than they return (large batches, poor drafts), and the
 engine then runs at target-only speed.
 
@@ -20,7 +20,7 @@ engine then runs at target-only speed.
 to ``r - 1`` returned (the loop is pipelined: runtime/engine.py), so it cannot depend on any token
 round ``r + 1`` drafts. That is DeepSeek's production form of Algorithm 1 (§6.4: a capacity from
 confidences two steps old). The peeking alternative, a width chosen from the current block's own
-confidences, changes the output distribution (the paper's Appendix A; tests/test_speculation.py).
+confidences, changes the output distribution (the paper's Appendix A; tests/runtime/test_speculation.py).
 
 **The survival estimates** ``a_{r,j}``: the cumulative product of the confidences the draft's
 confidence head gave request ``r`` in its last drafted round (``c_k`` reads ``x_{k-1}``, never
@@ -55,11 +55,11 @@ ESTIMATE_DECAY = 0.02
 
 def default_verify_widths(gamma: int) -> tuple[int, ...]:
     """1 (no draft) and the whole block ``gamma + 1``. Why not the widths between: a round pays the
-    whole draft forward at every width, so a narrower verify saves only part of the round; on the
-    H100 at imposed acceptance 0.8 the scheduler never chose 3 or 5 over the whole block at batch
-    1-64 (docs/benchmarks.md, session 28), and each width is another captured variant of the round
-    at every batch size and sampling mode (warm-up time). ``Engine(verify_widths=[1, 3, 5, 10])``
-    adds them."""
+    whole draft forward at every width, so a narrower verify saves only part of the round; at
+    imposed acceptance 0.8 the width policy never chose 3 or 5 over the whole block at batch 1-64
+    (docs/decisions.md, "Speculation scheduling"), and each width is another captured variant of
+    the round at every batch size and sampling mode (warm-up time).
+    ``Engine(verify_widths=[1, 3, 5, 10])`` adds them."""
     return (1, gamma + 1)
 
 
@@ -89,8 +89,8 @@ def expected_tokens(survivals: ArrayLike, limits: ArrayLike, width: int) -> floa
 def choose_width(survivals: ArrayLike, limits: ArrayLike, widths: Sequence[int], cost: Mapping[int, float]) -> int:
     """The width of ``widths`` with the most expected tokens per second (:func:`expected_tokens` over
     ``cost[width]`` seconds); ties go to the narrower width. Array work over the rows: it runs on the
-    host every round, and at 128 rows a loop per row outlasted the GPU's round (docs/benchmarks.md,
-    session 29)."""
+    host every round, and at 128 rows a loop per row outlasts the GPU's round (docs/decisions.md,
+    "Speculation scheduling")."""
     sums, limits = _survival_sums(survivals), np.asarray(limits)
     best, best_rate = widths[0], -1.0
     for w in sorted(widths):

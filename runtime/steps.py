@@ -11,16 +11,15 @@ layers after the first are compiled too, one graph per kind.
 The only input of a step is ``slots [B]`` (``-1`` = padding row); everything else is read from the
 per-slot state. Outputs are the committed new tokens per row.
 
-No tensor computation runs between two regions (tests/test_step_glue.py counts it): uncompiled,
+No tensor computation runs between two regions (tests/runtime/test_step_glue.py counts it): uncompiled,
 each op there would be a CUDA-graph node of its own that cannot join the programmatic-dependent-
 launch chain of the compiled kernels (ops/_dispatch.py). So each region reads the per-slot state
 it needs (committed length, anchor, sampling parameters) from ``slots`` itself, a gather that
 Inductor fuses into the region's kernels, and a head computes what its layers share (the window's
 lens) as its outputs; the attention layers read their RoPE rows from the table themselves (a
-region output is materialised even where no later region reads it, as the draft's cos/sin were
-on its fused path). Between regions the step only slices the caches per layer (views: no
-kernels). The verify hands its aux taps to the commit region unjoined, which concatenates them
-for the draft's context injection.
+region output is materialised even where no later region reads it). Between regions the step
+only slices the caches per layer (views: no kernels). The verify hands its aux taps to the commit
+region unjoined, which concatenates them for the draft's context injection.
 
 One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
 draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
@@ -113,7 +112,7 @@ class StepOutput:
     # (raw), or in a sampling step with logprobs_mode "processed" its transformed, filtered logits; a
     # tensor the step holds anyway, so returning it costs nothing
     scores: torch.Tensor
-    # [B, gamma] fp32: a round's confidences c_k for the scheduler of later rounds (runtime/speculation.py);
+    # [B, gamma] fp32: a round's confidences c_k, for the width policy (runtime/speculation.py) of later rounds;
     # NaN where none were computed (no confidence head, a round of width 1); [B, 0] for a decode step
     confidence: torch.Tensor
 
@@ -131,7 +130,7 @@ class Steps:
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
         self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
-        # whether rounds compute the draft's confidences (the engine sets it when its scheduler reads them)
+        # whether rounds compute the draft's confidences (the engine sets it when its width policy reads them)
         self.want_confidence = False
         # the greedy Markov walk's kernel family (Engine(markov_walk=...)), and whether the Jacobi
         # kernel tallies its passes (the benchmark sets it before capturing: read at trace time)
@@ -336,22 +335,22 @@ class Steps:
     def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """The round's last phase: :meth:`round_accept_commit` beside the draft context injection
         (:meth:`round_inject`) on :attr:`side_stream`, which the verify forked (:meth:`round_verify`),
-        or, where its taps only existed after the last layer (taps of the layer before the last, on
+        or, where its taps only exist after the last layer (taps of the layer before the last, on
         a path that hands on a pending delta), this forks; then joins it. Uncompiled glue: it
         launches no kernel itself.
 
-        Why: after the verify's last layer the commit region's kernels ran one after the other: the
-        LM head (64 us on the H200 at batch 1), argmax, acceptance, conv commit, then the injection
-        (cat, ``fc``, norm, ``kv_proj``, K/V write: ~28 us), which needs the accepted length only to
-        mask its write. Written for all ``gamma + 1`` columns it needs nothing from the acceptance,
-        so it runs beside it, and from the verify's last tapped layer on (layer 13 of 16 at the
-        served shape) beside the remaining layers too, whose launches fill the SMs for a few
-        microseconds each (beside the LM head alone, whose 512 programs hold every SM, it was
-        starved). Same kernels on the same inputs, so the same values; the extra columns sit at
-        positions ``>= s' = s + a + 1``, the new committed length, which the draft never reads as
-        context: the next block attends to ``[0, s' + gamma)`` (non-causal) after each draft layer
-        has written its own K/V at ``s' .. s' + gamma - 1``, and the next round's injection
-        rewrites them from ``s'`` on.
+        Why: on one stream, the commit region's kernels after the verify's last layer run one after
+        the other: the LM head (~64 us at batch 1: docs/benchmarks.md, "Kernels"), argmax,
+        acceptance, conv commit, then the injection (cat, ``fc``, norm, ``kv_proj``, K/V write:
+        ~28 us), which needs the accepted length only to mask its write. Written for all
+        ``gamma + 1`` columns it needs nothing from the acceptance, so it runs beside it, and from
+        the verify's last tapped layer on (layer 13 of 16 at the served shape) beside the remaining
+        layers too, whose launches fill the SMs for a few microseconds each (beside the LM head
+        alone, whose 512 programs hold every SM, it would be starved). Same kernels on the same
+        inputs, so the same values; the extra columns sit at positions ``>= s' = s + a + 1``, the
+        new committed length, which the draft never reads as context: the next block attends to
+        ``[0, s' + gamma)`` (non-causal) after each draft layer has written its own K/V at
+        ``s' .. s' + gamma - 1``, and the next round's injection rewrites them from ``s'`` on.
 
         Capture: the side stream forks from the current stream (the capture stream under
         graphs/capture.py) and joins back before the round returns, so a captured round records a

@@ -53,8 +53,8 @@ class ServerMetrics:
         self._draft_tokens = counter("lfmspark:spec_decode_num_draft_tokens", "Draft tokens verified by the target.") \
             .labels(**labels)
         self._fallbacks = counter("lfmspark:spec_decode_num_rounds_without_draft",
-                                  "Rounds that verified no draft token, per request (the scheduler chose width 1, "
-                                  "or the request turned speculation off).").labels(**labels)
+                                  "Rounds that verified no draft token, per request (the width policy chose "
+                                  "width 1, or the request turned speculation off).").labels(**labels)
         self._accepted = counter("lfmspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.") \
             .labels(**labels)
         self._accepted_per_pos = counter("lfmspark:spec_decode_num_accepted_tokens_per_pos",

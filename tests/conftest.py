@@ -2,7 +2,7 @@
 
 On a machine without CUDA, Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET``
 must be set before Triton is imported, so it is set here, before any ``lfmspark`` import.
-PyTorch runs single-threaded (see below). Tests marked ``gpu`` are skipped when no CUDA device is present (they run on the H200).
+PyTorch runs single-threaded (see below). Tests marked ``gpu`` are skipped when no CUDA device is present.
 """
 
 import os
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The suite runs thousands of tiny ops; on the 2-core CI machines PyTorch's intra-op thread pool
-# makes each of them ~100x slower (seen here: 8 ms per [4, 40] softmax with 2 threads, 5 us with 1).
+# makes each of them ~100x slower (8 ms per [4, 40] softmax with 2 threads, 5 us with 1).
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402
@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run on the H200)")
+    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def triton_device() -> str:
-    """Where the Triton kernels run in this session: ``cuda`` if present, else the interpreter on CPU."""
+    """Where the Triton kernels run in this test run: ``cuda`` if present, else the interpreter on CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -200,8 +200,8 @@ def test_warmup_prefills_scratch_slots_without_changing_what_the_engine_generate
 
 
 def test_warmup_captures_the_prefill_before_the_step_graphs(target, draft, monkeypatch):
-    """The order matters on the H200: prefill bucket graphs captured after the step graphs left every
-    later decode step ~20 us slower, captured before them nothing."""
+    """The order matters on a GPU: prefill bucket graphs captured after the step graphs leave every
+    later decode step ~20 us slower, captured before them nothing (graphs/prefill.py)."""
     e = engine(target, draft, max_batch=2)
     calls = []
 

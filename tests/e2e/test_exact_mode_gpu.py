@@ -1,4 +1,4 @@
-"""Exact mode on the GPU (issue 39; skipped on CPU): bf16, CUDA graphs, the presets' shapes.
+"""Exact mode on the GPU (skipped on CPU): bf16, CUDA graphs, the presets' shapes.
 
 Greedy speculative output equals greedy target-only output token for token, for drafts accepted
 rarely (the presets' random-weight drafts) and often (a bigram target with the draft that guesses
@@ -47,7 +47,7 @@ def in_batches(engine: Engine, all_prompts: list[list[int]], size: int, n: int) 
 def test_exact_speculation_equals_target_only_on_the_presets(preset: str):
     kw = dict(max_batch=32, max_seq_len=N_TOKENS + 128, batch_sizes=[1, 8, 32], exact=True)
     gamma = draft_preset(DEFAULT_DRAFT[preset]).block_size
-    # every round verifies the whole block (the scheduler would fall back to width 1 for a draft
+    # every round verifies the whole block (the width policy would fall back to width 1 for a draft
     # that is rarely accepted, and the windows are what is tested)
     spec = Engine.from_preset(preset, verify_widths=[gamma + 1], **kw)
     spec.warmup(progress=False, sampling=False)

@@ -1,4 +1,4 @@
-"""A failure stays with the requests it concerns (issues 32 and 33): a prefill's with the requests
+"""A failure stays with the requests it concerns: a prefill's with the requests
 being admitted, a text decode's or an event consumer's with its request, a round's with its rows;
 the other requests' tokens are those of a run without the fault, and nothing leaks. A device error
 fails everything, once, and the engine says so from then on. Also the request-level API the

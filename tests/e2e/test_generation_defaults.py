@@ -1,4 +1,4 @@
-"""Sampling defaults from the checkpoint's generation_config.json (issue 34), as transformers and
+"""Sampling defaults from the checkpoint's generation_config.json, as transformers and
 vLLM take them: params=None means those defaults; an explicit SamplingParams wins; fields lfmspark
 cannot apply yet are named in a warning, never dropped silently; a malformed one names the file."""
 

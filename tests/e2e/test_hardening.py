@@ -1,5 +1,5 @@
-"""Issue 32's reproductions that run on a CPU: extreme or mistyped sampling values are refused by
-name before anything runs (one client's values never fail a step shared with others), parameters
+"""Hardening, checked on a CPU: extreme or mistyped sampling values are refused by name before
+anything runs (one client's values never fail a step shared with others), parameters
 are copied at submission, and one engine serves several threads as it serves one. After every
 refused input the engine still serves a normal request with its earlier output and holds no slot."""
 

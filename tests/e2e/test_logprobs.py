@@ -1,4 +1,4 @@
-"""Logprobs of the emitted tokens and of the prompt (issue 34) against a plain transformers forward of
+"""Logprobs of the emitted tokens and of the prompt against a plain transformers forward of
 the same tokens (fp32 on CPU), target-only and speculative. With imposed acceptance 1.0 every draft
 is accepted, so most emitted tokens are the draft's: their logprobs must still be the target's."""
 

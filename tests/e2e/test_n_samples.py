@@ -1,4 +1,4 @@
-"""``SamplingParams.n`` (issue 34): several samples of one prompt share one prefill. Each sample is
+"""``SamplingParams.n``: several samples of one prompt share one prefill. Each sample is
 what a lone request with its seed (``seed + j``) gives, so the copied caches and state are exact;
 the prompt is prefilled once; the samples are independent without a seed; the group is admitted,
 aborted and streamed as one request."""

@@ -1,4 +1,4 @@
-"""Prefill inside the loop (issue 35): while requests decode, an arrival's prompt is prefilled in
+"""Prefill inside the loop: while requests decode, an arrival's prompt is prefilled in
 chunks of at most ``prefill_budget`` tokens per step, between their rounds. Nobody's tokens change:
 not the decoding requests', not the arrival's (each equals its run alone); the budget holds on every
 step; with nothing decoding a prompt is prefilled whole at once; a request aborted or timed out while

@@ -1,9 +1,10 @@
-"""What a user runs (H200 only; skipped on CPU): the real presets' shapes at their default ``max_batch``,
+"""What a user runs (GPU only; skipped on CPU): the real presets' shapes at their default ``max_batch``,
 warmed with sampling on, then serving a sampled batch from the captured graphs.
 
 The small models of test_graphs_gpu.py do not reach the compiler paths of a 65536-entry vocabulary
-at several rows: there the sampling tail once failed to compile (issue 32, runtime/sampling.py
-``row_prefix_sums``). Slow: each engine compiles and captures its step for every batch size in each mode.
+at several rows, where Inductor fails to generate a whole-row scan fused into the sampling tail
+(why runtime/distributions.py has ``row_prefix_sums``). Slow: each engine compiles and captures its
+step for every batch size in each mode.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_default_engine_warms_and_samples_at_every_batch_size(preset: str, specu
 @pytest.mark.parametrize("mode", [SamplingMode.TOP_K, SamplingMode.FULL], ids=lambda m: m.value)
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_compiled_sampling_tail_at_a_full_vocabulary_equals_eager(rows: int, mode: SamplingMode):
-    """The tail that failed to compile, alone: LM head, filtering and the draw over 65536 entries."""
+    """The sampling tail alone, compiled (module doc): LM head, filtering and the draw over 65536 entries."""
     def tail(h, w, temperature, top_k, top_p, seed, position):
         p = filter_rows((h @ w.t()).float(), temperature, top_k, top_p, torch.zeros_like(top_p), mode)
         return p.sample(draw_key(seed, position, stream=3))

@@ -1,4 +1,4 @@
-"""Stop strings through the engine (issue 34): a bigram target whose greedy continuation spells a
+"""Stop strings through the engine: a bigram target whose greedy continuation spells a
 known text, so where each stop string falls is known in advance. The match may span rounds, fall
 inside a speculative block (the oracle draft has every draft accepted) or inside a character
 split across tokens; the output ends exactly there, the streamed text never shows the stop

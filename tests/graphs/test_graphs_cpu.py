@@ -74,8 +74,8 @@ def test_compiled_regions_keep_eager_bf16_roundings():
     """graphs/compile.py keeps the bf16 roundings Inductor would elide between fused ops, so a
     compiled unfused layer computes what the fused decode kernels (which round there, as HF eager
     does) compute: the residual add before its RMSNorm, silu(gate) before the product. (Checked on
-    the CPU backend of the CI's PyTorch, 2.13; the H200 machine's 2.11 CPU backend does not keep
-    them; on CUDA the GPU tests check the served consequence.)"""
+    the CPU backend of the CI's PyTorch, 2.13; the CPU backend of 2.11 does not keep them; on CUDA
+    the GPU tests check the served consequence.)"""
     import torch.nn.functional as F
 
     from lfmspark.graphs.compile import configure_compile
@@ -176,7 +176,7 @@ def test_one_compile_serves_every_batch_size_and_matches_the_per_size_compile(mo
     dimension symbolic from the second size on): a speculative engine run at batch 1, 3 and 2 compiles
     two graphs per region (batch 1's and the symbolic one) and nothing at the third size, and at
     sizes 3 and 2 emits the tokens and log-probabilities of a compile specialised to each size
-    (``dynamic=False``, one compile per size, as before)."""
+    (``dynamic=False``, one compile per size)."""
     import lfmspark.graphs.compile as compile_module
     from torch._dynamo.utils import counters
 

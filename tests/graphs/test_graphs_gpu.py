@@ -1,4 +1,4 @@
-"""CUDA graph capture of the speculative round and of plain decode (H200 only; skipped on CPU).
+"""CUDA graph capture of the speculative round and of plain decode (GPU only; skipped on CPU).
 
 For every captured batch size, a graph replay must produce the same tokens, conv state, KV and
 draft KV as the eager round on the same inputs (greedy, and sampling with fixed seeds); padding
@@ -229,9 +229,10 @@ def test_target_only_decode_graphs_match_eager():
 
 def test_bf16_speculation_identity_rate():
     """In bf16 the verify GEMMs batch differently from decode, so greedy identity with target-only
-    is reported, not required; it must still be high for these small models at batch 8 (8/8 on the
-    H200 in session 14). At batch 1 (one-row GEMVs against the verify's 10-row tiles) it is low on
-    these models, 1-2 of 8 sequences over 48 tokens, so it is not asserted there."""
+    is reported, not required; it must still be high for these small models at batch 8 (8/8 on a
+    GPU: docs/benchmarks.md, "GPU correctness"). At batch 1 (one-row GEMVs against the verify's
+    10-row tiles) it is low on these models, 1-2 of 8 sequences over 48 tokens, so it is not
+    asserted there."""
     target, draft = small_models(dtype=torch.bfloat16)
     prompts = [[i, i + 1, i + 2] for i in range(8)]
     params = SamplingParams(max_new_tokens=48)

@@ -1,7 +1,7 @@
 """Prefill at bucket shapes (graphs/prefill.py), on CPU: the bucket list, the choice of a bucket,
 and that padding a chunk to its bucket (padding rows with slot -1, padding columns past each
 row's length) computes what the chunk at its own shape computes: the same caches, draft context,
-slot state and tokens. The graphs themselves are tested on the GPU (tests/test_prefill_graphs_gpu.py).
+slot state and tokens. The graphs themselves are tested on the GPU (tests/graphs/test_prefill_graphs_gpu.py).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def test_bad_prefill_settings_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("shape", [(1, 16), (1, 17), (3, 75), (4, 128), (5, 1000), (7, 33)])
 def test_packed_chunk_inputs_are_16_byte_aligned_views_that_round_trip(shape):
-    """Triton specializes kernels on 16-byte pointer alignment: a misaligned ``start`` compiled a
-    variant the warm-up had not (H200, 2026-11-30). Every input view starts on 16 bytes, is
+    """Triton specializes kernels on 16-byte pointer alignment: a misaligned ``start`` would compile
+    a variant the warm-up has not. Every input view starts on 16 bytes, is
     contiguous, and holds what was packed (padding rows: slot -1, length 0; padding tokens 0)."""
     R, W = shape
     chunks = [[r * 10 + t + 1 for t in range(W - r)] for r in range(R - 1)]

@@ -63,7 +63,7 @@ def _config(neox: bool = False, block: int = 5, heads: int = 4, head_dim: int = 
 
 
 def _draft(cfg: DraftConfig, dtype: torch.dtype, device: str, seed: int = 0):
-    """A random draft whose every part changes the output (as tests/test_dspark_draft.py's)."""
+    """A random draft whose every part changes the output (as tests/models/test_dspark_draft.py's)."""
     torch.manual_seed(seed)
     draft = random_draft(cfg, cfg.hidden_size, dtype, device, seed=seed)
     with torch.no_grad():

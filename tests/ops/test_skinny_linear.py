@@ -266,7 +266,7 @@ def test_swap_ab_heuristic_config_and_strided_x(triton_device: str) -> None:
 @pytest.mark.parametrize("M", [2, 9, 10, 40, 64])
 @pytest.mark.parametrize("N, K", [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048),
                                   (65536, 2048), (2048, 4096), (4096, 2048), (12288, 2048)])
-def test_swap_ab_heuristic_h200(M: int, N: int, K: int) -> None:
+def test_swap_ab_heuristic_on_132_sms(M: int, N: int, K: int) -> None:
     """The swap-AB heuristic at the served shapes on 132 SMs: wgmma-sized column tiles, the unmasked
     path, one warpgroup, 2-5 stages within 200 KB of shared memory, a split only when the column
     tiles give less than one program per SM and never past one wave, each split at least 4 K steps
@@ -283,14 +283,15 @@ def test_swap_ab_heuristic_h200(M: int, N: int, K: int) -> None:
 
 
 # the sweep's fastest swap-AB configs at M = 10 on 132 SMs, (block_n, block_k, split)
-H200_SWEEP_WINNERS = {(2048, 2048): (64, 128, 4), (2048, 8192): (64, 128, 4), (3072, 2048): (64, 128, 2),
-                      (16384, 2048): (64, 128, 1), (65536, 2048): (128, 64, 1)}
+SWEEP_WINNERS_M10_132_SMS = {(2048, 2048): (64, 128, 4), (2048, 8192): (64, 128, 4),
+                             (3072, 2048): (64, 128, 2), (16384, 2048): (64, 128, 1),
+                             (65536, 2048): (128, 64, 1)}
 
 
-@pytest.mark.parametrize("N, K", list(H200_SWEEP_WINNERS))
+@pytest.mark.parametrize("N, K", list(SWEEP_WINNERS_M10_132_SMS))
 def test_swap_ab_heuristic_reproduces_the_sweep(N: int, K: int) -> None:
     cfg = swap_ab_config(10, N, K, 2, 132)
-    assert (cfg.block_n, cfg.block_k, cfg.split_k) == H200_SWEEP_WINNERS[N, K]
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == SWEEP_WINNERS_M10_132_SMS[N, K]
 
 
 @pytest.mark.parametrize("N, K, stages", [(6144, 2048, 5), (5120, 2048, 5), (16384, 2048, 3), (65536, 2048, 4),
@@ -459,7 +460,7 @@ def test_rejects_unsupported(triton_device: str) -> None:
 @pytest.mark.parametrize("M", [1, 9, 10, 18, 20, 36, 40, 64])
 @pytest.mark.parametrize("N, K", [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (3072, 2048),
                                   (65536, 2048), (2048, 4096), (4096, 2048), (12288, 2048)])
-def test_config_heuristic_h200(M: int, N: int, K: int) -> None:
+def test_config_heuristic_on_132_sms(M: int, N: int, K: int) -> None:
     """At the served shapes on 132 SMs: the fast (unmasked) path, at least 1.5 programs per SM,
     a split only when N alone cannot supply them, and no more splits than K steps allow."""
     cfg = skinny_config(M, N, K, 2, 132)

@@ -1,4 +1,4 @@
-"""AsyncEngine (issue 33): streams equal the synchronous engine's outputs whatever the concurrency,
+"""AsyncEngine: streams equal the synchronous engine's outputs whatever the concurrency,
 abort / disconnect / deadline / overflow / shutdown each end what they should and leak nothing, a
 fault in one request leaves the others' tokens alone, and a device failure reaches every waiter."""
 

@@ -5,7 +5,7 @@ here), or, where the taps only exist after the last layer, forked at the commit.
 reads may depend on where it forks: rounds give the same tokens, state and caches either way (the
 draft cache compared at the positions before each row's committed length, the only ones the draft
 attends to as context). That the window's columns past the commit are never read as context is what
-the lossless tests show (tests/test_lossless_greedy.py: speculative output equals target-only)."""
+the lossless tests show (tests/e2e/test_lossless_greedy.py: speculative output equals target-only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Incremental output text (issue 34): ``TextStream`` deltas concatenate to a full decode whatever
+"""Incremental output text: ``TextStream`` deltas concatenate to a full decode whatever
 the chunking (byte-level characters split across tokens, special tokens in the middle), each push
 decodes a window that does not grow with the output, and stop strings cut the text where they
 match, across pushes and inside multi-byte characters, never streaming what might start one."""

@@ -1,5 +1,5 @@
 """Bias, penalties, min_p and min_tokens follow the exactly enumerated target distribution, with and
-without speculation (issue 34). As test_lossless_sampling.py: an 8-token vocabulary, the joint of
+without speculation. As test_lossless_sampling.py: an 8-token vocabulary, the joint of
 the 2nd and 3rd tokens (the first round's) enumerated from full-sequence target forwards with an
 independent NumPy implementation of every transform, and a chi-square test over thousands of
 sampled requests. The 3rd token's history holds the 2nd, often an accepted draft: a round that

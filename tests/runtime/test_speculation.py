@@ -1,7 +1,8 @@
 """Adaptive speculation (runtime/speculation.py): the width choice, its estimates and probes, and the
-engine's scheduled rounds, lossless whatever width each round takes and whatever cap a request sets.
+engine's rounds at the widths it chooses, lossless whatever width each round takes and whatever cap
+a request sets.
 
-The schedules are driven through the round-cost table the GPU warm-up measures
+The width choices are driven through the round-cost table the GPU warm-up measures
 (``engine.model_runner.step_runner.costs``, graphs/capture.py ``profile_rounds``), filled here by hand.
 """
 
@@ -56,7 +57,7 @@ def test_choose_width_maximises_tokens_per_second_and_prefers_the_narrower_on_ti
 
 
 def scheduler(widths, gamma, confidences=True, estimates=(), limits=()) -> WidthPolicy:
-    """A scheduler over 8 slots; slot i admitted with ``limits[i]`` (default gamma) and given
+    """A width policy over 8 slots; slot i admitted with ``limits[i]`` (default gamma) and given
     ``estimates[i]`` (conditional rates) as its own survival estimate."""
     s = WidthPolicy(widths, gamma, confidences, slots=8)
     for slot in range(8):
@@ -234,8 +235,9 @@ def test_scheduled_greedy_rounds_equal_target_only_with_mixed_caps(mode, moe):
 def test_every_round_width_copies_its_tokens_into_a_contiguous_host_buffer():
     """A round's tokens go to the host as an async copy only into a contiguous buffer: a narrower
     round's [n, W] view of the widest round's buffer must not be a strided slice (on CUDA a strided
-    destination makes torch stage the copy and wait for the round it just launched: measured, the
-    width-1 rounds at batch 128 took 2.4 ms per token against 1.55 ms for target-only steps)."""
+    destination makes torch stage the copy and wait for the round it just launched: width-1 rounds
+    at batch 128 then run at 2.4 ms per token against 1.55 ms for target-only steps, docs/decisions.md,
+    "Speculation scheduling")."""
     target, draft = partial_agreement_pair()
     engine = Engine(target, draft, max_batch=4, max_seq_len=96, verify_widths=[1, 3, 5])
     set_costs(engine, lambda b, w: {1: 1.0, 3: 1.0 + (0 if b <= 2 else 9), 5: 1.0 + (0 if b <= 1 else 9)}[w])
@@ -271,7 +273,7 @@ def test_a_request_without_speculation_shares_rounds_and_accepts_no_draft():
 def test_scheduled_sampled_rounds_follow_the_target_distribution():
     """Sampling with rounds that switch between width 1 (no draft: the target's own draw), width 3
     (probes) and the whole block (before any estimate), and requests capped at 0 and 1 beside uncapped ones: the 2nd and 3rd tokens follow the
-    exact target distribution (chi-square, as tests/test_lossless_sampling.py)."""
+    exact target distribution (chi-square, as tests/e2e/test_lossless_sampling.py)."""
     setting = dict(temperature=0.7, top_k=5, top_p=0.9)
     target = random_tiny_target(seed=3, vocab=VOCAB)
     draft = random_tiny_draft(block=3, seed=4, vocab=VOCAB)

@@ -29,7 +29,7 @@ def engine() -> Engine:
     """The draft's context injection is a region of its own (runtime/steps.py ``round_inject``), and on
     CUDA the glue around it forks and joins a side stream (no tensor op either). Dynamo's state is reset
     first: its memory of which values varied between calls is per function and process-wide, and an
-    earlier test's engines (tests/test_context_injection.py's, whose drafts' float settings differ)
+    earlier test's engines (tests/runtime/test_context_injection.py's, whose drafts' float settings differ)
     made it compile ``draft_head`` with a symbolic float, which the glue then wraps as a tensor each
     call (``aten.lift_fresh``, torch's ``_as_tensor_fullprec``). An engine in a fresh process, as
     served, starts from nothing."""

@@ -16,7 +16,7 @@ def test_values_and_dtype_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_copy_does_not_wait_for_the_stream():
     dev = torch.device("cuda")
     a = torch.randn(4096, 4096, device=dev)

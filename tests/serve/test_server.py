@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (issue 33), driven by the official ``openai`` client over loopback:
+"""The OpenAI-compatible server, driven by the official ``openai`` client over loopback:
 a tiny checkpoint with a word-level tokenizer and a DSpark draft, served by uvicorn in a thread.
 
 Streamed text equals non-streamed text equals the ``Engine``'s output for the same seed; 32

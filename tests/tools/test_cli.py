@@ -181,7 +181,7 @@ def test_serve_answers_on_its_port_and_stops_cleanly():
 
 def test_serve_passes_the_engine_flags(monkeypatch):
     """``serve --prefix-cache-outputs --exact`` builds the engine with them (the server itself is
-    replaced: tests/test_server.py runs it)."""
+    replaced: tests/serve/test_server.py runs it)."""
     import lfmspark.serve as serve_pkg
     from lfmspark.tools.cli import main
 

@@ -1,11 +1,12 @@
-"""Host time of the verify scheduler's per-round work (runtime/speculation.py), by batch size.
+"""Host time of the verify-width policy's per-round work (runtime/speculation.py), by batch size.
 
-    python benchmarks/scheduler_host.py --batch-sizes 1,8,64,128
+    python benchmarks/width_policy_host.py --batch-sizes 1,8,64,128
 
 Each speculative round the engine, on the host, chooses the next round's width (``choose``) and books
 the finished round (``observe``): this work overlaps the GPU's round only while it is shorter than the
-round (at batch 128 on the H100 a width-1 round replays in ~1.6 ms). Random confidences and accept
-lengths, widths 1 and 10, a block of 9; prints microseconds per round (choose + observe).
+round (at batch 128 a width-1 round replays in ~1.6 ms on a GPU: docs/decisions.md, "Speculation
+scheduling"). ``WidthPolicy`` with random confidences and accept lengths, widths 1 and 10, a block
+of 9; prints microseconds per round (choose + observe).
 """
 
 from __future__ import annotations
