@@ -16,7 +16,7 @@ from lfmspark.models.lfm2 import ForwardMode
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.runtime import steps as steps_module
 from spec_fixtures import random_tiny_draft, random_tiny_target
-from test_lossless_sampling import PROMPT, VOCAB, chi_square_pvalue, filtered
+from sampling_oracles import PROMPT, VOCAB, chi_square_pvalue, filtered
 
 
 def reference(logits: np.ndarray, output: list[int], p: SamplingParams, stops: list[int]) -> np.ndarray:

@@ -12,7 +12,7 @@ from lfmspark.runtime import distributions
 from lfmspark.runtime.distributions import SamplingMode, filter_rows, filtered_probs, row_prefix_sums
 from lfmspark.runtime.sampling import sampling_mode
 from lfmspark.runtime.randomness import draw_key, sample, uniforms
-from test_lossless_sampling import filtered as reference_filtered
+from sampling_oracles import filtered as reference_filtered
 
 
 def test_uniforms_are_uniform_and_keyed():

@@ -18,7 +18,7 @@ from lfmspark.runtime.speculation import (WidthPolicy, choose_width, default_ver
                                           survival)
 from spec_fixtures import (bigram_target, mix_permutations, oracle_draft, permutation, random_tiny_draft,
                            random_tiny_target)
-from test_lossless_sampling import PROMPT, VOCAB, chi_square_pvalue, exact_joint
+from sampling_oracles import PROMPT, VOCAB, chi_square_pvalue, exact_joint
 
 
 def set_costs(engine: Engine, cost_of_width, sizes=range(1, 65)) -> None:
