@@ -127,6 +127,15 @@ class AsyncEngine:
         """The draft's block (0 without a draft)."""
         return self.engine.block_size
 
+    def usage(self) -> dict[str, int]:
+        """What the engine holds now, for gauges: state slots in use and in all, the prefix cache's
+        blocks held and capacity, and its counters of prompt tokens looked up and found cached (a
+        read without the engine's lock: each value is current, the set may straddle a step)."""
+        cache = self.engine.prefix_cache_stats
+        return {"slots_in_use": self.engine.num_running, "slots": self.engine.max_batch,
+                "prefix_cache_blocks": cache.get("cached_blocks", 0), "prefix_cache_capacity": cache.get("capacity_blocks", 0),
+                "prefix_cache_queries": cache.get("queries", 0), "prefix_cache_hits": cache.get("hits", 0)}
+
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """A prompt's token ids as the engine would make them (raises ``PromptError``)."""
         return encode_prompt(prompt, self.engine.tokenizer, self.engine.model_config.vocab_size, chat=chat)

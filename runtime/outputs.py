@@ -28,6 +28,8 @@ class RequestStats:
     prompt_tokens_cached: int = 0         # of them, reused from the prefix cache (not prefilled)
     ttft_s: float = 0.0                   # submission -> first token available on the host
     decode_s: float = 0.0                 # first token -> last token
+    queue_s: float = 0.0                  # submission -> a slot (admission; vLLM's queue time)
+    prefill_s: float = 0.0                # admission -> first token (vLLM's prefill time)
 
     @property
     def rounds(self) -> int:
@@ -66,7 +68,7 @@ class RequestStats:
                 "draft_tokens_accepted": self.draft_tokens_accepted, "rounds_without_draft": self.rounds_without_draft,
                 "acceptance_per_position": self.acceptance_per_position, "imposed_acceptance": self.imposed_acceptance,
                 "prompt_tokens": self.prompt_tokens, "prompt_tokens_cached": self.prompt_tokens_cached,
-                "ttft_s": self.ttft_s, "decode_s": self.decode_s}
+                "ttft_s": self.ttft_s, "decode_s": self.decode_s, "queue_s": self.queue_s, "prefill_s": self.prefill_s}
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Request:
     drafts_verified: list[int] = field(default_factory=list)  # draft tokens each round offered the target
     finish_reason: str | None = None
     error: BaseException | None = None
+    admitted_at: float = 0.0            # when it got a slot
     first_token_at: float = 0.0
     finished_at: float = 0.0
     text: TextStream | None = None      # its output text, with a tokenizer
@@ -155,7 +156,9 @@ class Request:
                              block_size=block_size, imposed_acceptance=imposed_acceptance,
                              prompt_tokens=len(self.prompt_ids), prompt_tokens_cached=self.cached_tokens,
                              ttft_s=(self.first_token_at - self.submitted) if self.first_token_at else 0.0,
-                             decode_s=(self.finished_at - self.first_token_at) if self.first_token_at else 0.0)
+                             decode_s=(self.finished_at - self.first_token_at) if self.first_token_at else 0.0,
+                             queue_s=(self.admitted_at - self.submitted) if self.admitted_at else 0.0,
+                             prefill_s=(self.first_token_at - self.admitted_at) if self.first_token_at else 0.0)
         text = self.text.text if self.text is not None and self.finish_reason != "error" else None
         return GenerationOutput(prompt_token_ids=self.prompt_ids, token_ids=list(self.output),
                                 finish_reason=self.finish_reason, text=text, stats=stats, request_id=self.request_id,

@@ -124,7 +124,7 @@ class Scheduler:
         that they still go first."""
         if self.cache_jobs and not self.running and not self.prefilling and round_in_flight:
             return []
-        groups = []
+        groups, now = [], time.perf_counter()
         while self.waiting and self.pool.n_free:
             head = self.waiting[0]
             members = [head] if head.group is None else [r for r in self.waiting if r.group == head.group]
@@ -133,6 +133,7 @@ class Scheduler:
             for req in members:
                 self.waiting.remove(req)
                 req.slot = self.pool.acquire()
+                req.admitted_at = now
             groups.append(members)
         return groups
 

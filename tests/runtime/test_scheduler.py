@@ -55,6 +55,7 @@ def test_admission_is_first_come_first_served_and_slots_are_returned():
     groups = admit_all(s)
     assert [g[0] for g in groups] == reqs[:2] and list(s.waiting) == [reqs[2]]
     assert {r.slot for r in reqs[:2]} == {0, 1} and s.pool.n_free == 0
+    assert reqs[0].admitted_at >= reqs[0].submitted and reqs[2].admitted_at == 0.0
     assert run_prefill(s) == reqs[:2] and s.running == reqs[:2]
     s.release(reqs[0])
     assert reqs[0].slot is None and s.pool.n_free == 1 and reqs[0].request_id not in s.live
