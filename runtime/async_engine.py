@@ -133,7 +133,8 @@ class AsyncEngine:
         read without the engine's lock: each value is current, the set may straddle a step)."""
         cache = self.engine.prefix_cache_stats
         return {"slots_in_use": self.engine.num_running, "slots": self.engine.max_batch,
-                "prefix_cache_blocks": cache.get("cached_blocks", 0), "prefix_cache_capacity": cache.get("capacity_blocks", 0),
+                "prefix_cache_blocks": cache.get("cached_blocks", 0),
+                "prefix_cache_capacity": cache.get("capacity_blocks", 0),
                 "prefix_cache_queries": cache.get("queries", 0), "prefix_cache_hits": cache.get("hits", 0)}
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:

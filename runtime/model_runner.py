@@ -365,7 +365,8 @@ class ModelRunner:
         if not done:
             return []
         index = [plan.rows.index(lead) for lead, _ in done]
-        mode = sampling_mode((r.params for lead, others in done for r in (lead, *others)), self.target.config.vocab_size)
+        mode = sampling_mode((r.params for lead, others in done for r in (lead, *others)),
+                             self.target.config.vocab_size)
         t = lambda v: to_device(v, self.device)  # noqa: E731
         picked, scores = self.steps.prefill_pick(logits.index_select(0, t(index)), t([lead.slot for lead, _ in done]),
                                                  t([len(lead.prompt_ids) for lead, _ in done]), mode)
