@@ -108,17 +108,22 @@ def test_unbudgeted_prefill_runs_every_prompt_to_its_end_in_aligned_chunks():
     assert plans[1:] == [([64], [64], True), ([128], [22], True)]   # b decodes now: budgeted
 
 
+def while_one_decodes(*arrivals: Request) -> Scheduler:
+    """A scheduler (budget 64) with one request decoding and ``arrivals`` admitted behind it."""
+    s = scheduler(max_batch=4, budget=64, alignment=1024)
+    s.add([request("decoding", 3)])
+    admit_all(s)
+    run_prefill(s)
+    s.add(list(arrivals))
+    admit_all(s)
+    return s
+
+
 def test_a_budgeted_forward_stays_within_the_budget_padding_included():
     """While requests decode, the n-th row of a forward takes at most budget / next_pow2(n) tokens,
     and joins only while the rows taken are no wider than that."""
-    s = scheduler(max_batch=4, budget=64, alignment=1024)
-    decoding = request("decoding", 3)
-    s.add([decoding])
-    admit_all(s)
-    run_prefill(s)
     long, short = request("long", 100), request("short", 20)
-    s.add([long, short])
-    admit_all(s)
+    s = while_one_decodes(long, short)
     plan = s.next_prefill()
     assert plan.budgeted and plan.rows == [long] and [len(c) for c in plan.chunks] == [64]
     s.prefilled(plan)
@@ -131,14 +136,8 @@ def test_a_budgeted_forward_stays_within_the_budget_padding_included():
 
 
 def test_a_second_row_joins_a_budgeted_forward_when_the_first_is_narrow():
-    s = scheduler(max_batch=4, budget=64, alignment=1024)
-    decoding = request("decoding", 3)
-    s.add([decoding])
-    admit_all(s)
-    run_prefill(s)
     a, b = request("a", 10), request("b", 50)
-    s.add([a, b])
-    admit_all(s)
+    s = while_one_decodes(a, b)
     plan = s.next_prefill()
     assert plan.rows == [a, b] and [len(c) for c in plan.chunks] == [10, 32]    # row 2: 64 / 2
 
