@@ -66,6 +66,7 @@ class EngineConfig:
     prefix_cache_outputs: bool = False  # also cache each finished request's output (a chat's next turn)
     routing_locality: int | None = None  # MoE benchmarks on random weights: experts per slot and layer
     exact: bool = False                 # exact mode: per-token results independent of the batch (ops/routing.py)
+    cpu_threads: int | None = None      # a CPU engine's torch threads (None: 1 unless the user set them)
 
     def __post_init__(self) -> None:
         for name in ("imposed_acceptance", "batch_sizes", "verify_widths"):
@@ -119,6 +120,10 @@ class EngineConfig:
         for name in ("exact", "prefix_cache_outputs", "chat"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        threads = self.cpu_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"cpu_threads must be None (one, unless OMP_NUM_THREADS or torch.set_num_threads chose) "
+                             f"or an integer >= 1, got {threads!r}")
         locality = self.routing_locality
         if locality is not None and (isinstance(locality, bool) or not isinstance(locality, int)):
             raise ValueError(f"routing_locality must be an integer number of experts, got {locality!r}")
@@ -227,6 +232,8 @@ class EngineConfig:
         e.add_argument("--routing-locality", type=_int_from(1), help="MoE targets with random weights: each "
                        "sequence's tokens choose among this many experts per layer (mimics a trained model's "
                        "correlated routing; outputs are labelled)")
+        e.add_argument("--cpu-threads", type=_int_from(1), help="a CPU engine's torch intra-op threads (default: 1, "
+                       "unless OMP_NUM_THREADS is set)")
         e.add_argument("--exact", action="store_true", help="exact mode: a token's target results are the same "
                        "bits in a decode step or a verify window, alone or batched, so greedy speculative output "
                        "equals target-only output on the GPU too (slower; docs/design.md)")
@@ -249,7 +256,8 @@ class EngineConfig:
             prefill_graph_tokens=ns.prefill_graph_tokens, chat=ns.chat, markov_walk=ns.markov_walk,
             logprobs_mode=ns.logprobs_mode, verify_widths=ns.verify_widths,
             prefix_cache_tokens=ns.prefix_cache_tokens, prefix_block=ns.prefix_block,
-            prefix_cache_outputs=ns.prefix_cache_outputs, routing_locality=ns.routing_locality, exact=ns.exact)
+            prefix_cache_outputs=ns.prefix_cache_outputs, routing_locality=ns.routing_locality, exact=ns.exact,
+            cpu_threads=ns.cpu_threads)
         values.update(overrides)
         return cls(**values)
 

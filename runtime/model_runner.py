@@ -37,6 +37,7 @@ from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.lfm2_moe import impose_routing_locality, routing_locality
 from ..ops.routing import exact_scope
 from .config import EngineConfig
+from .cpu_threads import set_cpu_threads
 from .distributions import SamplingMode
 from .logprobs import LogprobTensors, TokenLogprobs, token_logprobs
 from .prefill_warmup import prefill_variants, prefill_warm_shapes
@@ -98,6 +99,8 @@ class ModelRunner:
         self.target, self.draft, self.options = target, draft, config
         self.device, self.dtype = target.device, target.dtype
         self.exact = config.exact
+        if self.device.type == "cpu":
+            set_cpu_threads(config.cpu_threads)
         self.block_size = draft.config.block_size if draft is not None else 0
         self.verify_width = self.block_size + 1
         if config.max_seq_len < self.verify_width + 2:

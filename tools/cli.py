@@ -131,14 +131,6 @@ def _engine_config(args, command: str, **overrides) -> EngineConfig:
     return cfg
 
 
-def _single_thread_on_cpu(cfg: EngineConfig) -> None:
-    """Many tiny ops on a CPU: torch's intra-op pool costs more than it gives, beside the engine."""
-    if cfg.torch_device().type == "cpu":
-        import torch
-
-        torch.set_num_threads(1)
-
-
 def _bench(args) -> int:
     if args.mode == "serve":
         return _bench_serve(args)
@@ -150,7 +142,6 @@ def _bench(args) -> int:
         raise SystemExit(f"lfmspark bench: error: {', '.join(derived)} follow --batch-sizes, --prompt-len and "
                          "--output-len in the latency benchmark: set those instead")
     engine = _engine_config(args, "bench", imposed_acceptance=None)
-    _single_thread_on_cpu(engine)
     cfg = BenchConfig(engine=engine, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len,
                       output_len=args.output_len, temperature=args.temperature,
                       imposed_acceptance=args.imposed_acceptance, runs=args.runs, hf=not args.no_hf,
@@ -190,7 +181,6 @@ def _generate(args) -> int:
     from ..runtime.sampling import SamplingParams
 
     cfg = _engine_config(args, "generate", **({"chat": False} if args.raw else {}))
-    _single_thread_on_cpu(cfg)
     engine = Engine.from_config(cfg)
     if args.messages:
         with open(args.messages) as f:

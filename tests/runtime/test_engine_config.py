@@ -118,3 +118,27 @@ def test_from_config_builds_what_from_preset_builds():
 def test_one_imposed_rate_applies_to_every_draft_slot(target, draft):
     e = Engine(target, draft, max_batch=1, max_seq_len=64, imposed_acceptance=[0.25])
     assert e.model_runner.imposed_acceptance.tolist() == [0.25] * e.block_size
+
+
+def test_a_cpu_engine_runs_one_thread_unless_the_user_chose(target, monkeypatch):
+    """runtime/cpu_threads.py: torch's default thread count drops to one; a count the user set (the
+    config, OMP_NUM_THREADS, torch.set_num_threads after import) is kept."""
+    from lfmspark.runtime import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "_AT_IMPORT", 2)         # as if torch's default here were 2
+    build = lambda **kw: Engine(target, None, max_batch=1, max_seq_len=64, **kw)  # noqa: E731
+    try:
+        torch.set_num_threads(2)
+        build()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)                                 # the user's own choice
+        build()
+        assert torch.get_num_threads() == 3
+        build(cpu_threads=2)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        build()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)                                 # the suite's setting (tests/conftest.py)
