@@ -33,7 +33,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 # the fields that say where the models come from; the others are the engine's options
-SOURCE_FIELDS = ("target", "preset", "draft", "draft_preset", "draft_rope_is_neox_style", "dtype", "device", "seed")
+SOURCE_FIELDS = ("target", "preset", "draft", "draft_preset", "draft_rope_is_neox_style", "revision", "tokenizer",
+                 "chat_template", "generation_config", "dtype", "device", "seed")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class EngineConfig:
     draft: str | None = None            # local DSpark draft directory (with ``target``)
     draft_preset: str | None = "default"  # with ``preset``: "default" (the preset's usual draft), None, or a name
     draft_rope_is_neox_style: bool | None = None   # the draft's RoPE pairing when its config.json lacks it
+    revision: str | None = None         # the Hub revision (branch, tag or commit) of Hub ids
+    tokenizer: str | None = None        # another tokenizer (directory or Hub id; None: the target's)
+    chat_template: str | None = None    # a chat template replacing the tokenizer's (a file, or the template)
+    generation_config: str = "auto"     # sampling defaults: "auto" (the target's), "vllm" (none), or a directory
     dtype: str = "auto"                 # "auto": bfloat16 on a GPU, float32 on a CPU
     device: str | None = None           # None: cuda when available, else cpu
     seed: int = 0                       # random weights' seed (presets)
@@ -90,6 +95,9 @@ class EngineConfig:
         if self.draft_preset not in (None, "default") and self.draft_preset not in DRAFT_PRESETS:
             raise ValueError(f"unknown draft preset {self.draft_preset!r}: use 'default', 'none' or one of "
                              f"{', '.join(sorted(DRAFT_PRESETS))}")
+        if self.target is None and (self.tokenizer or self.chat_template or self.revision):
+            named = [n for n in ("tokenizer", "chat_template", "revision") if getattr(self, n)]
+            raise ValueError(f"{', '.join(named)} go with a checkpoint (target), not a preset of random weights")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
         for name in ("max_batch", "max_seq_len", "prefill_chunk", "prefill_budget", "prefill_graph_tokens",
@@ -175,15 +183,23 @@ class EngineConfig:
         d = EngineConfig()
         models = parser.add_argument_group("model")
         src = models.add_mutually_exclusive_group(required=source_required)
-        src.add_argument("--target", help="local HF checkpoint directory of the target")
+        src.add_argument("--target", "--model", dest="target", help="the target: a local HF checkpoint directory or a "
+                         "Hugging Face Hub id (LiquidAI/LFM2.5-1.2B-Instruct)")
         src.add_argument("--preset", choices=sorted(TARGET_PRESETS), help="random weights with a real model's "
                          "shapes (benchmarks and smoke runs)")
-        models.add_argument("--draft", help="local DSpark draft directory (with --target)")
+        models.add_argument("--draft", help="the DSpark draft (with --target): a directory or a Hub id")
         models.add_argument("--draft-preset", default="default", help="the draft with --preset: 'default' (the "
                             f"preset's usual draft), 'none' or one of {', '.join(sorted(DRAFT_PRESETS))} "
                             "(default: default)")
         models.add_argument("--draft-rope-is-neox-style", type=_bool, default=None, metavar="{true,false}",
                             help="the draft's RoPE pairing when its config.json lacks rope_is_neox_style")
+        models.add_argument("--revision", help="the Hub revision (branch, tag or commit) of Hub ids")
+        models.add_argument("--tokenizer", help="another tokenizer: a directory or a Hub id (default: the target's)")
+        models.add_argument("--chat-template", help="a chat template replacing the tokenizer's: a file, or the "
+                            "template itself")
+        models.add_argument("--generation-config", default="auto", help="where the sampling defaults come from: "
+                            "auto (the target's generation_config.json), vllm (none), or a directory "
+                            "(default: auto)")
         models.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights' dtype (default: "
                             "auto, i.e. bfloat16 on a GPU, float32 on a CPU)")
         models.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -248,7 +264,9 @@ class EngineConfig:
         values = dict(
             target=ns.target, preset=ns.preset, draft=ns.draft,
             draft_preset=None if ns.draft_preset == "none" else ns.draft_preset,
-            draft_rope_is_neox_style=ns.draft_rope_is_neox_style, dtype=ns.dtype, device=ns.device, seed=ns.seed,
+            draft_rope_is_neox_style=ns.draft_rope_is_neox_style, revision=ns.revision, tokenizer=ns.tokenizer,
+            chat_template=ns.chat_template, generation_config=ns.generation_config, dtype=ns.dtype, device=ns.device,
+            seed=ns.seed,
             max_batch=d.max_batch if ns.max_batch is None else ns.max_batch,
             max_seq_len=d.max_seq_len if ns.max_seq_len is None else ns.max_seq_len,
             imposed_acceptance=rates, cuda_graphs=False if ns.enforce_eager else None, batch_sizes=ns.cuda_graph_sizes,
