@@ -3,8 +3,8 @@
 # protobuf, msgpack, PyYAML, requests, click, filelock, prometheus-client, httpx already there), small
 # enough to travel in a device call's carry (64 MiB in all): Ray's wheel is 74 MB, so it is repacked
 # without what Ray Serve never loads (the Java jars, RLlib, Tune, Train, Data, the LLM library, the
-# dashboard's web client: ~60 MB unpacked). The serveray step of scripts/device_run.sh installs them
-# with --no-deps.
+# dashboard's web client: ~60 MB unpacked). scripts/device_run.sh installs them with --no-deps when
+# .whl_ray/ is carried (the replica tests: STEPS=tests TEST_PATHS=tests/serve/test_ray_serve.py).
 #   bash scripts/ray_carry.sh                 # -> .whl_ray/ for CPython 3.12 (the device's)
 #   PY=311 DEST=/tmp/ray311 bash scripts/ray_carry.sh   # the same set for this machine's 3.11 (a local trial)
 set -euo pipefail

@@ -65,6 +65,7 @@ class BenchConfig:
     phase_split: bool = True
     json_path: str | None = None
     profile_dir: str | None = None     # per-kernel profile of the step replay at the smallest batch
+    command: str | None = None         # recorded in the report (None: this process's command line)
 
     def engine_config(self, block_size: int) -> EngineConfig:
         """The config of the measured engines (``block_size``: the draft's, 0 without one): lengths and
@@ -437,13 +438,21 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
 # ---------------------------------------------------------------------------------------------
 # the run
 
-def environment(device: torch.device) -> dict:
+def command_line(argv: list[str] | None = None) -> str:
+    """The ``lfmspark`` command a report records: ``argv`` (the arguments after the program name),
+    else this process's."""
+    return " ".join(["lfmspark", *(sys.argv[1:] if argv is None else argv)])
+
+
+def environment(device: torch.device, command: str | None = None) -> dict:
+    """Where and on what a report was measured: date, ``command`` (default: :func:`command_line`),
+    versions, device, commit, GPU name, the ``LFMSPARK_*`` variables set and whether PDL is on."""
     import transformers
 
     from .. import __version__
 
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["lfmspark"] + sys.argv[1:]) if sys.argv else "", "lfmspark": __version__,
+           "command": command_line() if command is None else command, "lfmspark": __version__,
            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "device": str(device)}
     try:
@@ -480,7 +489,7 @@ def source_commit() -> str | None:
 
 def run_bench(cfg: BenchConfig) -> dict:
     device = cfg.engine.torch_device()
-    report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device), "config": asdict(cfg)}
+    report: dict = {"schema": SCHEMA_VERSION, "environment": environment(device, cfg.command), "config": asdict(cfg)}
     copy_gbps = copy_bandwidth_gbps(device)
     report["copy_gbps"] = copy_gbps
     matmul_peak = matmul_tflops(device)

@@ -1,10 +1,12 @@
-"""``lfmspark`` command line: ``bench`` (the latency benchmark), ``bench serve``, ``generate``, ``serve``
-and ``calibrate``. Every command takes the engine's flags (runtime/config.py ``EngineConfig``) with
-the same names and defaults.
+"""``lfmspark`` command line: ``bench`` (the latency benchmark), ``bench serve``, the named benchmark
+scenarios (``bench sampling|warmup|multiturn|exact``: tools/scenarios/), ``generate``, ``serve`` and
+``calibrate``. Every command takes the engine's flags (runtime/config.py ``EngineConfig``) with the
+same names and defaults.
 
     lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
     lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
     lfmspark bench serve --preset lfm2.5-1.2b --max-batch 64 --num-prompts 200 --request-rate 20
+    lfmspark bench sampling --preset lfm2.5-1.2b --imposed-acceptance 0.8 --json out.json
     lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
     lfmspark serve --target DIR [--draft DIR] [--port 8000]    # OpenAI-compatible server (the serve extra)
     lfmspark calibrate --target DIR --draft DIR --prompts prompts.jsonl --write-config   # the draft's STS temperatures
@@ -23,6 +25,30 @@ from pathlib import Path
 from ..models.config import ConfigError
 from ..models.loading import CheckpointError
 from ..runtime.config import EngineConfig, int_list, positive_int
+from .bench import command_line
+from .scenarios import SCENARIOS
+
+# The flags of ``bench`` whose default depends on the mode: the latency benchmark's, the serving
+# benchmark's and each scenario's (its SHARED). A scenario reads only the flags named here, the
+# engine's and its own group's, and refuses any other flag given; the latency and serving
+# benchmarks also read their own groups' flags, and refuse the scenarios'.
+MODE_DEFAULTS: dict[str, dict] = {
+    "latency": {"batch_sizes": [1], "prompt_len": 128, "output_len": 128, "runs": 3},
+    "serve": {"prompt_len": 128, "output_len": 128, "num_prompts": 64},
+    **{name: scenario.SHARED for name, scenario in SCENARIOS.items()},
+}
+
+
+def _defaults_help(dest: str) -> str:
+    """``(default: 128; sampling, exact: 256; ...)`` from MODE_DEFAULTS."""
+    by_value: dict[str, list[str]] = {}
+    for mode, defaults in MODE_DEFAULTS.items():
+        if defaults.get(dest) is not None:
+            value = defaults[dest]
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            by_value.setdefault(text, []).append(mode)
+    parts = [f"{', '.join(modes)}: {value}" for value, modes in by_value.items()]
+    return f"(default: {'; '.join(parts)})"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,26 +69,34 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = dict(formatter_class=_HelpFormatter)
 
     b = sub.add_parser("bench", help="latency benchmark: target-only, HF transformers and DSpark in one run; "
-                       "'bench serve': the open-loop serving benchmark", **formatter)
-    b.add_argument("mode", nargs="?", choices=["latency", "serve"], default="latency",
+                       "'bench serve': the open-loop serving benchmark; 'bench SCENARIO': a named scenario "
+                       f"({', '.join(SCENARIOS)})", **formatter)
+    modes = "; ".join(f"{name}: {scenario.SUMMARY}" for name, scenario in SCENARIOS.items())
+    b.add_argument("mode", nargs="?", choices=["latency", "serve", *SCENARIOS], default="latency",
                    help="latency: closed-loop batches; serve: open-loop arrivals through AsyncEngine, "
-                        "target-only and speculative on one trace (as vllm bench serve)")
+                        f"target-only and speculative on one trace (as vllm bench serve); {modes}")
     EngineConfig.add_arguments(b, acceptance_profiles=True)
     m = b.add_argument_group("what is measured")
-    m.add_argument("--batch-sizes", type=int_list, default=[1], help="comma-separated batch sizes (latency)")
-    m.add_argument("--prompt-len", type=positive_int, default=128)
-    m.add_argument("--output-len", type=positive_int, default=128)
-    m.add_argument("--temperature", type=float, default=0.0)
-    m.add_argument("--runs", type=positive_int, default=3)
+    m.add_argument("--batch-sizes", type=int_list, default=None, help="comma-separated batch sizes measured "
+                   + _defaults_help("batch_sizes"))
+    m.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request "
+                   + _defaults_help("prompt_len"))
+    m.add_argument("--output-len", type=positive_int, default=None, help="new tokens per request (a reply in "
+                   "multiturn) " + _defaults_help("output_len"))
+    m.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (latency, serve)")
+    m.add_argument("--runs", type=positive_int, default=None, help="timed batches per measurement "
+                   + _defaults_help("runs"))
+    m.add_argument("--num-prompts", type=positive_int, default=None, help="requests in the serve trace; prompts of "
+                   "the exact scenario's identity run " + _defaults_help("num_prompts"))
     m.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     m.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
     m.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline "
                    "(a child process) may take per batch size before it is reported as failed")
     m.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
     m.add_argument("--json", help="write the full report here")
-    m.add_argument("--profile-dir", help="write per-kernel profiles of the step replays (smallest batch) here")
+    m.add_argument("--profile-dir", help="write per-kernel profiles here: of the step replays at the smallest batch "
+                   "(latency), of a batch-1 model-card request (sampling)")
     sv = b.add_argument_group("serve mode (lfmspark bench serve)")
-    sv.add_argument("--num-prompts", type=positive_int, default=64)
     sv.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all "
                     "at once)")
     sv.add_argument("--max-concurrency", type=positive_int, help="requests in flight at most")
@@ -71,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--dataset", help="JSONL file, one {'prompt': text or token ids, 'output_len': n} per line")
     sv.add_argument("--capacity-fraction", type=float, help="measure each engine's capacity (the trace all at "
                     "once), then serve the trace with Poisson arrivals at this fraction of it (e.g. 0.7)")
+    # each scenario's own flags, in a group of its own: their destinations, for _check_mode_flags
+    b.set_defaults(scenario_flags={name: scenario.add_arguments(b) for name, scenario in SCENARIOS.items()})
 
     g = sub.add_parser("generate", help="generate text with a checkpoint or preset, streaming to the terminal",
                        **formatter)
@@ -132,8 +168,14 @@ def _engine_config(args, command: str, **overrides) -> EngineConfig:
 
 
 def _bench(args) -> int:
+    _check_mode_flags(args)
+    for dest, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, dest) is None and value is not None:
+            setattr(args, dest, list(value) if isinstance(value, list) else value)
     if args.mode == "serve":
         return _bench_serve(args)
+    if args.mode in SCENARIOS:
+        return _bench_scenario(args)
     from .bench import BenchConfig, run_bench, table
 
     derived = [flag for flag, value in (("--max-batch", args.max_batch), ("--max-seq-len", args.max_seq_len),
@@ -146,9 +188,54 @@ def _bench(args) -> int:
                       output_len=args.output_len, temperature=args.temperature,
                       imposed_acceptance=args.imposed_acceptance, runs=args.runs, hf=not args.no_hf,
                       hf_compile=args.hf_compile, hf_compile_timeout_s=args.hf_compile_timeout,
-                      phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir)
+                      phase_split=not args.no_phase_split, json_path=args.json, profile_dir=args.profile_dir,
+                      command=args.command_line)
     report = run_bench(cfg)
     print(table(report))
+    if args.json:
+        print(f"report written to {args.json}")
+    return 0
+
+
+def _check_mode_flags(args) -> None:
+    """Refuse a flag the mode does not read: another scenario's anywhere, and in a scenario any flag
+    besides the engine's, its own and the shared ones it names (MODE_DEFAULTS)."""
+    defaults = vars(build_parser().parse_args(["bench", args.mode]))
+    given = [dest for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]]
+    owner = {dest: name for name, dests in args.scenario_flags.items() for dest in dests}
+    if args.mode in SCENARIOS:
+        allowed = _engine_dests() | set(MODE_DEFAULTS[args.mode]) | set(args.scenario_flags[args.mode])
+        stray = [dest for dest in given if dest not in allowed and dest not in ("mode", "verbose")]
+    else:
+        stray = [dest for dest in given if dest in owner]
+    if stray:
+        flags = ", ".join("--" + dest.replace("_", "-") + (f" ({owner[dest]} scenario)" if dest in owner else "")
+                          for dest in stray)
+        what = f"the {args.mode} scenario" if args.mode in SCENARIOS else f"lfmspark bench {args.mode}"
+        raise SystemExit(f"lfmspark bench {args.mode}: error: {flags} {'does' if len(stray) == 1 else 'do'} not "
+                         f"apply to {what}")
+
+
+def _engine_dests() -> set[str]:
+    """The destinations of the engine's flags (EngineConfig.add_arguments)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    EngineConfig.add_arguments(parser, acceptance_profiles=True)
+    return set(vars(parser.parse_args([])))
+
+
+def _bench_scenario(args) -> int:
+    """``lfmspark bench SCENARIO``: the engine's flags, the scenario's own and the shared ones it reads."""
+    scenario = SCENARIOS[args.mode]
+    if args.imposed_acceptance is not None and len(args.imposed_acceptance) > 1:
+        raise SystemExit(f"lfmspark bench {args.mode}: error: --imposed-acceptance takes one profile here")
+    engine = _engine_config(args, "bench")
+    _single_thread_on_cpu(engine)
+    # the engine sizes the scenario fits to what it measures, unless the command line sets them
+    fit = tuple(name for name, flag in (("max_batch", args.max_batch), ("max_seq_len", args.max_seq_len),
+                                        ("batch_sizes", args.cuda_graph_sizes)) if flag is None)
+    cfg = scenario.config(args, engine=engine, fit=fit, command=args.command_line)
+    report = scenario.run(cfg)
+    print(scenario.table(report))
     if args.json:
         print(f"report written to {args.json}")
     return 0
@@ -317,6 +404,7 @@ def _calibration_prompts(args, engine) -> list:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = command_line(argv)      # what the reports record
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return {"bench": _bench, "generate": _generate, "serve": _serve, "calibrate": _calibrate}[args.command](args)

@@ -4,7 +4,7 @@ Greedy speculative output equals greedy target-only output token for token, for 
 rarely (the presets' random-weight drafts) and often (a bigram target with the draft that guesses
 its bigrams, at production head size); and a prompt's output is the same alone and inside batches
 of 8 and 32. ``LFMSPARK_EXACT_PROMPTS`` (default 200) prompts of ``LFMSPARK_EXACT_TOKENS`` (256)
-tokens for the presets. scripts/exact_probe.py reports the same identity rates for the default mode,
+tokens for the presets. ``lfmspark bench exact`` reports the same identity rates for the default mode,
 for contrast, and what exact mode costs.
 """
 

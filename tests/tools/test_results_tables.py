@@ -82,7 +82,7 @@ def test_a_bench_report_becomes_rows_that_replace_the_same_measurement():
                        "date": "2026-01-01", "commit": "0000000", "command": "old"}]}
     report = {"environment": {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-07T10:00:00+00:00",
                               "command": "lfmspark bench --preset lfm2.5-1.2b"},
-              "config": {"preset": "lfm2.5-1.2b", "output_len": 128, "exact": False},
+              "config": {"engine": {"preset": "lfm2.5-1.2b", "exact": False}, "output_len": 128},
               "results": {"target_only": [{"batch": 1, "tpot_ms_p50": 0.9341, "tpot_ms_p99": 0.95}],
                           "speculative": [{"batch": 1, "tpot_ms_p50": 0.3, "tpot_ms_p99": 0.31, "tau": 4.79,
                                            "imposed_profile": [0.8] * 9}]}}
@@ -92,6 +92,6 @@ def test_a_bench_report_becomes_rows_that_replace_the_same_measurement():
     assert target["tpot_p50_ms"] == "0.934" and target["commit"] == "abc1234" and target["date"] == "2026-12-07"
     assert spec["engine"] == "DSpark, imposed 0.8" and spec["tau"] == "4.79" and spec["vs_target_only"] == "3.11x"
     assert spec["gpu"] == "H100" and "preset" not in spec
-    report["config"]["preset"] = "lfm2-8b-a1b"
+    report["config"]["engine"]["preset"] = "lfm2-8b-a1b"
     with pytest.raises(ValueError):
         mod.import_bench(report, table, "abc1234")

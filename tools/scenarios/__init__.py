@@ -1,0 +1,25 @@
+"""The named scenarios of ``lfmspark bench``: each answers one question about the engine on one set
+of weights, prints a table and writes JSON with ``--json``.
+
+- ``sampling`` (sampling.py): speculative TPOT with the model card's sampling settings against
+  greedy, OpenAI-style top-p and target-only;
+- ``warmup`` (warmup.py): warm-up time at every default batch size, cold or warm compile cache,
+  and the TPOT after it;
+- ``multiturn`` (multiturn.py): multi-turn chat TTFT with the prefix cache on and off;
+- ``exact`` (exact.py): exact mode's identity rates and TPOT cost against the default mode.
+
+Each module has ``NAME``, ``SUMMARY``, ``SHARED`` (the ``lfmspark bench`` flags it reads beside the
+engine's, with its defaults for them), ``add_arguments(parser)`` (its own flags, in a group of its
+own; returns their destinations), ``config(args, engine=..., fit=..., command=...)``, ``run(config)``
+(the report) and ``table(report)``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import exact, multiturn, sampling, warmup
+
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (sampling, warmup, multiturn, exact)}
+
+__all__ = ["SCENARIOS"]
