@@ -229,7 +229,6 @@ def _bench_scenario(args) -> int:
     if args.imposed_acceptance is not None and len(args.imposed_acceptance) > 1:
         raise SystemExit(f"lfmspark bench {args.mode}: error: --imposed-acceptance takes one profile here")
     engine = _engine_config(args, "bench")
-    _single_thread_on_cpu(engine)
     # the engine sizes the scenario fits to what it measures, unless the command line sets them
     fit = tuple(name for name, flag in (("max_batch", args.max_batch), ("max_seq_len", args.max_seq_len),
                                         ("batch_sizes", args.cuda_graph_sizes)) if flag is None)
