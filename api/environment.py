@@ -2,7 +2,8 @@
 
 They are infrastructure only, never a kernel choice: where compiled artefacts live, a way for the
 test suite to run the Triton kernels on CPU, a kill switch for programmatic dependent launch when
-debugging, and the launch-parameter table for tuning. Choices a user may legitimately make are
+debugging, the launch-parameter table for tuning, and the server's API key (kept out of the command
+line, where other users of the machine can read it). Choices a user may legitimately make are
 :class:`~lfmspark.Engine` arguments.
 
 The variables are parsed together on first use (an :class:`~lfmspark.Engine` construction reads
@@ -23,6 +24,7 @@ CACHE_DIR = "LFMSPARK_CACHE_DIR"
 TRITON_ON_CPU = "LFMSPARK_TRITON_ON_CPU"
 PDL = "LFMSPARK_PDL"
 TUNE = "LFMSPARK_TUNE"
+API_KEY = "LFMSPARK_API_KEY"
 
 VARIABLES: dict[str, str] = {
     CACHE_DIR: "Inductor's on-disk caches (default ~/.cache/lfmspark/inductor; importing lfmspark points "
@@ -31,7 +33,11 @@ VARIABLES: dict[str, str] = {
                    "TRITON_INTERPRET=1; the test suite's way to check the kernels without a GPU)",
     PDL: "0: no programmatic dependent launch (a debugging kill switch; default 1, used on sm90+)",
     TUNE: "launch-parameter overrides, kind.parameter=integer items separated by commas (ops/tuning.py)",
+    API_KEY: "the key `lfmspark serve` requires as `Authorization: Bearer <key>` when --api-key is not given "
+             "(vLLM's VLLM_API_KEY)",
 }
+# variables whose values are secrets: reports name them as set, never their value
+SECRETS: frozenset[str] = frozenset({API_KEY})
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Environment:
     triton_on_cpu: bool
     pdl: bool
     tune: str                           # LFMSPARK_TUNE as given (checked by ops/tune_keys.py)
+    api_key: str | None = None          # LFMSPARK_API_KEY (None: unset or empty)
 
 
 def cache_dir() -> Path:
@@ -74,6 +81,7 @@ def environment() -> Environment:
         triton_on_cpu=_flag(TRITON_ON_CPU, "0", "the ops' CPU calls on the interpreted Triton kernels, or not"),
         pdl=_flag(PDL, "1", "programmatic dependent launch on sm90+, or off"),
         tune=_checked(os.environ.get(TUNE, ""), parse_tune),
+        api_key=os.environ.get(API_KEY) or None,
     )
 
 

@@ -1,65 +1,291 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one :class:`AsyncEngine`.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE streams, as OpenAI and vLLM send
-them), ``/v1/models``, ``/health`` (503 while warming up or after a device failure) and
-``/metrics`` (Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for a request the engine refuses or a parameter it cannot honour (named), 404 for
-another model, 503 when the queue is full or the engine is not serving, 500 when a running request
-failed.
+them), ``/v1/models`` and ``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` and
+``/reset_prefix_cache``, ``/version``, ``/health`` (503 while warming up or after a device failure)
+and ``/metrics`` (Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a request the engine refuses or a parameter it cannot honour (named), 401
+without the API key, 404 for another model, 413 for a body over the size limit, 503 when the queue
+is full or the engine is not serving, 500 when a running request failed.
+
+The event loop only moves bytes: decoding and validating a body, the chat template and the
+tokenizer run in worker threads (``asyncio.to_thread``), and a text that cannot fit the context is
+refused by its length before it is tokenized, so ``/health`` and running streams answer while a
+large request is being read, parsed or refused. A client that disconnects, streaming or not, has
+its requests aborted: their slots are free before the engine's next round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..runtime.async_engine import AsyncEngine, EngineShutdownError, QueueFullError
 from ..runtime.outputs import GenerationOutput, StreamEvent
-from ..runtime.prompts import PromptError
+from ..runtime.prompts import PromptError, check_messages
 from ..runtime.requests import EngineDeadError, RequestError, RequestFailedError
 from ..runtime.sampling import SamplingParams
+from .guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, BodyLimit, RequestTooLarge, too_large
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter, error_json
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       UnsupportedParameter, dumps, error_json, invalid_body, parse_body)
 
 log = logging.getLogger("lfmspark.serve")
 
+T = TypeVar("T")
 
-def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
+
+class SafeJSONResponse(JSONResponse):
+    """JSON answers through :func:`~.protocol.dumps`: a NaN statistic becomes ``null``, not a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+class ModelNotFound(Exception):
+    """A request names a model this server does not serve (404)."""
+
+    def __init__(self, requested: str, served: str):
+        super().__init__(f"The model `{requested}` does not exist (this server serves `{served}`).")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; its requests have been aborted."""
+
+
+def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None, *,
+              api_key: str | None = None, allowed_origins: Sequence[str] = (),
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving ``engine`` as ``model_name``. Shutting the app down shuts the engine down
-    (running requests are cancelled and every waiter answered)."""
+    (running requests are cancelled and every waiter answered). ``api_key``: required as
+    ``Authorization: Bearer`` on every route but ``/health``, ``/metrics`` and ``/version`` (None:
+    open); ``allowed_origins``: the origins browsers may call from (CORS; none by default);
+    ``max_request_bytes``: larger bodies are a 413 (serve/guards.py)."""
     if metrics is not None:
         metrics.attach(engine)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="lfmspark", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="lfmspark", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.engine, app.state.metrics = engine, metrics
     _install_error_handlers(app)
-    token_text = TokenText(engine.tokenizer)
+    _install_guards(app, api_key, allowed_origins, max_request_bytes)
+    front = Frontend(engine, model_name)
+    _info_routes(app, front, metrics)
+    _generation_routes(app, front)
+    _token_routes(app, front)
+    return app
+
+
+def _install_guards(app: FastAPI, api_key: str | None, allowed_origins: Sequence[str], max_request_bytes: int) -> None:
+    """Outermost first: CORS (a preflight is answered before the key is asked for), the API key
+    (an unauthorised body is never read), the body's size."""
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+
+
+# -- what a request must satisfy before it reaches the engine -----------------------------------
+
+class Frontend:
+    """The engine as the routes see it: the model's name and card, and the synchronous steps of a
+    request (decode and validate its body, render and tokenize its prompt, bound its length) that
+    the routes run in worker threads.
+
+    ``context``: the most tokens a request's prompt and ``max_tokens`` may total, which
+    ``/v1/models`` advertises as ``max_model_len``: the engine's ``max_model_len`` less the verify
+    window it keeps free past a request's last token. ``max_chars``: a text longer than this cannot
+    fit ``context`` tokens whatever it says, since no token spells more characters than the
+    vocabulary's longest entry (a byte-level entry spells its bytes, a SentencePiece one its
+    characters); such a text is refused without being tokenized.
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.created = int(time.time())
+        self.token_text = TokenText(engine.tokenizer)
+        self.context = engine.max_new_tokens(0)
+        self.max_chars = self.context * _longest_token(engine.tokenizer)
+
+    def card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lfmspark",
+                "max_model_len": self.context}
+
+    def check_model(self, requested: str | None) -> None:
+        if requested not in (None, self.model_name):
+            raise ModelNotFound(requested, self.model_name)
+
+    # -- generation requests (worker threads) --------------------------------------------------
+    def completion(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]], int]:
+        """The body, its prompts' token ids and its max_tokens (400 / 404 if refused)."""
+        body = parse_body(raw, CompletionRequest)
+        self.check_model(body.model)
+        body.check()
+        prompts = [self.encode(p, chat=False, param="prompt") for p in body.prompts()]
+        defaults = self.engine.sampling_defaults
+        max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
+        for ids in prompts:
+            self.check_room(len(ids), max_tokens, "prompt", "max_tokens")
+        return body, prompts, max_tokens
+
+    def chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int], int]:
+        """The body, its prompt's token ids and its max_tokens (by default what the context leaves)."""
+        body = parse_body(raw, ChatCompletionRequest)
+        self.check_model(body.model)
+        body.check()
+        prompt_ids = self.encode(body.messages, chat=True, param="messages")
+        defaults = self.engine.sampling_defaults
+        max_tokens = body.requested_max_tokens or min(self.engine.max_new_tokens(len(prompt_ids)),
+                                                      defaults.get("max_new_tokens", 1 << 30))
+        named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        self.check_room(len(prompt_ids), max_tokens, "messages", named)
+        return body, prompt_ids, max_tokens
+
+    def encode(self, prompt, chat: bool, param: str) -> list[int]:
+        """A prompt's token ids, its text first bounded by length (class doc), a token-id list by
+        its length before its ids are checked one by one."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            self.check_room(len(prompt), 1, param, "max_tokens")
+        self.check_text(_text_chars(prompt), param)
+        try:
+            return self.engine.encode(prompt, chat=chat)
+        except PromptError as e:
+            raise UnsupportedParameter(param, f"{param}: {e}") from e
+
+    def check_text(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise UnsupportedParameter(param, f"{param}: {chars} characters of text cannot fit this model's "
+                                       f"context of {self.context} tokens (max_model_len): texts over "
+                                       f"{self.max_chars} characters are refused without being tokenized")
+
+    def check_room(self, prompt_len: int, max_tokens: int, prompt_param: str, max_param: str) -> None:
+        """Prompt + max_tokens within ``context``, blaming the prompt only when it leaves no room at all."""
+        if prompt_len + max_tokens <= self.context:
+            return
+        if prompt_len >= self.context:
+            raise UnsupportedParameter(prompt_param, f"{prompt_param}: the prompt is {prompt_len} tokens, and this "
+                                       f"model's context is {self.context} tokens (max_model_len), prompt and "
+                                       "output together: shorten the prompt")
+        raise UnsupportedParameter(max_param, f"{max_param}: the prompt ({prompt_len} tokens) + {max_param} "
+                                   f"({max_tokens}) = {prompt_len + max_tokens} tokens exceeds this model's "
+                                   f"context of {self.context} tokens (max_model_len): lower {max_param} to at "
+                                   f"most {self.context - prompt_len}")
+
+    # -- /tokenize and /detokenize (worker threads) ---------------------------------------------
+    def tokenize(self, raw: bytes) -> dict:
+        """vLLM's answer: ``tokens``, ``count``, ``max_model_len`` (and ``token_strs`` if asked)."""
+        body = parse_body(raw, TokenizeRequest)
+        self.check_model(body.model)
+        body.check()
+        param = "prompt" if body.prompt is not None else "messages"
+        tokenizer = self._tokenizer(param)
+        if body.messages is not None:
+            text = self._render(tokenizer, body)
+        else:
+            self.check_text(len(body.prompt), "prompt")
+            text = body.prompt
+        _check_unicode(text, param)
+        ids = list(tokenizer(text, add_special_tokens=body.special_tokens)["input_ids"])
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.context, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, raw: bytes) -> dict:
+        """vLLM's answer: ``{"prompt": text}`` (special tokens shown, as vLLM decodes)."""
+        body = parse_body(raw, DetokenizeRequest)
+        self.check_model(body.model)
+        tokenizer = self._tokenizer("tokens")
+        if body.tokens:
+            try:
+                self.engine.encode(body.tokens, chat=False)         # ids inside the vocabulary
+            except PromptError as e:
+                raise UnsupportedParameter("tokens", f"tokens: {e}") from e
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def _tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise UnsupportedParameter(param, "this model has no tokenizer (no tokenizer files in its "
+                                       "directory): it serves token-id prompts only")
+        return self.engine.tokenizer
+
+    def _render(self, tokenizer, body: TokenizeRequest) -> str:
+        """The chat template's text for ``body.messages``, checked as a chat request's are."""
+        try:
+            check_messages(body.messages)
+        except PromptError as e:
+            raise UnsupportedParameter("messages", f"messages: {e}") from e
+        self.check_text(_text_chars(body.messages), "messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise UnsupportedParameter("messages", "this model's tokenizer has no chat template")
+        options = {"continue_final_message": True} if body.continue_final_message else {}
+        return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                             tokenize=False, **options)
+
+
+def _longest_token(tokenizer) -> int:
+    """Characters in the vocabulary's longest entry (1 without a tokenizer: no text is served)."""
+    if tokenizer is None:
+        return 1
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def _text_chars(prompt) -> int:
+    """Characters of text in a prompt: a string's, or the contents of chat messages (a token-id list
+    has none). Malformed messages count what they hold; the engine names what is wrong."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for m in prompt if isinstance(prompt, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedParameter(param, f"{param} is not valid Unicode text (a lone surrogate at "
+                                   f"character {e.start})") from None
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+def _info_routes(app: FastAPI, front: Frontend, metrics: ServerMetrics | None) -> None:
+    engine = front.engine
 
     @app.get("/health")
     async def health():
         if engine.failure is not None:
-            return JSONResponse({"status": "unhealthy", "error": f"{type(engine.failure).__name__}: "
-                                 f"{engine.failure}"}, status_code=503)
+            return SafeJSONResponse({"status": "unhealthy", "error": f"{type(engine.failure).__name__}: "
+                                     f"{engine.failure}"}, status_code=503)
         if not engine.ready:
-            return JSONResponse({"status": "warming up"}, status_code=503)
+            return SafeJSONResponse({"status": "warming up"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -69,49 +295,34 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "lfmspark", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [front.card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        front.check_model(model_id)
+        return front.card()
 
     @app.get("/metrics")
     async def prometheus():
         if metrics is None:
-            return JSONResponse(error_json("metrics are off in this server", "not_found"), status_code=404)
+            return SafeJSONResponse(error_json("metrics are off in this server", "not_found"), status_code=404)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def check_model(body) -> JSONResponse | None:
-        if body.model not in (None, model_name):
-            return JSONResponse(error_json(f"The model `{body.model}` does not exist (this server serves "
-                                           f"`{model_name}`).", "invalid_request_error", "model",
-                                           "model_not_found"), status_code=404)
-        return None
 
-    def encode(prompt, chat: bool, param: str) -> list[int]:
-        try:
-            return engine.encode(prompt, chat=chat)
-        except PromptError as e:
-            raise UnsupportedParameter(param, f"{param}: {e}") from e
-
-    def room(prompt_ids: list[int]) -> int:
-        """The most tokens a request with this prompt may generate (the default chat max_tokens)."""
-        return engine.max_new_tokens(len(prompt_ids))
+def _generation_routes(app: FastAPI, front: Frontend) -> None:
+    engine, model_name, token_text = front.engine, front.model_name, front.token_text
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if (missing := check_model(body)) is not None:
-            return missing
-        body.check()
+    async def completions(request: Request):
+        body, prompts, max_tokens = await asyncio.to_thread(front.completion, await request.body())
         rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts = [encode(p, chat=False, param="prompt") for p in body.prompts()]
-        defaults = engine.sampling_defaults
-        max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
-        params = body.sampling(max_tokens, defaults, logprobs=body.logprobs)
-        streams = await _start(engine, prompts, params, rid)
+        params = body.sampling(max_tokens, engine.sampling_defaults, logprobs=body.logprobs)
+        streams = await _unless_disconnected(request, _start(engine, prompts, params, rid))
         if body.stream:
             return _sse(_completion_chunks(streams, rid, model_name, prompts, body, token_text))
-        outs = await _finish_all(streams)
+        outs = await _unless_disconnected(request, _finish_all(streams))
         n = body.n or 1
-        choices = [{"index": i, "text": out.text or "",
-                    "logprobs": completion_logprobs(out.logprobs, token_text) if out.logprobs is not None else None,
+        choices = [{"index": i, "text": out.text or "", "logprobs": _completion_logprobs(out, token_text),
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                     **({"token_ids": out.token_ids, "prompt_token_ids": prompts[i // n]} if body.return_token_ids
                        else {}),
@@ -121,19 +332,14 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
                 "choices": choices, "usage": _usage(prompts, outs)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if (missing := check_model(body)) is not None:
-            return missing
-        body.check()
+    async def chat_completions(request: Request):
+        body, prompt_ids, max_tokens = await asyncio.to_thread(front.chat, await request.body())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = encode(body.messages, chat=True, param="messages")
-        defaults = engine.sampling_defaults
-        max_tokens = body.requested_max_tokens or min(room(prompt_ids), defaults.get("max_new_tokens", 1 << 30))
-        params = body.sampling(max_tokens, defaults, logprobs=body.logprobs_count)
-        streams = await _start(engine, [prompt_ids], params, rid)
+        params = body.sampling(max_tokens, engine.sampling_defaults, logprobs=body.logprobs_count)
+        streams = await _unless_disconnected(request, _start(engine, [prompt_ids], params, rid))
         if body.stream:
             return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body, token_text))
-        outs = await _finish_all(streams)
+        outs = await _unless_disconnected(request, _finish_all(streams))
         choices = [{"index": j, "message": {"role": "assistant", "content": out.text or ""},
                     "logprobs": chat_logprobs(out.logprobs, token_text) if out.logprobs is not None else None,
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
@@ -143,7 +349,15 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage([prompt_ids], outs)}
 
-    return app
+
+def _token_routes(app: FastAPI, front: Frontend) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await asyncio.to_thread(front.tokenize, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await asyncio.to_thread(front.detokenize, await request.body())
 
 
 # -- running requests ---------------------------------------------------------------------------
@@ -167,14 +381,50 @@ class _Started:
 
 
 async def _start(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, rid: str) -> list[_Started]:
-    """Submit every prompt and wait for each one's first event; if one is refused, abort the others."""
+    """Submit every prompt and wait for each one's first event; if one is refused, or the wait is
+    cancelled (a client that left), abort the others."""
     streams = [engine.generate(p, params, request_id=f"{rid}-{i}") for i, p in enumerate(prompts)]
-    firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    try:
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    except asyncio.CancelledError:
+        await _close(streams)         # those whose first event came wait at a yield: close them
+        raise
     failed = [f for f in firsts if isinstance(f, BaseException)]
     if failed:
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        await _close(streams)
         raise failed[0]
     return [_Started(s, f) for s, f in zip(streams, firsts)]
+
+
+async def _close(streams: Iterable[AsyncIterator[StreamEvent]]) -> None:
+    """Leave each generate iterator (which aborts its request if it has not finished)."""
+    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled, which
+    leaves the engine's generate iterators it is reading, so their requests are aborted and their
+    slots free before the engine's next round, and :class:`ClientDisconnected` is raised. (A
+    streamed answer needs no watch: Starlette stops it at the disconnect, closing its iterators.)"""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)     # its aborts are sent once it returns
+    if task.cancelled():
+        raise ClientDisconnected("the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone. The body has been read, so the server's next message for
+    this request is its ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _finish_all(streams: list[_Started]) -> list[GenerationOutput]:
@@ -226,6 +476,13 @@ async def _merged(streams: list[_Started]) -> AsyncIterator[tuple[int, StreamEve
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _completion_logprobs(out: GenerationOutput, token_text: TokenText) -> dict | None:
+    """A whole completion's logprobs, their offsets within its text."""
+    if out.logprobs is None:
+        return None
+    return completion_logprobs(out.logprobs, token_text, end=len(out.text or ""))
+
+
 def _prompt_logprobs(out: GenerationOutput, token_text: TokenText) -> dict:
     """The ``prompt_logprobs`` field of a choice (vLLM's extension), when the request asked for them."""
     if out.prompt_logprobs is None:
@@ -239,12 +496,14 @@ async def _completion_chunks(streams: list[_Started], rid: str, model: str, prom
     outs: list[GenerationOutput] = []
     created = int(time.time())
     offsets: dict[int, int] = {}           # per choice: where its next token's text starts
+    sent: dict[int, int] = {}              # per choice: the characters of text sent so far
     async for i, ev in _merged(streams):
         index = i * n + ev.sample
+        sent[index] = sent.get(index, 0) + len(ev.text or "")
         logprobs = None
         if ev.logprobs is not None:
-            logprobs = completion_logprobs(ev.logprobs, token_text, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            logprobs = completion_logprobs(ev.logprobs, token_text, offsets.get(index, 0), end=sent[index])
+            offsets[index] = offsets.get(index, 0) + sum(token_text.width(r.token_id) for r in ev.logprobs)
         choice = {"index": index, "text": ev.text or "", "logprobs": logprobs,
                   "finish_reason": ev.output.finish_reason if ev.finished else None,
                   "stop_reason": ev.output.stop_reason if ev.finished else None}
@@ -292,9 +551,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
             async for c in chunks:
-                yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+                yield f"data: {dumps(c)}\n\n"
         except (RequestFailedError, EngineDeadError, EngineShutdownError) as e:
-            yield f"data: {json.dumps(error_json(str(e), 'internal_error', code='request_failed'))}\n\n"
+            yield f"data: {dumps(error_json(str(e), 'internal_error', code='request_failed'))}\n\n"
         finally:
             await chunks.aclose()
         yield "data: [DONE]\n\n"
@@ -304,37 +563,46 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 # -- errors --------------------------------------------------------------------------------------
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def answer(status: int, body: dict) -> SafeJSONResponse:
+        return SafeJSONResponse(body, status_code=status)
+
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        if err.get("type") == "extra_forbidden":
-            message = f"unknown parameter {'.'.join(loc)!r}: this server does not support it"
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
-        return JSONResponse(error_json(message, param=param), status_code=400)
+    async def invalid(request: Request, exc: RequestValidationError):
+        e = invalid_body(exc.errors())
+        return answer(400, error_json(str(e), param=e.param))
 
     @app.exception_handler(UnsupportedParameter)
     async def unsupported(request: Request, exc: UnsupportedParameter):
-        return JSONResponse(error_json(str(exc), param=exc.param), status_code=400)
+        return answer(400, error_json(str(exc), param=exc.param))
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError):
-        return JSONResponse(error_json(str(exc), param=_named_param(str(exc))), status_code=400)
+        return answer(400, error_json(str(exc), param=_named_param(str(exc))))
+
+    @app.exception_handler(ModelNotFound)
+    async def not_found(request: Request, exc: ModelNotFound):
+        return answer(404, error_json(str(exc), "invalid_request_error", "model", "model_not_found"))
+
+    @app.exception_handler(RequestTooLarge)
+    async def too_big(request: Request, exc: RequestTooLarge):
+        return answer(413, too_large(None, exc.limit))
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)        # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(QueueFullError)
     async def overloaded(request: Request, exc: QueueFullError):
-        return JSONResponse(error_json(str(exc), "server_overloaded", code="queue_full"), status_code=503)
+        return answer(503, error_json(str(exc), "server_overloaded", code="queue_full"))
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineShutdownError)
     async def not_serving(request: Request, exc: Exception):
-        return JSONResponse(error_json(str(exc), "server_error", code="engine_unavailable"), status_code=503)
+        return answer(503, error_json(str(exc), "server_error", code="engine_unavailable"))
 
     @app.exception_handler(RequestFailedError)
     async def failed(request: Request, exc: RequestFailedError):
-        return JSONResponse(error_json(str(exc), "internal_error", code="request_failed"), status_code=500)
+        return answer(500, error_json(str(exc), "internal_error", code="request_failed"))
 
 
 _SAMPLING_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed", "stop": "stop",

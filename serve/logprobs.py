@@ -18,6 +18,7 @@ class TokenText:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._widths: dict[int, int] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -26,19 +27,32 @@ class TokenText:
             self._cache[token_id] = text
         return text
 
+    def width(self, token_id: int) -> int:
+        """The characters the token adds to the returned text, which skips special tokens (an EOS
+        shows as ``<|im_end|>`` among the logprobs but adds nothing to the text)."""
+        width = self._widths.get(token_id)
+        if width is None:
+            width = len(self.tokenizer.decode([token_id], skip_special_tokens=True)) if self.tokenizer else 0
+            self._widths[token_id] = width
+        return width
+
 
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else _FLOOR
 
 
-def completion_logprobs(records: list[TokenLogprobs], text: TokenText, offset: int = 0) -> dict:
+def completion_logprobs(records: list[TokenLogprobs], text: TokenText, offset: int = 0,
+                        end: int | None = None) -> dict:
     """The legacy completions form: ``tokens``, ``token_logprobs``, ``top_logprobs`` (text -> logprob)
-    and ``text_offset`` (where each token's text starts, counting from ``offset``)."""
+    and ``text_offset``: where each token's text starts in the returned text, counting from
+    ``offset``, as vLLM counts (the lengths of the tokens before it), a skipped special token adding
+    nothing, and never past ``end`` (the returned text's length: a stop string cuts the text, not
+    the tokens)."""
     tokens = [text(r.token_id) for r in records]
     offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+    for r in records:
+        offsets.append(offset if end is None else min(offset, end))
+        offset += text.width(r.token_id)
     return {"tokens": tokens, "token_logprobs": [_finite(r.logprob) for r in records],
             "top_logprobs": [{text(i): _finite(v) for i, v in r.top} for r in records], "text_offset": offsets}
 

@@ -2,29 +2,70 @@
 
 Every field the OpenAI API defines for these endpoints is declared, so that one the engine cannot
 honour is refused by name (:class:`UnsupportedParameter` -> HTTP 400) instead of being ignored; an
-unknown field is refused too (``extra="forbid"``). Extensions, as vLLM names them: ``top_k``,
+unknown field is refused too (``extra="forbid"``). Types are strict, as OpenAI's are: ``true`` is
+not an integer and ``"yes"`` is not a boolean (an integer is a number, though), and JSON's
+non-standard ``NaN`` / ``Infinity`` are refused. Extensions, as vLLM names them: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``,
-``prompt_logprobs``.
+``prompt_logprobs``. vLLM's ``/tokenize`` and ``/detokenize`` bodies are here too.
+
+Bodies are decoded by :func:`parse_body` (the server calls it off the event loop), and responses
+encoded by :func:`dumps`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import math
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.sampling import SamplingParams
 
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
 
 class UnsupportedParameter(ValueError):
-    def __init__(self, param: str, message: str):
+    """A request the server refuses (HTTP 400), naming the parameter at fault (``None``: the body)."""
+
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
 
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """``raw`` (a request body) decoded and validated as ``model``; an invalid body raises
+    :class:`UnsupportedParameter` naming the field at fault (none for JSON that does not parse)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise invalid_body(e.errors()) from None
+
+
+def invalid_body(errors: list) -> UnsupportedParameter:
+    """The 400 for pydantic's first error: the parameter is the top-level field it concerns (list
+    indices and the ``body`` prefix FastAPI adds are not parameters)."""
+    err = errors[0] if errors else {}
+    kind = err.get("type")
+    if kind == "json_invalid":
+        detail = str(err.get("ctx", {}).get("error") or err.get("msg", "invalid JSON"))
+        return UnsupportedParameter(None, f"the request body is not valid JSON: {detail}")
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    if kind == "extra_forbidden":
+        return UnsupportedParameter(loc[0] if loc else None,
+                                    f"unknown parameter {where!r}: this server does not support it")
+    if kind == "model_type" and not loc:
+        return UnsupportedParameter(None, "the request body must be a JSON object")
+    return UnsupportedParameter(loc[0] if loc else None, f"{where or 'body'}: {err.get('msg', 'invalid value')}")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -32,7 +73,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = None
     temperature: float | None = None       # OpenAI's default: 1
@@ -106,7 +147,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # tried in this order, the first that fits taken: a long token-id list validates in one pass,
+    # not after failing as a list of strings with an error per id
+    prompt: str | list[int] | list[list[int]] | list[str] = Field(union_mode="left_to_right")
     max_tokens: int | None = None          # default: generation_config's max_new_tokens, else 16 (OpenAI's)
     best_of: int | None = None
     echo: bool = False
@@ -130,8 +173,8 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
+        if not p or isinstance(p[0], int):       # validated: a list's items are all of one kind
+            return [p]
         return list(p)
 
 
@@ -193,6 +236,42 @@ def _check_max_tokens(name: str, value: int | None) -> None:
         raise UnsupportedParameter(name, f"{name} must be >= 1, got {value}")
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (special tokens added by default) or chat ``messages``
+    (through the chat template, with the generation prompt by default; no special tokens beyond
+    the template's). ``token_strs`` in the answer when ``return_token_strs``."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None        # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedParameter("prompt", "give either prompt or messages")
+        if self.prompt is None and self.add_generation_prompt and self.continue_final_message:
+            raise UnsupportedParameter("continue_final_message", "continue_final_message needs "
+                                       "add_generation_prompt=false")
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``: token ids -> ``{"prompt": text}``."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str
@@ -205,3 +284,22 @@ def error_json(message: str, type_: str = "invalid_request_error", param: str | 
     """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": ErrorBody(message=message, type=type_, param=param, code=code).model_dump()}
 
+
+
+def dumps(content: Any) -> str:
+    """A response's JSON text. JSON has no NaN or infinity: a non-finite float (a rate over no
+    rounds, say) is written as ``null``, never as the non-standard ``NaN`` clients fail to parse."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite_or_null(content), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..environment import VARIABLES
+from ..environment import SECRETS, VARIABLES
 from ..models.lfm2_moe import Lfm2MoeBlock, Lfm2MoeExperts
 from ..ops._dispatch import use_pdl
 from ..ops.markov_walk.jacobi import jacobi_pass_counts
@@ -466,7 +466,8 @@ def environment(device: torch.device, command: str | None = None) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     # the LFMSPARK_* variables set (lfmspark/environment.py) and whether the kernels launch with
     # programmatic dependent launch here: they change the timings
-    env["variables"] = {name: os.environ[name] for name in sorted(VARIABLES) if name in os.environ}
+    env["variables"] = {name: "(set)" if name in SECRETS else os.environ[name]
+                        for name in sorted(VARIABLES) if name in os.environ}
     env["pdl"] = use_pdl(torch.empty(0, device=device))
     return env
 

@@ -8,7 +8,6 @@ server cannot honour is a 400 naming the parameter; ``/metrics`` counts what was
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -17,55 +16,12 @@ import openai
 import pytest
 import torch
 
-from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime import SamplingParams
 from lfmspark.serve import make_server_app
-from engine_fixtures import save_tiny_draft, save_tiny_target
+from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import MODEL, Served, load
 
-uvicorn = pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-MODEL = "tiny-chat"
 MAX_BATCH = 4
-
-
-class Served:
-    """A uvicorn server on a free loopback port, in a daemon thread."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def engine(self):
-        return self.app.state.engine
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
-    return save_tiny_target(root / "target"), save_tiny_draft(root / "draft")
-
-
-def load(ckpt, **kw) -> Engine:
-    target, draft = ckpt
-    return Engine.from_pretrained(target, draft, dtype=torch.float32, device="cpu", max_seq_len=128, **kw)
 
 
 @pytest.fixture(scope="module")
