@@ -9,9 +9,8 @@ each (``Engine.from_config(cfg, models)``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
-from ..models.config import DraftConfig, read_json_object
+from ..models.config import DraftConfig
 from ..models.dspark import DSparkDraft
 from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
@@ -55,9 +54,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
         if config.draft is not None:
             draft_cfg = None
             if config.draft_rope_is_neox_style is not None:
-                raw = read_json_object(Path(config.draft) / "config.json")
-                raw["rope_is_neox_style"] = config.draft_rope_is_neox_style
-                draft_cfg = DraftConfig.from_dict(raw)
+                draft_cfg = DraftConfig.from_pretrained(
+                    config.draft, overrides={"rope_is_neox_style": config.draft_rope_is_neox_style})
             draft = load_draft(config.draft, target.config, dtype=dtype, device=device, cfg=draft_cfg)
         return LoadedModels(target, draft, load_tokenizer(config.target),
                             default_stop_ids(config.target, target.config.eos_token_ids),
