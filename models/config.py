@@ -7,13 +7,17 @@ applies to dense ``lfm2`` only; the layer schedule comes from ``layer_types`` or
 ``rope_theta``; ``tie_embedding`` aliases ``tie_word_embeddings``; ``head_dim`` defaults to
 ``hidden_size // num_attention_heads``. ``DraftConfig`` covers DSpark drafts (reference/dspark.md §8).
 
-A config that cannot be served raises :class:`ConfigError` naming the field and the fix.
+A config that cannot be served raises :class:`ConfigError` naming the field and the fix. Every
+field is read through a table of field -> :class:`Kind` (:data:`TARGET_FIELDS`, :data:`DRAFT_FIELDS`;
+runtime/prompts.py has generation_config.json's), so a value of the wrong type is refused as
+``config.json: full_attn_idxs: expected a list of layer indices, got 3``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,36 +57,181 @@ def _read_json(path: str | Path) -> dict[str, Any]:
     return read_json_object(path)
 
 
-def _from_file(parse, path: str | Path):
-    """``parse(config dict)``, with a field of the wrong type (an int where a list belongs, a string
-    where a number does) raised as :class:`ConfigError` naming the file rather than as a bare
-    TypeError / ValueError from deep inside."""
+def _from_file(parse, path: str | Path, overrides: dict[str, Any] | None = None,
+               defaults: dict[str, Any] | None = None):
+    """``parse(config dict)`` of the file at ``path`` (``overrides`` replace fields of the file,
+    ``defaults`` fill fields it lacks), with every :class:`ConfigError` (a field of the wrong kind,
+    see :class:`Fields`, or a value the model cannot take) naming the file."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    raw = _read_json(path)
+    raw = {**(defaults or {}), **_read_json(path), **(overrides or {})}
     try:
         return parse(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise ConfigError(f"{path}: a config field has the wrong type or value ({type(e).__name__}: {e})") from None
 
 
-def _positive_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+# ---------------------------------------------------------------------------------------------
+# field kinds: every field read from config.json, generation_config.json or a draft's config.json
+# is read through a table of field -> Kind, so that a value of the wrong type is refused naming the
+# field, the value found and what the field takes, instead of failing somewhere inside
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_list(v: Any, item: Callable[[Any], bool], non_empty: bool = False) -> bool:
+    return isinstance(v, (list, tuple)) and (bool(v) or not non_empty) and all(item(i) for i in v)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a config field takes. ``expected`` completes "expected ..." in the error; ``nullable``:
+    JSON null is a value of the field (it then means what the code reading it says: none, or
+    derive the value), not an error."""
+
+    expected: str
+    accepts: Callable[[Any], bool]
+    nullable: bool = False
+
+    def or_null(self) -> "Kind":
+        return Kind(self.expected, self.accepts, nullable=True)
+
+
+POSITIVE_INT = Kind("a positive integer", lambda v: _is_int(v) and v > 0)
+NON_NEGATIVE_INT = Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+WHOLE_NUMBER = Kind("an integer", lambda v: _is_number(v) and v == int(v))
+NUMBER = Kind("a number", _is_number)
+POSITIVE_NUMBER = Kind("a positive number", lambda v: _is_number(v) and v > 0)
+NON_NEGATIVE_NUMBER = Kind("a non-negative number", lambda v: _is_number(v) and v >= 0)
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+STRING = Kind("a string", lambda v: isinstance(v, str))
+OBJECT = Kind("a JSON object", lambda v: isinstance(v, dict))
+ANYTHING = Kind("any value", lambda v: True, nullable=True)
+TOKEN_ID = Kind("a token id (a non-negative integer)", NON_NEGATIVE_INT.accepts)
+TOKEN_IDS = Kind("a token id or a list of token ids (non-negative integers)",
+                 lambda v: NON_NEGATIVE_INT.accepts(v) or _is_list(v, NON_NEGATIVE_INT.accepts), nullable=True)
+LAYER_INDICES = Kind("a list of layer indices", lambda v: _is_list(v, _is_int))
+LAYER_TYPES = Kind("a list of layer types ('conv' or 'full_attention')", lambda v: _is_list(v, STRING.accepts))
+TAP_IDS = Kind("a non-empty list of target layer ids (integers)", lambda v: _is_list(v, _is_int, non_empty=True))
+NUMBERS = Kind("a list of numbers", lambda v: _is_list(v, _is_number))
+
+# RoPE fields, common to targets and drafts (``rope_parameters`` is read with ROPE_PARAMETER_FIELDS)
+ROPE_FIELDS: dict[str, Kind] = {
+    "rope_parameters": OBJECT.or_null(), "rope_theta": POSITIVE_NUMBER.or_null(), "rope_scaling": ANYTHING,
+}
+ROPE_PARAMETER_FIELDS: dict[str, Kind] = {
+    "rope_type": STRING, "type": STRING, "rope_theta": POSITIVE_NUMBER.or_null(),
+}
+
+# every field TargetConfig.from_dict reads (the dense-only and MoE-only ones are read for that
+# model type only)
+TARGET_FIELDS: dict[str, Kind] = {
+    "model_type": STRING, "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT, "num_attention_heads": POSITIVE_INT, "num_key_value_heads": POSITIVE_INT,
+    "head_dim": POSITIVE_INT.or_null(), "layer_types": LAYER_TYPES.or_null(), "full_attn_idxs": LAYER_INDICES.or_null(),
+    "conv_bias": BOOL, "conv_L_cache": POSITIVE_INT, "norm_eps": NON_NEGATIVE_NUMBER,
+    "max_position_embeddings": POSITIVE_INT, "tie_embedding": BOOL, "tie_word_embeddings": BOOL,
+    "bos_token_id": TOKEN_ID.or_null(), "eos_token_id": TOKEN_IDS, "pad_token_id": TOKEN_ID.or_null(),
+    "intermediate_size": POSITIVE_INT,
+    # dense lfm2: the FFN width rule
+    "block_ff_dim": POSITIVE_INT, "block_auto_adjust_ff_dim": BOOL,
+    "block_ffn_dim_multiplier": POSITIVE_NUMBER.or_null(), "block_multiple_of": POSITIVE_INT,
+    # lfm2_moe
+    "num_dense_layers": NON_NEGATIVE_INT, "num_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT, "use_expert_bias": BOOL, "norm_topk_prob": BOOL,
+    "routed_scaling_factor": NUMBER,
+    **ROPE_FIELDS,
+}
+
+# every field DraftConfig.from_dict reads
+DRAFT_FIELDS: dict[str, Kind] = {
+    # format markers: only their presence is read
+    "speculators_model_type": ANYTHING, "transformer_layer_config": ANYTHING, "dflash_config": ANYTHING,
+    "block_size": POSITIVE_INT, "target_layer_ids": TAP_IDS.or_null(), "mask_token_id": TOKEN_ID.or_null(),
+    "hidden_size": POSITIVE_INT, "intermediate_size": POSITIVE_INT, "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT, "num_key_value_heads": POSITIVE_INT, "head_dim": POSITIVE_INT.or_null(),
+    "vocab_size": POSITIVE_INT.or_null(), "rms_norm_eps": NON_NEGATIVE_NUMBER,
+    "rope_is_neox_style": BOOL.or_null(), "is_neox_style": BOOL.or_null(),
+    "markov_rank": NON_NEGATIVE_INT.or_null(), "markov_head_type": STRING,
+    "enable_confidence_head": BOOL, "confidence_head_with_markov": BOOL,
+    "num_target_layers": POSITIVE_INT.or_null(), "target_hidden_size": POSITIVE_INT.or_null(),
+    "max_position_embeddings": POSITIVE_INT.or_null(), "sts_temperatures": NUMBERS.or_null(),
+    **ROPE_FIELDS,
+}
+
+
+def _shown(value: Any) -> str:
+    """A value as the JSON file spells it (``null``, ``true``, ``"small"``), shortened."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Fields:
+    """A config dict read through its table of field -> :class:`Kind`: every value read is checked,
+    and one of the wrong kind raises :class:`ConfigError` "``where``field: expected <kind>, got
+    <value>". Reading a field that has no entry in the table is a bug here (KeyError)."""
+
+    def __init__(self, raw: dict[str, Any], kinds: dict[str, Kind], where: str = ""):
+        self.raw, self.kinds, self.where = raw, kinds, where
+
+    def __contains__(self, key: str) -> bool:
+        if key not in self.kinds:
+            raise KeyError(f"config field {key!r} has no kind in the table")
+        return key in self.raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field's value (checked), ``default`` when the file lacks it."""
+        kind = self.kinds.get(key)
+        if kind is None:
+            raise KeyError(f"config field {key!r} has no kind in the table")
+        if key not in self.raw:
+            return default
+        value = self.raw[key]
+        if value is None and kind.nullable:
+            return None
+        if value is None or not kind.accepts(value):
+            raise ConfigError(f"{self.where}{key}: expected {kind.expected}, got {_shown(value)}")
+        return value
+
+    def nested(self, key: str, kinds: dict[str, Kind]) -> "Fields":
+        """The JSON object in field ``key`` (empty when absent or null), read through ``kinds``."""
+        return Fields(self.get(key) or {}, kinds, f"{self.where}{key}.")
+
+
+def _required(cfg: Fields, key: str, default: Any = None) -> Any:
+    """A field the config must have (or ``default``), of its table's kind."""
     value = cfg.get(key, default)
     if value is None:
         raise ConfigError(f"config field '{key}' is missing")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config field '{key}' must be a positive integer, got {value!r}")
     return value
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def _head_dim(cfg: Fields, hidden: int, n_heads: int, what: str) -> int:
+    """``head_dim``, or ``hidden_size // num_attention_heads`` where it is absent; even, for RoPE."""
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ConfigError(f"{what} field 'hidden_size' ({hidden}) is not divisible by 'num_attention_heads' "
+                              f"({n_heads}) and no 'head_dim' is given")
+        head_dim = hidden // n_heads
+    if head_dim % 2:
+        raise ConfigError(f"{what} field 'head_dim' ({head_dim}) must be even: RoPE rotates the head dimension in "
+                          "pairs")
+    return head_dim
+
+
+def _rope_theta(cfg: Fields) -> float:
     """Theta from ``rope_parameters`` (transformers 5 exports) or top-level ``rope_theta``."""
-    params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"config field 'rope_parameters' must be an object, got {params!r}")
+    params = cfg.nested("rope_parameters", ROPE_PARAMETER_FIELDS)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"config field 'rope_parameters.rope_type' is {rope_type!r}: only 'default' RoPE "
@@ -94,10 +243,7 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
         raise ConfigError(f"config fields 'rope_theta' ({top}) and 'rope_parameters.rope_theta' ({nested}) "
                           "disagree: fix the config so they match")
     theta = nested if nested is not None else top
-    theta = DEFAULT_ROPE_THETA if theta is None else float(theta)
-    if not theta > 0:
-        raise ConfigError(f"config field 'rope_theta' must be positive, got {theta}")
-    return theta
+    return DEFAULT_ROPE_THETA if theta is None else float(theta)
 
 
 def parse_token_ids(value: Any) -> tuple[int, ...]:
@@ -164,31 +310,24 @@ class TargetConfig:
         return _from_file(cls.from_dict, path)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "TargetConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> "TargetConfig":
+        cfg = Fields(raw, TARGET_FIELDS)
         model_type = cfg.get("model_type")
         if model_type not in ("lfm2", "lfm2_moe"):
             raise ConfigError(f"config field 'model_type' is {model_type!r}: lfmspark serves 'lfm2' and 'lfm2_moe' "
                               "targets (DSpark drafts are loaded as the draft, not the target)")
-        hidden = _positive_int(cfg, "hidden_size")
-        n_layers = _positive_int(cfg, "num_hidden_layers")
-        n_heads = _positive_int(cfg, "num_attention_heads")
-        n_kv = _positive_int(cfg, "num_key_value_heads")
+        hidden = _required(cfg, "hidden_size")
+        n_layers = _required(cfg, "num_hidden_layers")
+        n_heads = _required(cfg, "num_attention_heads")
+        n_kv = _required(cfg, "num_key_value_heads")
         if n_heads % n_kv:
             raise ConfigError(f"config field 'num_attention_heads' ({n_heads}) must be a multiple of "
                               f"'num_key_value_heads' ({n_kv})")
-        if cfg.get("head_dim") is not None:
-            head_dim = _positive_int(cfg, "head_dim")
-        elif hidden % n_heads:
-            raise ConfigError(f"config field 'hidden_size' ({hidden}) is not divisible by 'num_attention_heads' "
-                              f"({n_heads}) and no 'head_dim' is given")
-        else:
-            head_dim = hidden // n_heads
-        if head_dim % 2:
-            raise ConfigError(f"config field 'head_dim' ({head_dim}) must be even for RoPE")
+        head_dim = _head_dim(cfg, hidden, n_heads, "config")
         if cfg.get("conv_bias", False):
             raise ConfigError("config field 'conv_bias' is true: ShortConv biases are not supported "
                               "(no released LFM2 checkpoint has them)")
-        conv_l = _positive_int(cfg, "conv_L_cache", 3)
+        conv_l = _required(cfg, "conv_L_cache", 3)
         if conv_l < 2:
             raise ConfigError(f"config field 'conv_L_cache' must be >= 2, got {conv_l}")
 
@@ -197,11 +336,11 @@ class TargetConfig:
         eos = cfg.get("eos_token_id", 7)
 
         common: dict[str, Any] = dict(
-            model_type=model_type, vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
+            model_type=model_type, vocab_size=_required(cfg, "vocab_size"), hidden_size=hidden,
             num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
             layer_types=layer_types, intermediate_size=cls._dense_ffn_width(cfg, model_type),
             norm_eps=float(cfg.get("norm_eps", 1e-5)), conv_L_cache=conv_l, rope_theta=_rope_theta(cfg),
-            max_position_embeddings=_positive_int(cfg, "max_position_embeddings", 128_000),
+            max_position_embeddings=_required(cfg, "max_position_embeddings", 128_000),
             tie_word_embeddings=bool(tie), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=parse_token_ids(eos),
             pad_token_id=cfg.get("pad_token_id"),
         )
@@ -210,7 +349,7 @@ class TargetConfig:
         return cls(**common)
 
     @staticmethod
-    def _layer_schedule(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[str, ...]:
+    def _layer_schedule(cfg: Fields, model_type: str, n_layers: int) -> tuple[str, ...]:
         types = cfg.get("layer_types")
         if types is None:
             idxs = cfg.get("full_attn_idxs")
@@ -218,7 +357,7 @@ class TargetConfig:
                 need = "'layer_types'" if model_type == "lfm2_moe" else "'layer_types' or 'full_attn_idxs'"
                 raise ConfigError(f"config has no layer schedule: {need} is required (without it transformers "
                                   "would silently make every layer attention)")
-            bad = [i for i in idxs if not (isinstance(i, int) and 0 <= i < n_layers)]
+            bad = [i for i in idxs if not 0 <= i < n_layers]
             if bad:
                 raise ConfigError(f"config field 'full_attn_idxs' has indices outside 0..{n_layers - 1}: {bad}")
             types = [ATTENTION if i in idxs else CONV for i in range(n_layers)]
@@ -235,36 +374,38 @@ class TargetConfig:
         return types
 
     @staticmethod
-    def _dense_ffn_width(cfg: dict[str, Any], model_type: str) -> int:
+    def _dense_ffn_width(cfg: Fields, model_type: str) -> int:
         # transformers' Lfm2Config lets Liquid's `block_ff_dim` override `intermediate_size`;
         # Lfm2MoeConfig does not read `block_ff_dim` at all
         ff = cfg.get("intermediate_size") if model_type == "lfm2_moe" else cfg.get("block_ff_dim",
                                                                                   cfg.get("intermediate_size"))
         if ff is None:
             raise ConfigError("config field 'intermediate_size' (or 'block_ff_dim') is missing")
-        if isinstance(ff, bool) or not isinstance(ff, int) or ff <= 0:
-            raise ConfigError(f"config field 'intermediate_size' must be a positive integer, got {ff!r}")
         if model_type == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True):
+            configured = ff
             ff = int(2 * ff / 3)
             multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
             if multiplier is not None:
-                multiple_of = _positive_int(cfg, "block_multiple_of", 256)
+                multiple_of = _required(cfg, "block_multiple_of", 256)
                 ff = int(multiplier * ff)
                 ff = multiple_of * math.ceil(ff / multiple_of)
+            if ff <= 0:
+                raise ConfigError(f"config field 'intermediate_size' / 'block_ff_dim' ({configured}) gives an FFN "
+                                  f"width of {ff} after 'block_auto_adjust_ff_dim': the feed-forward would be empty")
         return ff
 
     @staticmethod
-    def _moe_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    def _moe_fields(cfg: Fields, n_layers: int) -> dict[str, Any]:
         n_dense = cfg.get("num_dense_layers", 2)
-        if not isinstance(n_dense, int) or not 0 <= n_dense <= n_layers:
+        if not 0 <= n_dense <= n_layers:
             raise ConfigError(f"config field 'num_dense_layers' must be in 0..{n_layers}, got {n_dense!r}")
-        n_experts = _positive_int(cfg, "num_experts", 32)
-        top_k = _positive_int(cfg, "num_experts_per_tok", 4)
+        n_experts = _required(cfg, "num_experts", 32)
+        top_k = _required(cfg, "num_experts_per_tok", 4)
         if top_k > n_experts:
             raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) exceeds 'num_experts' ({n_experts})")
         return dict(
             num_dense_layers=n_dense, num_experts=n_experts, num_experts_per_tok=top_k,
-            moe_intermediate_size=_positive_int(cfg, "moe_intermediate_size", 1792),
+            moe_intermediate_size=_required(cfg, "moe_intermediate_size", 1792),
             use_expert_bias=bool(cfg.get("use_expert_bias", True)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
@@ -336,11 +477,15 @@ class DraftConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "DraftConfig":
-        return _from_file(cls.from_dict, path)
+    def from_pretrained(cls, path: str | Path, overrides: dict[str, Any] | None = None,
+                        defaults: dict[str, Any] | None = None) -> "DraftConfig":
+        """Parse the draft's ``config.json`` (``overrides`` replace fields of the file, e.g. a RoPE
+        pairing given on the command line; ``defaults`` fill fields it lacks)."""
+        return _from_file(cls.from_dict, path, overrides, defaults)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> "DraftConfig":
+        cfg = Fields(raw, DRAFT_FIELDS)
         if cfg.get("speculators_model_type") is not None or "transformer_layer_config" in cfg:
             raise ConfigError(
                 "this is a vllm-project/speculators checkpoint (field 'speculators_model_type'): its blocks use "
@@ -353,20 +498,18 @@ class DraftConfig:
         for key in ("block_size", "target_layer_ids", "mask_token_id"):
             if cfg.get(key) is None:
                 raise ConfigError(f"draft config field '{key}' is missing: not a DSpark draft config")
-        hidden = _positive_int(cfg, "hidden_size")
-        n_heads = _positive_int(cfg, "num_attention_heads")
-        n_kv = _positive_int(cfg, "num_key_value_heads", n_heads)
+        hidden = _required(cfg, "hidden_size")
+        n_heads = _required(cfg, "num_attention_heads")
+        n_kv = _required(cfg, "num_key_value_heads", n_heads)
         if n_heads % n_kv:
             raise ConfigError(f"draft config field 'num_attention_heads' ({n_heads}) must be a multiple of "
                               f"'num_key_value_heads' ({n_kv})")
-        head_dim = cfg.get("head_dim") or hidden // n_heads
-        ids = cfg["target_layer_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise ConfigError(f"draft config field 'target_layer_ids' must be a non-empty list of ints, got {ids!r}")
+        head_dim = _head_dim(cfg, hidden, n_heads, "draft config")
+        ids = list(cfg.get("target_layer_ids"))
         if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1:
             raise ConfigError(f"draft config field 'target_layer_ids' must be strictly increasing ids in "
                               f"{{-1}} ∪ [0, target layers), got {ids}")
-        markov_rank = int(cfg.get("markov_rank", 0) or 0)
+        markov_rank = cfg.get("markov_rank", 0) or 0        # 0 (or null): no Markov head
         head_type = cfg.get("markov_head_type", "vanilla") if markov_rank > 0 else "vanilla"
         if head_type not in MARKOV_HEAD_TYPES:
             raise ConfigError(f"draft config field 'markov_head_type' is {head_type!r}: expected one of "
@@ -380,23 +523,22 @@ class DraftConfig:
             raise ConfigError("draft config has no 'rope_is_neox_style': the RoPE pairing of a draft cannot be "
                               "guessed (LFM2 DSpark drafts are interleaved, false; Qwen3 drafts are neox, true). "
                               "Add the field to config.json")
-        block = _positive_int(cfg, "block_size")
+        block = _required(cfg, "block_size")
         sts = cfg.get("sts_temperatures")
         if sts is not None:
             if not confidence:
                 raise ConfigError("draft config has 'sts_temperatures' but no confidence head "
                                   "('enable_confidence_head' is false): there is nothing to calibrate")
-            if (not isinstance(sts, list) or len(sts) != block
-                    or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in sts)):
+            if len(sts) != block or not all(t > 0 for t in sts):
                 raise ConfigError(f"draft config field 'sts_temperatures' must be a list of {block} positive numbers "
                                   f"(one per block slot), got {sts!r}")
             sts = tuple(float(t) for t in sts)
         known = {f for f in cls.__dataclass_fields__}
         return cls(
-            hidden_size=hidden, intermediate_size=_positive_int(cfg, "intermediate_size"),
-            num_hidden_layers=_positive_int(cfg, "num_hidden_layers"), num_attention_heads=n_heads,
-            num_key_value_heads=n_kv, head_dim=int(head_dim), block_size=block,
-            target_layer_ids=tuple(ids), mask_token_id=int(cfg["mask_token_id"]),
+            hidden_size=hidden, intermediate_size=_required(cfg, "intermediate_size"),
+            num_hidden_layers=_required(cfg, "num_hidden_layers"), num_attention_heads=n_heads,
+            num_key_value_heads=n_kv, head_dim=head_dim, block_size=block,
+            target_layer_ids=tuple(ids), mask_token_id=cfg.get("mask_token_id"),
             vocab_size=cfg.get("vocab_size"), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(cfg), rope_is_neox_style=bool(neox), markov_rank=markov_rank,
             markov_head_type=head_type, enable_confidence_head=confidence,
@@ -404,7 +546,7 @@ class DraftConfig:
             num_target_layers=cfg.get("num_target_layers"),
             target_hidden_size=cfg.get("target_hidden_size"),
             max_position_embeddings=cfg.get("max_position_embeddings"), sts_temperatures=sts,
-            extra={k: v for k, v in cfg.items() if k not in known},
+            extra={k: v for k, v in raw.items() if k not in known},
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

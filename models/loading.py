@@ -233,6 +233,24 @@ def _convert(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: Ca
             tensors[name] = t.to(target)
 
 
+def check_kernel_shapes(cfg: TargetConfig | DraftConfig, device: torch.device | str, where: str) -> None:
+    """Refuse, before any weight is read, a model whose shapes the CUDA kernels do not take (on the
+    CPU the ops run their PyTorch references, which take any even head_dim): the attention kernels
+    (ops/attention) need a head_dim that is a power of two of at least 16, the ShortConv prefill
+    kernel (ops/short_conv.py) a conv_L_cache of at most ``MAX_CONV_WIDTH``."""
+    if torch.device(device).type != "cuda":
+        return
+    from ..ops.short_conv import MAX_CONV_WIDTH
+
+    hd = cfg.head_dim
+    if hd < 16 or hd & (hd - 1):
+        raise ConfigError(f"{where}: config field 'head_dim' is {hd}: the CUDA attention kernels take a power of two "
+                          "of at least 16 (16, 32, 64, 128, ...); this model can run on the CPU only")
+    if isinstance(cfg, TargetConfig) and cfg.conv_L_cache > MAX_CONV_WIDTH:
+        raise ConfigError(f"{where}: config field 'conv_L_cache' is {cfg.conv_L_cache}: the CUDA ShortConv kernel "
+                          f"takes at most {MAX_CONV_WIDTH}; this model can run on the CPU only")
+
+
 def _assign(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load ``state`` into a module built on the meta device (tensors are adopted, not copied)."""
     result = module.load_state_dict(state, strict=False, assign=True)
@@ -248,6 +266,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: t
     from .lfm2_moe import build_target
 
     cfg = cfg or TargetConfig.from_pretrained(path)
+    check_kernel_shapes(cfg, device, f"target checkpoint {path}")
     files = checkpoint_files(path)
     found = read_shapes(files)
     expected = target_tensor_shapes(cfg)
@@ -339,6 +358,7 @@ def load_draft(path: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = 
     if cfg.vocab_size is None:
         cfg = DraftConfig(**{**cfg.__dict__, "vocab_size": target_cfg.vocab_size})
     check_draft_fits_target(cfg, target_cfg)
+    check_kernel_shapes(cfg, device, f"draft checkpoint {path}")
     files = checkpoint_files(path)
     stored = read_shapes(files)
     names = _strip_prefix(stored)

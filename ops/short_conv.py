@@ -165,6 +165,7 @@ def _short_conv_commit_kernel(
 
 _BLOCK_H = 256
 _BLOCK_T = 16      # prefill tokens per program (>= K - 1, see the prefill kernel)
+MAX_CONV_WIDTH = _BLOCK_T + 1   # the widest conv kernel (conv_L_cache) the prefill kernel takes
 
 
 def _check_inner(x: torch.Tensor, name: str) -> None:
@@ -188,8 +189,8 @@ def _split_shape(bcx: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int
 def short_conv_prefill_triton(bcx, weight, conv_state, layer, slots, start, lens) -> torch.Tensor:
     B, T, H = _split_shape(bcx, weight)
     K = weight.shape[1]
-    if K - 1 > _BLOCK_T:
-        raise ValueError(f"conv kernel width {K} exceeds what the prefill kernel supports ({_BLOCK_T + 1})")
+    if K > MAX_CONV_WIDTH:
+        raise ValueError(f"conv kernel width {K} exceeds what the prefill kernel supports ({MAX_CONV_WIDTH})")
     bcx = bcx if bcx.stride(-1) == 1 else bcx.contiguous()
     out = bcx.new_empty((B, T, H))     # every element is stored
     if B * T == 0:

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..models.config import DraftConfig, read_json_object
+from ..models.config import DraftConfig
 from ..models.dspark import DSparkDraft
 from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
@@ -114,9 +114,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
             draft_dir = resolve_checkpoint(config.draft, config.revision, "draft")
             draft_cfg = None
             if config.draft_rope_is_neox_style is not None:
-                raw = read_json_object(draft_dir / "config.json")
-                raw["rope_is_neox_style"] = config.draft_rope_is_neox_style
-                draft_cfg = DraftConfig.from_dict(raw)
+                draft_cfg = DraftConfig.from_pretrained(
+                    draft_dir, overrides={"rope_is_neox_style": config.draft_rope_is_neox_style})
             draft = load_draft(draft_dir, target.config, dtype=dtype, device=device, cfg=draft_cfg)
         return LoadedModels(target, draft, _tokenizer(config, target_dir),
                             default_stop_ids(target_dir, target.config.eos_token_ids),

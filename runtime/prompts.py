@@ -7,17 +7,21 @@ turn when the tokenizer has one and ``chat`` is on) or a list of chat messages
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Union
 
-from ..models.config import ConfigError, parse_token_ids, read_json_object
+from ..models.config import BOOL, NUMBER, TOKEN_IDS, WHOLE_NUMBER, Fields, Kind, parse_token_ids, read_json_object
+from ..models.loading import CheckpointError
 
 log = logging.getLogger("lfmspark")
 
 Prompt = Union[str, list[int], list[dict[str, Any]]]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# the tokenizer's JSON files, which a damaged download leaves unreadable
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 class PromptError(ValueError):
@@ -25,25 +29,67 @@ class PromptError(ValueError):
 
 
 def load_tokenizer(path: str | Path | None):
-    """The HF tokenizer of a model directory, or None when the directory has none."""
+    """The HF tokenizer of a model directory, or None when the directory has none. Tokenizer files
+    that transformers cannot read (not JSON, truncated, not a tokenizer) raise
+    :class:`CheckpointError` naming the file and the problem, with transformers' error as its cause."""
     if path is None or not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except ImportError:
+        raise                   # a package the tokenizer needs (sentencepiece, ...), not a damaged file
+    except Exception as e:      # json, tokenizers and transformers each raise their own
+        raise CheckpointError(_tokenizer_problem(Path(path), e)) from e
+
+
+def _tokenizer_problem(path: Path, error: Exception) -> str:
+    """What is wrong with the tokenizer in ``path``: the first of its JSON files that is not valid
+    JSON, else transformers' ``error``."""
+    for name in _TOKENIZER_JSON:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return f"{file}: not valid JSON ({e}); the file is damaged or incomplete: download it again"
+        except OSError as e:
+            return f"{file}: cannot be read ({e.strerror or e})"
+    return (f"{path}: the tokenizer cannot be loaded ({type(error).__name__}: {error}); its files are damaged or "
+            "not a Hugging Face tokenizer: download them again")
+
+
+# every field of generation_config.json that lfmspark reads
+GENERATION_FIELDS: dict[str, Kind] = {
+    "eos_token_id": TOKEN_IDS, "do_sample": BOOL.or_null(),
+    "temperature": NUMBER.or_null(), "top_k": WHOLE_NUMBER.or_null(), "top_p": NUMBER.or_null(),
+    "min_p": NUMBER.or_null(), "repetition_penalty": NUMBER.or_null(), "presence_penalty": NUMBER.or_null(),
+    "frequency_penalty": NUMBER.or_null(), "max_new_tokens": WHOLE_NUMBER.or_null(),
+    # read only to warn that they are not applied
+    "typical_p": NUMBER.or_null(), "epsilon_cutoff": NUMBER.or_null(), "eta_cutoff": NUMBER.or_null(),
+    "no_repeat_ngram_size": WHOLE_NUMBER.or_null(), "diversity_penalty": NUMBER.or_null(),
+}
+
+
+def _generation_config(path: str | Path | None) -> tuple[Path, Fields] | None:
+    """``generation_config.json`` of a model directory, read through :data:`GENERATION_FIELDS`
+    (errors name the file); None when there is none."""
+    if path is None or not (Path(path) / "generation_config.json").is_file():
+        return None
+    gen = Path(path) / "generation_config.json"
+    return gen, Fields(read_json_object(gen), GENERATION_FIELDS, where=f"{gen}: ")
 
 
 def default_stop_ids(path: str | Path | None, config_eos: tuple[int, ...]) -> tuple[int, ...]:
     """EOS ids from ``generation_config.json`` when present, else from config.json."""
-    if path is not None:
-        gen = Path(path) / "generation_config.json"
-        if gen.is_file():
-            eos = read_json_object(gen).get("eos_token_id")
-            if eos is not None:
-                try:
-                    return parse_token_ids(eos)
-                except ConfigError as e:
-                    raise ConfigError(f"{gen}: eos_token_id: {e}") from None
+    found = _generation_config(path)
+    if found is not None:
+        eos = found[1].get("eos_token_id")
+        if eos is not None:
+            return parse_token_ids(eos)
     return config_eos
 
 
@@ -62,25 +108,22 @@ def generation_defaults(path: str | Path | None) -> dict[str, Any]:
     fields (as transformers and vLLM take them): temperature, top_k, top_p, min_p, the repetition,
     presence and frequency penalties, max_new_tokens;
     ``do_sample: false`` means greedy. Fields lfmspark cannot apply are named in a warning."""
-    if path is None or not (Path(path) / "generation_config.json").is_file():
+    found = _generation_config(path)
+    if found is None:
         return {}
-    gen_path = Path(path) / "generation_config.json"
-    gen = read_json_object(gen_path)
+    gen_path, gen = found
     out: dict[str, Any] = {}
     for field, key in _GENERATION_DEFAULTS.items():
         value = gen.get(key)
         if value is None:
             continue
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not numeric or (field in ("top_k", "max_new_tokens") and value != int(value)):
-            raise ConfigError(f"{gen_path}: {key} must be a number, got {value!r}")
         out[field] = int(value) if field in ("top_k", "max_new_tokens") else float(value)
     if gen.get("do_sample") is False:
         out["temperature"] = 0.0
     ignored = [k for k, neutral in _UNSUPPORTED_DEFAULTS.items() if gen.get(k) not in (None, neutral)]
     if ignored:
         log.warning("%s sets %s, which lfmspark does not apply yet: sampling runs without them",
-                    gen_path, ", ".join(f"{k}={gen[k]}" for k in ignored))
+                    gen_path, ", ".join(f"{k}={gen.get(k)}" for k in ignored))
     return out
 
 

@@ -335,7 +335,7 @@ def _serve_replicas(args, cfg: EngineConfig) -> int:
 
 
 def _calibrate(args) -> int:
-    from ..models.config import DraftConfig, read_json_object
+    from ..models.config import DraftConfig
     from ..models.presets import draft_preset
     from ..runtime.engine import Engine
     from ..runtime.loader import draft_preset_name
@@ -348,9 +348,8 @@ def _calibrate(args) -> int:
         raise SystemExit("lfmspark calibrate: error: --write-config needs --draft (a checkpoint directory)")
     cfg = _engine_config(args, "calibrate")
     if args.draft:
-        raw = read_json_object(Path(args.draft) / "config.json")
-        raw.setdefault("rope_is_neox_style", False)        # the pairing does not matter for the block size
-        block = DraftConfig.from_dict(raw).block_size
+        # the pairing does not matter for the block size
+        block = DraftConfig.from_pretrained(args.draft, defaults={"rope_is_neox_style": False}).block_size
     else:
         name = draft_preset_name(cfg)
         if name is None:

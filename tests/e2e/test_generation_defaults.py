@@ -77,8 +77,9 @@ def test_no_sampling_fields_means_the_built_in_defaults(target_dir):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(temperature="hot"), "temperature must be a number"),
-    (dict(top_k=2.5), "top_k must be a number"),
+    (dict(temperature="hot"), 'temperature: expected a number, got "hot"'),
+    (dict(top_k=2.5), "top_k: expected an integer, got 2.5"),
+    (dict(do_sample="false"), 'do_sample: expected true or false, got "false"'),
 ])
 def test_a_malformed_default_names_the_file(target_dir, tmp_path, fields, message):
     d = with_generation_config(target_dir, tmp_path, **fields)

@@ -8,6 +8,7 @@ embeddings, MoE layer plan) the expected value is taken from transformers' own `
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
@@ -16,7 +17,8 @@ from transformers import Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForC
 from transformers.models.lfm2.modeling_lfm2 import Lfm2Attention, Lfm2MLP
 from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeMLP, Lfm2MoeSparseMoeBlock
 
-from lfmspark.models.config import ATTENTION, CONV, ConfigError, DraftConfig, TargetConfig
+from lfmspark.models.config import (ATTENTION, CONV, DRAFT_FIELDS, ROPE_PARAMETER_FIELDS, TARGET_FIELDS, ConfigError,
+                                    DraftConfig, Kind, TargetConfig)
 from lfmspark.models.dspark import DSparkDraft
 from lfmspark.models.lfm2_moe import build_target
 from lfmspark.models.presets import DRAFT_PRESETS, TARGET_PRESETS
@@ -356,6 +358,129 @@ def test_draft_missing_rope_pairing_refused():
 
 def test_draft_confidence_with_markov_needs_rank():
     raises(draft_dict(markov_rank=0), "confidence_head_with_markov", "markov_rank", cls=DraftConfig)
+
+
+def test_draft_without_markov_head():
+    cfg = DraftConfig.from_dict(draft_dict(markov_rank=0, confidence_head_with_markov=False))
+    assert cfg.markov_rank == 0 and cfg.enable_confidence_head and not cfg.confidence_head_with_markov
+    assert DraftConfig.from_dict(draft_dict(markov_rank=None, confidence_head_with_markov=False)).markov_rank == 0
+
+
+@pytest.mark.parametrize("head_dim", [7, 63])
+def test_draft_odd_head_dim(head_dim):
+    raises(draft_dict(head_dim=head_dim), "head_dim", f"({head_dim})", "even", cls=DraftConfig)
+
+
+def test_draft_head_dim_derived_from_hidden_size():
+    assert DraftConfig.from_dict(draft_dict(head_dim=None)).head_dim == 2048 // 32
+    # 2040 / 32 is not whole: refused, as for a target, instead of rounding down
+    raises(draft_dict(head_dim=None, hidden_size=2040), "hidden_size", "num_attention_heads", "head_dim",
+           cls=DraftConfig)
+    assert DraftConfig.from_dict(draft_dict(hidden_size=2040)).head_dim == 64
+
+
+def test_draft_heads_not_divisible_by_kv_heads():
+    raises(draft_dict(num_attention_heads=32, num_key_value_heads=6), "num_attention_heads", "num_key_value_heads",
+           cls=DraftConfig)
+
+
+@pytest.mark.parametrize("field, value", [("markov_rank", -1), ("block_size", 0), ("mask_token_id", -5),
+                                          ("target_layer_ids", [])])
+def test_draft_structural_fields_out_of_range(field, value):
+    raises(draft_dict(**{field: value}), f"{field}: expected", f"got {json.dumps(value)}", cls=DraftConfig)
+
+
+def test_target_odd_head_dim():
+    raises(lfm2_dict(head_dim=15), "head_dim", "(15)", "even")
+
+
+# ---------------------------------------------------------------------------------------------
+# every field is read through its table of field -> kind
+
+# values of several JSON types: for each field, the first its kind refuses is written into the config
+WRONG_VALUES = ["x", 3, 2.5, -1, True, [1], {"a": 1}, None]
+
+
+def _wrong_value(kind: Kind):
+    return next((v for v in WRONG_VALUES if not (kind.accepts(v) if v is not None else kind.nullable)), "--none--")
+
+
+def _refusals(bases, field: str, value) -> list[str]:
+    """The messages of the configs in ``bases`` (each a dict and the class that parses it) with
+    ``field`` set to ``value``; a config that does not read the field parses."""
+    messages = []
+    for d, cls in bases:
+        try:
+            cls.from_dict({**d, field: value})
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+TARGET_BASES = [(lfm2_dict(), TargetConfig), (moe_dict(), TargetConfig)]
+
+
+@pytest.mark.parametrize("field", sorted(f for f, k in TARGET_FIELDS.items() if _wrong_value(k) != "--none--"))
+def test_every_target_field_of_the_wrong_kind_is_named(field):
+    kind = TARGET_FIELDS[field]
+    value = _wrong_value(kind)
+    want = f"{field}: expected {kind.expected}, got {json.dumps(value)}"
+    messages = _refusals(TARGET_BASES, field, value)
+    assert any(want in m for m in messages), (want, messages)
+
+
+@pytest.mark.parametrize("field", sorted(f for f, k in DRAFT_FIELDS.items() if _wrong_value(k) != "--none--"))
+def test_every_draft_field_of_the_wrong_kind_is_named(field):
+    kind = DRAFT_FIELDS[field]
+    value = _wrong_value(kind)
+    want = f"{field}: expected {kind.expected}, got {json.dumps(value)}"
+    messages = _refusals([(draft_dict(), DraftConfig)], field, value)
+    assert any(want in m for m in messages), (want, messages)
+
+
+@pytest.mark.parametrize("field", sorted(ROPE_PARAMETER_FIELDS))
+def test_every_rope_parameter_of_the_wrong_kind_is_named(field):
+    kind = ROPE_PARAMETER_FIELDS[field]
+    value = _wrong_value(kind)
+    want = f"rope_parameters.{field}: expected {kind.expected}, got {json.dumps(value)}"
+    for d, cls in [(moe_dict(), TargetConfig), (draft_dict(), DraftConfig)]:
+        raises({**d, "rope_parameters": {"rope_theta": 1e6, field: value}}, want, cls=cls)
+
+
+class ReadRecorder(dict):
+    """A config dict that records the fields read from it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("d, cls, table", [
+    (lfm2_dict(), TargetConfig, TARGET_FIELDS),
+    (lfm2_dict(full_attn_idxs=None, layer_types=[ATTENTION] * 16, block_ffn_dim_multiplier=None), TargetConfig,
+     TARGET_FIELDS),
+    (moe_dict(), TargetConfig, TARGET_FIELDS),
+    (draft_dict(), DraftConfig, DRAFT_FIELDS),
+    (draft_dict(markov_rank=0, confidence_head_with_markov=False, sts_temperatures=[1.0] * 9), DraftConfig,
+     DRAFT_FIELDS),
+], ids=["lfm2", "lfm2-layer-types", "lfm2-moe", "draft", "draft-no-markov"])
+def test_every_field_read_has_a_kind(d, cls, table):
+    """from_dict reads the config only through its table: every field it reads has a kind there."""
+    recorder = ReadRecorder(d)
+    cls.from_dict(recorder)
+    assert recorder.read and recorder.read <= set(table), sorted(recorder.read - set(table))
 
 
 # ---------------------------------------------------------------------------------------------
