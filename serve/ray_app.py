@@ -234,10 +234,12 @@ def _escape(value: str) -> str:
 class Replica:
     """One engine and the single-server app (module doc)."""
 
-    def __init__(self, config: EngineConfig, model_name: str, warmup: bool = True, max_waiting: int = 256) -> None:
+    def __init__(self, config: EngineConfig, model_name: str, warmup: bool = True, max_waiting: int = 256,
+                 server_options: dict[str, Any] | None = None) -> None:
         from . import make_server_app
 
-        self.app = make_server_app(Engine.from_config(config), model_name, max_waiting=max_waiting, warmup=warmup)
+        self.app = make_server_app(Engine.from_config(config), model_name, max_waiting=max_waiting, warmup=warmup,
+                                   **(server_options or {}))
         self.engine = self.app.state.engine
         self.metrics = self.app.state.metrics
         context = serve.get_replica_context()
@@ -340,8 +342,10 @@ class Ingress:
 
 
 def deployments(config: EngineConfig, model_name: str, replicas: int, *, warmup: bool = True, max_waiting: int = 256,
-                imbalance: int = 4, gpus_per_replica: float | None = None):
-    """The Ray Serve application: ``replicas`` engines behind one ingress (see the module doc)."""
+                imbalance: int = 4, gpus_per_replica: float | None = None, server_options: dict[str, Any] | None = None):
+    """The Ray Serve application: ``replicas`` engines behind one ingress (see the module doc);
+    ``server_options`` go to each replica's app (``make_server_app``: api_key, allowed_origins,
+    max_request_bytes), which checks every request as ``lfmspark serve`` does."""
     import torch
 
     if replicas < 1:
@@ -354,7 +358,7 @@ def deployments(config: EngineConfig, model_name: str, replicas: int, *, warmup:
         health_check_period_s=5, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                   request_router_kwargs={"imbalance": imbalance}),
-    ).bind(config, model_name, warmup, max_waiting)
+    ).bind(config, model_name, warmup, max_waiting, server_options)
     return serve.deployment(Ingress, max_ongoing_requests=10000, ray_actor_options={"num_cpus": 0}).bind(replica)
 
 

@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-waiting", type=positive_int, default=256, help="requests that may wait for a slot; past "
                    "it the server answers 503")
     h.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
+    h.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                   "/detokenize (/health, /metrics and /version stay open); default: LFMSPARK_API_KEY, else none")
+    h.add_argument("--allowed-origins", type=lambda t: [o.strip() for o in t.split(",") if o.strip()], default=[],
+                   metavar="ORIGINS", help="comma-separated origins browsers may call from (CORS; default: none)")
+    h.add_argument("--max-request-bytes", type=positive_int, default=None, help="larger request bodies get 413 "
+                   "before they are read (default: 16 MiB)")
     h.add_argument("--replicas", type=positive_int, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")
@@ -303,17 +309,29 @@ def _serve(args) -> int:
     from ..runtime.engine import Engine
 
     try:
-        from ..serve import run_server
+        from ..serve import PortInUseError, check_port_free, run_server
     except ImportError as e:
         raise SystemExit(f"lfmspark serve: error: {e.name} is missing: install the server extra with "
                          "pip install 'lfmspark[serve]'") from None
     cfg = _engine_config(args, "serve")
+    try:
+        check_port_free(args.host, args.port)        # before the minutes of loading and warm-up, not after
+    except PortInUseError as e:
+        raise SystemExit(f"lfmspark serve: error: {e}") from None
     if args.replicas is not None:
         return _serve_replicas(args, cfg)
     engine = Engine.from_config(cfg)
     run_server(engine, _served_name(args), host=args.host, port=args.port, max_waiting=args.max_waiting,
-               warmup=not args.no_warmup, log_level="debug" if args.verbose else "info")
+               warmup=not args.no_warmup, log_level="debug" if args.verbose else "info", **_server_options(args))
     return 0
+
+
+def _server_options(args) -> dict:
+    """The app's request checks: the API key, CORS origins and the body limit."""
+    options = dict(api_key=args.api_key, allowed_origins=args.allowed_origins)
+    if args.max_request_bytes is not None:
+        options["max_request_bytes"] = args.max_request_bytes
+    return options
 
 
 def _serve_replicas(args, cfg: EngineConfig) -> int:
@@ -330,7 +348,8 @@ def _serve_replicas(args, cfg: EngineConfig) -> int:
     ray.init()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(deployments(cfg, _served_name(args), args.replicas, warmup=not args.no_warmup,
-                          max_waiting=args.max_waiting), route_prefix="/", blocking=True)
+                          max_waiting=args.max_waiting, server_options=_server_options(args)),
+              route_prefix="/", blocking=True)
     return 0
 
 

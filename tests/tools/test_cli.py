@@ -186,7 +186,33 @@ def test_serve_passes_the_engine_flags(monkeypatch):
     from lfmspark.tools.cli import main
 
     built = {}
-    monkeypatch.setattr(serve_pkg, "run_server", lambda engine, name, **kw: built.update(engine=engine, name=name))
+    monkeypatch.setattr(serve_pkg, "run_server", lambda engine, name, **kw: built.update(engine=engine, name=name, **kw))
     assert main(["serve", "--preset", "tiny", "--device", "cpu", "--no-warmup", "--prefix-cache-outputs",
-                 "--exact"]) == 0
+                 "--exact", "--api-key", "k3y", "--allowed-origins", "http://a.example, http://b.example",
+                 "--max-request-bytes", "1000", "--port", str(free_port())]) == 0
     assert built["engine"].config.prefix_cache_outputs and built["engine"].exact and built["name"] == "tiny"
+    assert (built["api_key"], built["allowed_origins"], built["max_request_bytes"]) == (
+        "k3y", ["http://a.example", "http://b.example"], 1000)
+
+
+def test_serve_checks_its_port_before_loading_the_engine(monkeypatch):
+    """A port in use fails at once, before the model loads (which can take minutes)."""
+    import socket
+
+    from lfmspark.runtime import engine as engine_module
+    from lfmspark.tools.cli import main
+
+    monkeypatch.setattr(engine_module.Engine, "from_config", lambda *a, **kw: pytest.fail("the engine was loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(SystemExit, match="in use"):
+            main(["serve", "--preset", "tiny", "--device", "cpu", "--port", str(busy.getsockname()[1])])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
