@@ -48,9 +48,10 @@ TARGET_PRESETS: dict[str, TargetConfig] = {
     "lfm2-2.6b": _lfm2(2048, 32, 10752, 30, (2, 5, 9, 13, 17, 21, 24, 27)),
     "lfm2-8b-a1b": _lfm2_moe(65536, 1e6),
     "lfm2.5-8b-a1b": _lfm2_moe(128000, 5e6),
-    # tiny shapes for tests and CPU smoke runs (same layer kinds, a few hundred thousand parameters)
-    "tiny": _lfm2(64, 4, 128, 4, (1, 3), vocab=256, kv_heads=2, max_position_embeddings=4096),
-    "tiny-moe": TargetConfig(model_type="lfm2_moe", vocab_size=256, hidden_size=64, num_hidden_layers=4,
+    # tiny shapes for tests and CPU smoke runs (same layer kinds, a few hundred thousand parameters); their
+    # vocabulary is the byte tokenizer's (runtime/byte_tokenizer.py: LFM2's 8 special tokens and 256 bytes)
+    "tiny": _lfm2(64, 4, 128, 4, (1, 3), vocab=264, kv_heads=2, max_position_embeddings=4096),
+    "tiny-moe": TargetConfig(model_type="lfm2_moe", vocab_size=264, hidden_size=64, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              layer_types=_schedule(4, (1, 3)), intermediate_size=128, num_dense_layers=1,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -74,7 +75,7 @@ DRAFT_PRESETS: dict[str, DraftConfig] = {
     "lfm2.5-1.2b-dspark": _dspark(2048, 5, 6144, (1, 4, 7, 10, 13), 65536, 65535),
     "lfm2-8b-a1b-dspark": _dspark(2048, 3, 6144, (1, 6, 11, 16, 21), 65536, 65535),
     "lfm2.5-8b-a1b-dspark": _dspark(2048, 3, 6144, (1, 6, 11, 16, 21), 128000, 127999, theta=5e6),
-    "tiny-dspark": _dspark(64, 2, 96, (0, 2), 256, 255, heads=4, kv_heads=2, block=4, rank=16),
+    "tiny-dspark": _dspark(64, 2, 96, (0, 2), 264, 263, heads=4, kv_heads=2, block=4, rank=16),
 }
 
 # the draft each target preset is benchmarked with

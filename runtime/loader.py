@@ -1,7 +1,8 @@
 """The models an :class:`EngineConfig` names: a checkpoint (target, optional DSpark draft, tokenizer,
 stop ids, the checkpoint's sampling defaults) or a preset of random weights with a real model's shapes.
 
-A checkpoint is a local directory or a Hugging Face Hub id (``LiquidAI/LFM2.5-1.2B-Instruct``),
+The tiny presets come with a byte-level tokenizer (runtime/byte_tokenizer.py), so text and chat
+work on them too. A checkpoint is a local directory or a Hugging Face Hub id (``LiquidAI/LFM2.5-1.2B-Instruct``),
 resolved through ``huggingface_hub``: its local cache first, the Hub where it is reachable
 (``HF_HUB_OFFLINE=1`` keeps to the cache), at ``EngineConfig.revision``. The tokenizer comes from
 the target unless ``EngineConfig.tokenizer`` names another directory or id; ``chat_template``
@@ -26,10 +27,15 @@ from ..models.lfm2 import Lfm2ForCausalLM
 from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..models.loading import CheckpointError
+from .byte_tokenizer import byte_tokenizer
 from .config import EngineConfig
 from .prompts import default_stop_ids, generation_defaults, load_tokenizer
 
 log = logging.getLogger("lfmspark")
+
+# presets that come with the byte tokenizer (their vocabulary is its): the others' random weights serve
+# token-id prompts, the benchmarks' (which would otherwise pay for detokenizing every token)
+BYTE_TOKENIZER_PRESETS = ("tiny", "tiny-moe")
 
 
 @dataclass
@@ -127,5 +133,6 @@ def load_models(config: EngineConfig) -> LoadedModels:
     draft = None
     if draft_name is not None:
         draft = random_draft(draft_preset(draft_name), cfg.hidden_size, dtype, device, config.seed + 1)
-    return LoadedModels(target, draft, None, tuple(cfg.eos_token_ids), {},
+    tokenizer = byte_tokenizer() if name in BYTE_TOKENIZER_PRESETS else None
+    return LoadedModels(target, draft, tokenizer, tuple(cfg.eos_token_ids), {},
                         f"preset {name}" + (f" + {draft_name}" if draft_name else ""))
