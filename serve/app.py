@@ -38,7 +38,7 @@ from ..runtime.requests import EngineDeadError, RequestError, RequestFailedError
 from ..runtime.sampling import SamplingParams
 from .guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, BodyLimit, RequestTooLarge, too_large
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
-from .metrics import ServerMetrics
+from .metrics import CountResponses, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        UnsupportedParameter, dumps, error_json, invalid_body, parse_body)
 
@@ -72,7 +72,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     (running requests are cancelled and every waiter answered). ``api_key``: required as
     ``Authorization: Bearer`` on every route but ``/health``, ``/metrics`` and ``/version`` (None:
     open); ``allowed_origins``: the origins browsers may call from (CORS; none by default);
-    ``max_request_bytes``: larger bodies are a 413 (serve/guards.py)."""
+    ``max_request_bytes``: larger bodies are a 413 (serve/guards.py). With ``metrics``, every
+    response is counted by route and status (serve/metrics.py ``CountResponses``)."""
     if metrics is not None:
         metrics.attach(engine)
 
@@ -85,6 +86,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.state.engine, app.state.metrics = engine, metrics
     _install_error_handlers(app)
     _install_guards(app, api_key, allowed_origins, max_request_bytes)
+    if metrics is not None:          # outside the guards: their 401 / 413 are counted too
+        app.add_middleware(CountResponses, metrics=metrics, router=app.router)
     front = Frontend(engine, model_name)
     _info_routes(app, front, metrics)
     _generation_routes(app, front)
