@@ -6,10 +6,14 @@ same names and defaults.
     lfmspark bench                                   # built-in preset: tiny on CPU, LFM2.5-1.2B + draft on a GPU
     lfmspark bench --preset lfm2-8b-a1b --batch-sizes 1,4,16 --imposed-acceptance 0.9 --json out.json
     lfmspark bench serve --preset lfm2.5-1.2b --max-batch 64 --num-prompts 200 --request-rate 20
+    lfmspark bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 20   # any OpenAI server
     lfmspark bench sampling --preset lfm2.5-1.2b --imposed-acceptance 0.8 --json out.json
     lfmspark generate --target DIR [--draft DIR] --prompt "Hello" [--temperature 0.7]
     lfmspark serve --target DIR [--draft DIR] [--port 8000]    # OpenAI-compatible server (the serve extra)
     lfmspark calibrate --target DIR --draft DIR --prompts prompts.jsonl --write-config   # the draft's STS temperatures
+
+``bench`` has one parser per mode (``lfmspark bench MODE --help`` shows that mode's flags and
+defaults); a ``bench`` command line without a mode is the latency benchmark's (:func:`with_bench_mode`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,28 +32,46 @@ from ..models.loading import CheckpointError
 from ..runtime.config import EngineConfig, int_list, positive_int
 from .bench import command_line
 from .scenarios import SCENARIOS
+from .serve_bench import DEFAULT_VOCAB, ENDPOINTS
 
-# The flags of ``bench`` whose default depends on the mode: the latency benchmark's, the serving
-# benchmark's and each scenario's (its SHARED). A scenario reads only the flags named here, the
-# engine's and its own group's, and refuses any other flag given; the latency and serving
-# benchmarks also read their own groups' flags, and refuse the scenarios'.
+BENCH_MODES: tuple[str, ...] = ("latency", "serve", *SCENARIOS)
+
+# The flags several bench modes read, each defined once: destination -> (flag, argparse keywords,
+# help; a dict holds a mode's own wording, "*" the others'). A mode's parser gets the ones its
+# MODE_DEFAULTS entry names, with that entry's default, so its --help shows its own.
+_SHARED_FLAGS: dict[str, tuple[str, dict, str | dict[str, str]]] = {
+    "batch_sizes": ("--batch-sizes", dict(type=int_list), {
+        "*": "comma-separated batch sizes measured",
+        "warmup": "comma-separated batch sizes whose TPOT is measured after the warm-up (--cuda-graph-sizes: "
+                  "the captured ones)"}),
+    "prompt_len": ("--prompt-len", dict(type=positive_int), "prompt tokens per request"),
+    "output_len": ("--output-len", dict(type=positive_int), {"*": "new tokens per request",
+                                                              "multiturn": "new tokens of each reply"}),
+    "temperature": ("--temperature", dict(type=float), "the requests' temperature"),
+    "runs": ("--runs", dict(type=positive_int), "timed batches per measurement"),
+    "num_prompts": ("--num-prompts", dict(type=positive_int), {"*": "requests in the trace",
+                                                               "exact": "prompts of the identity run"}),
+    "json": ("--json", dict(metavar="FILE"), "write the full report here"),
+    "profile_dir": ("--profile-dir", dict(metavar="DIR"), {
+        "*": "write per-kernel profiles here",
+        "latency": "write per-kernel profiles of the step replays at the smallest batch here",
+        "sampling": "write the per-kernel profile of a batch-1 model-card request here"}),
+}
+
+# Each mode's shared flags and their defaults (a scenario's: its SHARED).
 MODE_DEFAULTS: dict[str, dict] = {
-    "latency": {"batch_sizes": [1], "prompt_len": 128, "output_len": 128, "runs": 3},
-    "serve": {"prompt_len": 128, "output_len": 128, "num_prompts": 64},
+    "latency": {"batch_sizes": [1], "prompt_len": 128, "output_len": 128, "temperature": 0.0, "runs": 3,
+                "json": None, "profile_dir": None},
+    "serve": {"prompt_len": 128, "output_len": 128, "temperature": 0.0, "num_prompts": 64, "json": None},
     **{name: scenario.SHARED for name, scenario in SCENARIOS.items()},
 }
 
-
-def _defaults_help(dest: str) -> str:
-    """``(default: 128; sampling, exact: 256; ...)`` from MODE_DEFAULTS."""
-    by_value: dict[str, list[str]] = {}
-    for mode, defaults in MODE_DEFAULTS.items():
-        if defaults.get(dest) is not None:
-            value = defaults[dest]
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            by_value.setdefault(text, []).append(mode)
-    parts = [f"{', '.join(modes)}: {value}" for value, modes in by_value.items()]
-    return f"(default: {'; '.join(parts)})"
+MODE_SUMMARIES: dict[str, str] = {
+    "latency": "closed-loop batches: target-only, HF transformers and DSpark in one run (the default mode)",
+    "serve": "open-loop arrivals, target-only and speculative on one trace through AsyncEngine, or any "
+             "OpenAI-compatible server over HTTP (--base-url), as vllm bench serve",
+    **{name: scenario.SUMMARY for name, scenario in SCENARIOS.items()},
+}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,7 +84,102 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _add_shared_flags(parser: argparse.ArgumentParser, mode: str) -> None:
+    """The shared flags ``mode`` reads (MODE_DEFAULTS), with its defaults, in one group."""
+    group = parser.add_argument_group("what is measured")
+    for dest, default in MODE_DEFAULTS[mode].items():
+        flag, kwargs, helps = _SHARED_FLAGS[dest]
+        text = helps if isinstance(helps, str) else helps.get(mode, helps["*"])
+        if default is not None:
+            text += f" (default: {_shown(default)})"
+        group.add_argument(flag, dest=dest, default=list(default) if isinstance(default, list) else default,
+                           help=text, **kwargs)
+
+
+def _add_bench_mode(parser: argparse.ArgumentParser, mode: str) -> None:
+    """Every flag of ``lfmspark bench MODE``: the engine's, the shared ones it reads, its own groups."""
+    EngineConfig.add_arguments(parser, acceptance_profiles=True)
+    _add_shared_flags(parser, mode)
+    if mode == "latency":
+        m = parser.add_argument_group("latency benchmark")
+        m.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
+        m.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+        m.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline "
+                       "(a child process) may take per batch size before it is reported as failed")
+        m.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
+    elif mode == "serve":
+        _add_serve_flags(parser)
+    else:
+        SCENARIOS[mode].add_arguments(parser)
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """``bench serve``'s own groups: the trace's arrivals and prompts, and the server to drive instead
+    of in-process engines. ``--model`` names the server's model with ``--base-url`` and is ``--target``
+    without it (as everywhere else), so it replaces the engine's alias (the parser resolves conflicts)."""
+    sv = parser.add_argument_group("the trace")
+    sv.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all "
+                    "at once)")
+    sv.add_argument("--max-concurrency", type=positive_int, help="requests in flight at most")
+    sv.add_argument("--range-ratio", type=float, default=0.0, help="prompt and output lengths drawn in "
+                    "[len * (1 - r), len * (1 + r)] (random prompts)")
+    sv.add_argument("--dataset", help="JSONL file, one {'prompt': text or token ids, 'output_len': n} per line")
+    sv.add_argument("--capacity-fraction", type=float, help="measure each engine's (or the server's) capacity "
+                    "(the trace all at once), then serve the trace with Poisson arrivals at this fraction of it "
+                    "(e.g. 0.7)")
+    h = parser.add_argument_group("an OpenAI-compatible server instead of in-process engines (needs httpx: "
+                                  "pip install 'lfmspark[serve]')")
+    h.add_argument("--base-url", metavar="URL", help="drive the trace over HTTP, streaming, against the server "
+                   "at URL (e.g. http://127.0.0.1:8000; lfmspark serve, vLLM, SGLang); the engine flags that "
+                   "build in-process engines are refused with it")
+    h.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions", help="/v1/completions, or "
+                   "/v1/chat/completions with each prompt as one user message (text prompts only: a --dataset)")
+    h.add_argument("--model", metavar="NAME", help="with --base-url: the model name the requests send (default: "
+                   "the first id of GET /v1/models); without it: the same as --target")
+    h.add_argument("--api-key", help="with --base-url: sent as 'Authorization: Bearer KEY' (default: "
+                   "OPENAI_API_KEY, else none)")
+    h.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB, help="with --base-url: random "
+                   "prompts' token ids are drawn below this, as the in-process trace draws them below the "
+                   "target's vocabulary (LFM2's and LFM2.5-1.2B's; LFM2.5-8B-A1B: 128000)")
+
+
+def _mode_parser(mode: str) -> argparse.ArgumentParser:
+    """A stand-alone parser of one bench mode: its defaults and flag names."""
+    parser = argparse.ArgumentParser(prog=f"lfmspark bench {mode}", add_help=False,
+                                     conflict_handler="resolve" if mode == "serve" else "error")
+    _add_bench_mode(parser, mode)
+    return parser
+
+
+def _defaults_epilog() -> str:
+    """Each mode's defaults of the shared flags, for ``lfmspark bench --help``."""
+    lines = ["defaults of the shared flags, by mode:"]
+    for mode, defaults in MODE_DEFAULTS.items():
+        shown = " ".join(f"{_SHARED_FLAGS[dest][0]} {_shown(v)}" for dest, v in defaults.items() if v is not None)
+        lines.append(f"  {mode}: {shown}")
+    return "\n".join(lines)
+
+
+def with_bench_mode(argv: list[str]) -> list[str]:
+    """``argv`` with ``latency`` inserted after ``bench`` when no mode follows it, so that every
+    ``lfmspark bench [flags]`` command line is still the latency benchmark's while each mode has a
+    parser (and a --help) of its own. ``bench --help`` alone keeps the list of modes."""
+    for i, word in enumerate(argv):
+        if word.startswith("-"):             # lfmspark's own flags (-v) come before the command
+            continue
+        rest = argv[i + 1:]
+        if word == "bench" and not (rest and rest[0] in BENCH_MODES) and rest not in (["-h"], ["--help"]):
+            return [*argv[:i + 1], "latency", *rest]
+        return list(argv)
+    return list(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of :func:`main`, which first puts a bench command line through :func:`with_bench_mode`."""
     parser = argparse.ArgumentParser(prog="lfmspark", description="LFM2 / LFM2-MoE inference with DSpark "
                                      "speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -70,43 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="latency benchmark: target-only, HF transformers and DSpark in one run; "
                        "'bench serve': the open-loop serving benchmark; 'bench SCENARIO': a named scenario "
-                       f"({', '.join(SCENARIOS)})", **formatter)
-    modes = "; ".join(f"{name}: {scenario.SUMMARY}" for name, scenario in SCENARIOS.items())
-    b.add_argument("mode", nargs="?", choices=["latency", "serve", *SCENARIOS], default="latency",
-                   help="latency: closed-loop batches; serve: open-loop arrivals through AsyncEngine, "
-                        f"target-only and speculative on one trace (as vllm bench serve); {modes}")
-    EngineConfig.add_arguments(b, acceptance_profiles=True)
-    m = b.add_argument_group("what is measured")
-    m.add_argument("--batch-sizes", type=int_list, default=None, help="comma-separated batch sizes measured "
-                   + _defaults_help("batch_sizes"))
-    m.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request "
-                   + _defaults_help("prompt_len"))
-    m.add_argument("--output-len", type=positive_int, default=None, help="new tokens per request (a reply in "
-                   "multiturn) " + _defaults_help("output_len"))
-    m.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (latency, serve)")
-    m.add_argument("--runs", type=positive_int, default=None, help="timed batches per measurement "
-                   + _defaults_help("runs"))
-    m.add_argument("--num-prompts", type=positive_int, default=None, help="requests in the serve trace; prompts of "
-                   "the exact scenario's identity run " + _defaults_help("num_prompts"))
-    m.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
-    m.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
-    m.add_argument("--hf-compile-timeout", type=float, default=600.0, help="seconds the HF compiled baseline "
-                   "(a child process) may take per batch size before it is reported as failed")
-    m.add_argument("--no-phase-split", action="store_true", help="skip timing draft/verify/commit separately")
-    m.add_argument("--json", help="write the full report here")
-    m.add_argument("--profile-dir", help="write per-kernel profiles here: of the step replays at the smallest batch "
-                   "(latency), of a batch-1 model-card request (sampling)")
-    sv = b.add_argument_group("serve mode (lfmspark bench serve)")
-    sv.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all "
-                    "at once)")
-    sv.add_argument("--max-concurrency", type=positive_int, help="requests in flight at most")
-    sv.add_argument("--range-ratio", type=float, default=0.0, help="prompt and output lengths drawn in "
-                    "[len * (1 - r), len * (1 + r)] (random prompts)")
-    sv.add_argument("--dataset", help="JSONL file, one {'prompt': text or token ids, 'output_len': n} per line")
-    sv.add_argument("--capacity-fraction", type=float, help="measure each engine's capacity (the trace all at "
-                    "once), then serve the trace with Poisson arrivals at this fraction of it (e.g. 0.7)")
-    # each scenario's own flags, in a group of its own: their destinations, for _check_mode_flags
-    b.set_defaults(scenario_flags={name: scenario.add_arguments(b) for name, scenario in SCENARIOS.items()})
+                       f"({', '.join(SCENARIOS)})",
+                       description="Benchmarks. Without a mode, the flags are the latency benchmark's; "
+                       "'lfmspark bench MODE --help' shows a mode's flags and defaults.",
+                       epilog=_defaults_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = b.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for mode in BENCH_MODES:
+        m = modes.add_parser(mode, help=MODE_SUMMARIES[mode], description=f"lfmspark bench {mode}: "
+                             f"{MODE_SUMMARIES[mode]}.", conflict_handler="resolve" if mode == "serve" else "error",
+                             **formatter)
+        _add_bench_mode(m, mode)
 
     g = sub.add_parser("generate", help="generate text with a checkpoint or preset, streaming to the terminal",
                        **formatter)
@@ -174,10 +265,6 @@ def _engine_config(args, command: str, **overrides) -> EngineConfig:
 
 
 def _bench(args) -> int:
-    _check_mode_flags(args)
-    for dest, value in MODE_DEFAULTS[args.mode].items():
-        if getattr(args, dest) is None and value is not None:
-            setattr(args, dest, list(value) if isinstance(value, list) else value)
     if args.mode == "serve":
         return _bench_serve(args)
     if args.mode in SCENARIOS:
@@ -203,23 +290,34 @@ def _bench(args) -> int:
     return 0
 
 
-def _check_mode_flags(args) -> None:
-    """Refuse a flag the mode does not read: another scenario's anywhere, and in a scenario any flag
-    besides the engine's, its own and the shared ones it names (MODE_DEFAULTS)."""
-    defaults = vars(build_parser().parse_args(["bench", args.mode]))
-    given = [dest for dest, value in vars(args).items() if dest in defaults and value != defaults[dest]]
-    owner = {dest: name for name, dests in args.scenario_flags.items() for dest in dests}
-    if args.mode in SCENARIOS:
-        allowed = _engine_dests() | set(MODE_DEFAULTS[args.mode]) | set(args.scenario_flags[args.mode])
-        stray = [dest for dest in given if dest not in allowed and dest not in ("mode", "verbose")]
-    else:
-        stray = [dest for dest in given if dest in owner]
-    if stray:
-        flags = ", ".join("--" + dest.replace("_", "-") + (f" ({owner[dest]} scenario)" if dest in owner else "")
-                          for dest in stray)
-        what = f"the {args.mode} scenario" if args.mode in SCENARIOS else f"lfmspark bench {args.mode}"
-        raise SystemExit(f"lfmspark bench {args.mode}: error: {flags} {'does' if len(stray) == 1 else 'do'} not "
-                         f"apply to {what}")
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """Refuse what the command's parser did not take. A bench flag of another mode is named with
+    the mode it belongs to, rather than as an unrecognised argument: each mode's parser holds only
+    the flags it reads, so a flag another mode reads would otherwise be silently ignored there."""
+    options = [word.split("=", 1)[0] for word in unknown if word.startswith("-")]
+    if args.command == "bench":
+        where = f"lfmspark bench {args.mode}"
+        misplaced = [word for word in unknown if word in BENCH_MODES]
+        if misplaced:
+            raise SystemExit(f"{where}: error: the mode ({misplaced[0]}) goes right after 'bench'")
+        owners = _bench_flag_owners()
+        if options and all(flag in owners for flag in options):
+            stray = sorted(dict.fromkeys(options), key=list(owners).index)
+            flags = ", ".join(flag + (f" ({owners[flag]} scenario)" if owners[flag] else "") for flag in stray)
+            what = f"the {args.mode} scenario" if args.mode in SCENARIOS else where
+            raise SystemExit(f"{where}: error: {flags} {'does' if len(stray) == 1 else 'do'} not apply to {what}")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
+def _bench_flag_owners() -> dict[str, str | None]:
+    """Every bench flag, in the order the refusals list them (the shared ones first), with the
+    scenario that alone reads it (None: a shared flag, or the latency or serving benchmark's)."""
+    owners: dict[str, str | None] = {flag: None for flag, _, _ in _SHARED_FLAGS.values()}
+    for mode in BENCH_MODES:
+        for action in _mode_parser(mode)._actions:
+            for flag in action.option_strings:
+                owners.setdefault(flag, mode if mode in SCENARIOS else None)
+    return owners
 
 
 def _engine_dests() -> set[str]:
@@ -247,25 +345,64 @@ def _bench_scenario(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from .serve_bench import ServeBenchConfig, fitted_seq_len, format_report, run_serve_bench
+    from .serve_bench import ServeBenchConfig, fitted_seq_len, format_report, require_httpx, run_serve_bench
 
     if not args.request_rate > 0:
-        raise SystemExit(f"lfmspark bench: error: --request-rate must be > 0, got {args.request_rate}")
+        raise SystemExit(f"lfmspark bench serve: error: --request-rate must be > 0, got {args.request_rate}")
     if not 0 <= args.range_ratio < 1:
-        raise SystemExit(f"lfmspark bench: error: --range-ratio must be in [0, 1), got {args.range_ratio}")
-    if args.imposed_acceptance is not None and len(args.imposed_acceptance) > 1:
-        raise SystemExit("lfmspark bench serve: error: --imposed-acceptance takes one profile here")
-    cfg = ServeBenchConfig(engine=_engine_config(args, "bench"), num_prompts=args.num_prompts,
-                           input_len=args.prompt_len, output_len=args.output_len, range_ratio=args.range_ratio,
-                           dataset=args.dataset, request_rate=args.request_rate,
-                           max_concurrency=args.max_concurrency, capacity_fraction=args.capacity_fraction,
-                           temperature=args.temperature, json_path=args.json)
-    if args.max_seq_len is None:
+        raise SystemExit(f"lfmspark bench serve: error: --range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.base_url is not None:
+        _refuse_in_process_flags(args)
+        if args.endpoint == "chat" and args.dataset is None:
+            raise SystemExit("lfmspark bench serve: error: --endpoint chat sends text, and random prompts are token "
+                             "ids: give a --dataset of text prompts, or use --endpoint completions")
+        try:
+            require_httpx()
+        except ImportError as e:
+            raise SystemExit(f"lfmspark bench serve: error: {e}") from None
+        engine = EngineConfig(seed=args.seed)        # the trace's seed; no engine is built
+    else:
+        server_only = [flag for flag, value in (("--endpoint", args.endpoint != "completions"),
+                                                ("--api-key", args.api_key is not None),
+                                                ("--vocab-size", args.vocab_size != DEFAULT_VOCAB)) if value]
+        if server_only:
+            raise SystemExit(f"lfmspark bench serve: error: {', '.join(server_only)} "
+                             f"{'goes' if len(server_only) == 1 else 'go'} with --base-url")
+        if args.model is not None:                   # --model is --target here, as in every other command
+            if args.target is not None or args.preset is not None:
+                raise SystemExit("lfmspark bench serve: error: --model (the target, without --base-url) is not "
+                                 "allowed with --target or --preset")
+            args.target, args.model = args.model, None
+        if args.imposed_acceptance is not None and len(args.imposed_acceptance) > 1:
+            raise SystemExit("lfmspark bench serve: error: --imposed-acceptance takes one profile here")
+        engine = _engine_config(args, "bench serve")
+    cfg = ServeBenchConfig(engine=engine, num_prompts=args.num_prompts, input_len=args.prompt_len,
+                           output_len=args.output_len, range_ratio=args.range_ratio, dataset=args.dataset,
+                           request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                           capacity_fraction=args.capacity_fraction, temperature=args.temperature,
+                           json_path=args.json, base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+                           api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), vocab_size=args.vocab_size)
+    if args.base_url is None and args.max_seq_len is None:
         cfg.engine = cfg.engine.replace(max_seq_len=fitted_seq_len(cfg))
     print(format_report(run_serve_bench(cfg)))
     if args.json:
         print(f"report written to {args.json}")
     return 0
+
+
+def _refuse_in_process_flags(args: argparse.Namespace) -> None:
+    """With --base-url no engine is built: refuse the engine flags given (those off their default),
+    naming them, rather than ignore them. --seed stays: it draws the trace."""
+    parser = _mode_parser("serve")
+    defaults = vars(parser.parse_args([]))
+    flag_of = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    given = [flag_of[dest] for dest in sorted(_engine_dests() - {"seed"}, key=list(flag_of).index)
+             if getattr(args, dest) != defaults[dest]]
+    if given:
+        raise SystemExit(f"lfmspark bench serve: error: {', '.join(given)} "
+                         f"{'configures' if len(given) == 1 else 'configure'} the in-process engines, which "
+                         "--base-url does not build (the server runs its own): drop "
+                         f"{'it' if len(given) == 1 else 'them'}")
 
 
 def _generate(args) -> int:
@@ -419,9 +556,12 @@ def _calibration_prompts(args, engine) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.command_line = command_line(argv)      # what the reports record
+    args, unknown = parser.parse_known_args(with_bench_mode(argv))
+    if unknown:
+        _refuse_unknown(parser, args, unknown)
+    args.command_line = command_line(argv)      # what the reports record: the command as typed
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return {"bench": _bench, "generate": _generate, "serve": _serve, "calibrate": _calibrate}[args.command](args)

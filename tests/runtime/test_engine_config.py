@@ -89,9 +89,12 @@ def engine_flags(parser: argparse.ArgumentParser) -> dict[str, object]:
 
 
 def test_every_command_takes_the_same_engine_flags_with_the_same_defaults():
-    commands = build_parser()._subparsers._group_actions[0].choices
+    commands = dict(build_parser()._subparsers._group_actions[0].choices)
+    assert set(commands) == {"bench", "generate", "serve", "calibrate"}
+    modes = commands.pop("bench")._subparsers._group_actions[0].choices     # bench: one parser per mode
+    assert set(modes) == {"latency", "serve", "sampling", "warmup", "multiturn", "exact"}
     flags = {name: engine_flags(p) for name, p in commands.items()}
-    assert set(flags) == {"bench", "generate", "serve", "calibrate"}
+    flags |= {f"bench {name}": engine_flags(p) for name, p in modes.items()}
     reference = flags["serve"]
     assert {"--max-model-len", "--max-num-seqs", "--enforce-eager", "--exact", "--target", "--preset"} <= set(reference)
     for name, got in flags.items():
