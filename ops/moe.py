@@ -36,7 +36,9 @@ Exact mode (``exact=True``): the tiles of the decode sizes for every pair count
 (:func:`exact_config`). A pair's products then run the same tile shapes whether its token is alone,
 in a verify window or in a prefill chunk, and whichever other pairs share its expert's blocks; the
 combine sums a token's ``k`` rows in the same order anyway. A token's output bits then depend only
-on its own routing and activations.
+on its own routing and activations, given a tile product that computes a row alike wherever it sits
+in the block: the GPU's ``tl.dot`` does; the interpreter's is the CPU's BLAS, which need not, so
+off CUDA exact mode sums each element's products itself (ops/exact_dot.py).
 
 Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the number of pairs
 (:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
@@ -56,6 +58,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
+from .exact_dot import exact_dot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +156,7 @@ def _moe_gate_up_kernel(
     stride_xn, stride_xh, stride_we, stride_wn, stride_wh,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -181,8 +184,8 @@ def _moe_gate_up_kernel(
         u = tl.load(u_ptrs, mask=w_ok, other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        acc_g = exact_dot(a, g, acc_g, DOT_PRECISION, DOT_ROWWISE)
+        acc_u = exact_dot(a, u, acc_u, DOT_PRECISION, DOT_ROWWISE)
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
@@ -198,7 +201,7 @@ def _moe_down_kernel(
     stride_tn, stride_tk, stride_we, stride_wh, stride_wi,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -222,7 +225,7 @@ def _moe_down_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        acc = exact_dot(a, w, acc, DOT_PRECISION, DOT_ROWWISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wi
     token = pair // TOPK
@@ -408,6 +411,8 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies bf16 dot operands as their raw bits: upcast them there
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
+    # exact mode under the interpreter: each element's own sum, not the CPU's BLAS (ops/exact_dot.py)
+    rowwise = exact and x.device.type != "cuda"
 
     bn1, bk1 = _tile(cfg.block_n1, I), _tile(cfg.block_k1, H)
     _moe_gate_up_kernel[(n_blocks, triton.cdiv(I, bn1))](
@@ -415,7 +420,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         k,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+        DOT_ROWWISE=rowwise, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
     )
     bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
     _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2))](
@@ -423,7 +428,7 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         k,
         topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(inter),
+        DOT_ROWWISE=rowwise, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(inter),
     )
     block_h = min(triton.next_power_of_2(H), 1024)
     _moe_combine_kernel[(N, triton.cdiv(H, block_h))](

@@ -84,7 +84,8 @@ def main() -> None:
                                              (True, True, 1, 4), (True, True, 3, 3), (True, False, 4, 3),
                                              (True, True, 5, 3), (True, False, 5, 3)):
         compile_one(_exact_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, ROW_TILES=row_tiles, SPLIT=split,
-                                               SWIGLU=swiglu, DOT_PRECISION="tf32", UPCAST=False, PDL=1),
+                                               SWIGLU=swiglu, DOT_PRECISION="tf32", UPCAST=False, DOT_ROWWISE=False,
+                                               PDL=1),
                     num_stages=stages)
     for resident, count in ((2, False), (2, True), (1, False), (0, False)):
         compile_one(_markov_walk_jacobi_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_L=16, BLOCK_V=128, N_BLOCKS=4,

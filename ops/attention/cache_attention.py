@@ -16,7 +16,8 @@ and its slices merge in the same order whether it is a decode step's token, a ve
 prefill chunk's, alone or among other rows: its output bits depend only on its own query and the
 cache. (Key blocks past a row's end are masked to exact no-ops of the online softmax.) That also
 takes a dot that computes a row alike wherever it sits in the tile: the GPU's ``tl.dot`` does; the
-interpreter's (the CPU's BLAS) need not, so on CPU exact mode sums the products itself (``_exact_dot``).
+interpreter's (the CPU's BLAS) need not, so on CPU exact mode sums the products itself (``_exact_dot``,
+ops/exact_dot.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import pdl_kwargs, use_triton
+from ..exact_dot import rowwise_dot
 from ..tuning import tuned
 
 
@@ -48,14 +50,10 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _exact_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROWWISE: tl.constexpr):
-    # ROWWISE (exact mode on CPU): the interpreter's tl.dot is numpy's matmul, i.e. the machine's BLAS,
-    # whose kernels may sum a row's products in an order that follows the row's position in the
-    # product (OpenBLAS's AVX2 sgemm: rows 0-5, 6-11 and 12-15 of a 16-row product, three orders),
-    # so a query's bits would follow its place in the tile. The GPU's dot computes every row with
-    # the same instructions. Under ROWWISE each element is its row's products summed in k order,
-    # whatever the row's position, the other rows or the BLAS build.
+    # ROWWISE (exact mode on CPU): each element its own sum, not the interpreter's BLAS, which may sum
+    # a row by its position in the tile (ops/exact_dot.py); the GPU's dot computes every row alike
     if ROWWISE:
-        c = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        c = rowwise_dot(a, b)
     else:
         c = _dot(a, b, PRECISION, UPCAST)
     return c

@@ -23,7 +23,9 @@ program it is, rounds once and resets the counter: the serial split-K fix-up of 
 therefore depends only on its own row of ``x``, its column of ``weight`` and the shape's fixed plan:
 a row alone (padded to a tile with masked zero rows), one of 2, 10 or 16 rows, or the last row of a
 prefill chunk get the same bits. The MMA instruction is chosen by the tile shape, which never
-changes; padding rows are zeros and never stored. A program of one row tile (a decode step's, a
+changes; padding rows are zeros and never stored. (That takes a tile product that computes every
+row and column of the tile alike: the GPU's ``tl.dot`` does; the interpreter's is the CPU's BLAS,
+which need not, so off CUDA the kernel sums each element's products itself: ops/exact_dot.py.) A program of one row tile (a decode step's, a
 batch-1 verify's) requests its first K step's weight tiles before the PDL wait (ops/_dispatch.py),
 under its predecessor's tail, as skinny_linear does: when a load is issued changes no sum. A
 launch holds at most ``MAX_SPLIT_TILES`` (row group, column tile) counters; a longer split product
@@ -52,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import pdl_kwargs, use_triton
+from ..exact_dot import exact_dot
 from .skinny_linear import MAX_SPLIT_TILES, _arrives_last, _counter_buffer, _store_out, _sum_partials
 
 EXACT_COUNTERS = 2      # the counter set of these launches (skinny_linear's main and side streams use 0 and 1)
@@ -147,21 +150,22 @@ def _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M: tl.constexpr, UPCAST:
 
 @triton.jit
 def _tile_dot(x_ptr, tile, M, k, k_ok, stride_xm, wt, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
+              UPCAST: tl.constexpr, ROWWISE: tl.constexpr):
     # one row tile's K step: its 16 rows of x against the program's weight tile ([BLOCK_K, BLOCK_N]),
-    # the same instruction sequence for a row tile whichever program and launch it is in
+    # the same instruction sequence for a row tile whichever program and launch it is in (ROWWISE:
+    # under the interpreter, each element's own sum: ops/exact_dot.py)
     a = _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M, UPCAST)
-    return tl.dot(a, wt, acc, input_precision=DOT_PRECISION)
+    return exact_dot(a, wt, acc, DOT_PRECISION, ROWWISE)
 
 
 @triton.jit
 def _tile_dot_pair(x_ptr, tile, M, k, k_ok, stride_xm, wt, wut, acc, acc_u, BLOCK_M: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROWWISE: tl.constexpr):
     # SWIGLU: the row tile loaded once, against the gate tile and the up tile, each dot the one the
     # plain product runs on that weight tile
     a = _row_tile(x_ptr, tile, M, k, k_ok, stride_xm, BLOCK_M, UPCAST)
-    return (tl.dot(a, wt, acc, input_precision=DOT_PRECISION),
-            tl.dot(a, wut, acc_u, input_precision=DOT_PRECISION))
+    return (exact_dot(a, wt, acc, DOT_PRECISION, ROWWISE),
+            exact_dot(a, wut, acc_u, DOT_PRECISION, ROWWISE))
 
 
 @triton.jit
@@ -233,42 +237,42 @@ def _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU: tl.const
 @triton.jit
 def _k_step(x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
             BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, SWIGLU: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROWWISE: tl.constexpr):
     # one K step of the program's row tiles against its weight tile(s) (the accumulators: module doc
     # and _exact_linear_kernel), the same 16-row tl.dot for every row tile
     wt = tl.trans(w)
     if SWIGLU:
         wut = tl.trans(wu)
         acc0, acc5 = _tile_dot_pair(x_ptr, t0, M, k, k_ok, stride_xm, wt, wut, acc0, acc5, BLOCK_M, DOT_PRECISION,
-                                    UPCAST)
+                                    UPCAST, ROWWISE)
         if ROW_TILES > 1:
             acc1, acc6 = _tile_dot_pair(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, wut, acc1, acc6, BLOCK_M,
-                                        DOT_PRECISION, UPCAST)
+                                        DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 2:
             acc2, acc7 = _tile_dot_pair(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, wut, acc2, acc7, BLOCK_M,
-                                        DOT_PRECISION, UPCAST)
+                                        DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 3:
             acc3, acc8 = _tile_dot_pair(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, wut, acc3, acc8, BLOCK_M,
-                                        DOT_PRECISION, UPCAST)
+                                        DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 4:
             acc4, acc9 = _tile_dot_pair(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, wut, acc4, acc9, BLOCK_M,
-                                        DOT_PRECISION, UPCAST)
+                                        DOT_PRECISION, UPCAST, ROWWISE)
     else:
-        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST)
+        acc0 = _tile_dot(x_ptr, t0, M, k, k_ok, stride_xm, wt, acc0, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 1:
-            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc1 = _tile_dot(x_ptr, t0 + 1, M, k, k_ok, stride_xm, wt, acc1, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 2:
-            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc2 = _tile_dot(x_ptr, t0 + 2, M, k, k_ok, stride_xm, wt, acc2, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 3:
-            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc3 = _tile_dot(x_ptr, t0 + 3, M, k, k_ok, stride_xm, wt, acc3, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 4:
-            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc4 = _tile_dot(x_ptr, t0 + 4, M, k, k_ok, stride_xm, wt, acc4, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 5:
-            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc5 = _tile_dot(x_ptr, t0 + 5, M, k, k_ok, stride_xm, wt, acc5, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 6:
-            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc6 = _tile_dot(x_ptr, t0 + 6, M, k, k_ok, stride_xm, wt, acc6, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
         if ROW_TILES > 7:
-            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION, UPCAST)
+            acc7 = _tile_dot(x_ptr, t0 + 7, M, k, k_ok, stride_xm, wt, acc7, BLOCK_M, DOT_PRECISION, UPCAST, ROWWISE)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9
 
 
@@ -279,7 +283,7 @@ def _exact_linear_kernel(
     stride_xm, stride_wn, stride_ws, stride_wsm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT: tl.constexpr, SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (row group, column tile, split): ROW_TILES consecutive row tiles (1 to MAX_ROW_TILES),
     # each with its own accumulator and the same 16-row tl.dot per K step, against one weight tile
@@ -320,7 +324,7 @@ def _exact_linear_kernel(
             tl.extra.cuda.gdc_wait()
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
             x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
-            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST)
+            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST, DOT_ROWWISE)
         first = 1
     else:
         if PDL:
@@ -332,7 +336,7 @@ def _exact_linear_kernel(
         w, wu = _weight_tiles(w_ptr, cols64, col_ok, N, k, k_ok, stride_wn, SWIGLU, UPCAST)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9 = _k_step(
             x_ptr, t0, M, k, k_ok, stride_xm, w, wu, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9,
-            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST)
+            BLOCK_M, ROW_TILES, SWIGLU, DOT_PRECISION, UPCAST, DOT_ROWWISE)
     # one split (a plan of the shape, whatever M): each row tile rounded once into the output (SWIGLU:
     # through the activation); several: the partials to this split's slice of the workspace (SWIGLU:
     # the up sums N columns right of the gate's), and the group's last program to arrive sums them in
@@ -431,6 +435,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, N: int, cfg: ExactConfig, swi
             ROW_TILES=row_tiles, SPLIT=split, SWIGLU=swiglu,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
+            DOT_ROWWISE=x.device.type != "cuda",   # the interpreter: each element's own sum (ops/exact_dot.py)
             num_warps=cfg.num_warps,
             num_stages=_stages_that_fit(cfg, row_tiles, x.element_size(), _smem_limit(x), weight_tiles),
             **pdl_kwargs(x),

@@ -878,7 +878,7 @@ def test_from_preset_tiny_with_and_without_draft():
     spec = Engine.from_preset("tiny", **F32, max_batch=2, max_seq_len=64)
     plain = Engine.from_preset("tiny", None, **F32, max_batch=2, max_seq_len=64)
     assert spec.draft is not None and spec.block_size == 4 and plain.draft is None
-    assert spec.model_config.vocab_size == 256 and spec.stop_token_ids == (7,)
+    assert spec.model_config.vocab_size == 264 and spec.stop_token_ids == (7,)
     a, b = spec.generate(prompts, params), plain.generate(prompts, params)
     for x, y in zip(a, b):
         assert len(x.token_ids) == 10 and x.token_ids == y.token_ids       # greedy speculation is lossless

@@ -53,7 +53,10 @@ def test_the_plan_depends_on_the_shape_only_and_covers_k(N: int, K: int) -> None
 def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, N: int, K: int) -> None:
     """Each of 16 rows alone, and at every position of 2-, 10- and 16-row launches among other rows,
     gives the same bits (the exact-mode guarantee: decode, verify and prefill rows agree); with the
-    workspace summed by each tile's last program (two splits) and with one split."""
+    workspace summed by each tile's last program (two splits) and with one split. A row sits at
+    different rows of its 16-row tile across these launches; under the interpreter the kernel's dots
+    are its own per-element sums (ops/exact_dot.py), as numpy's BLAS may sum a row by its position
+    in the product (the GPU's dot does not)."""
     assert (exact_config(N, K).splits > 1) == (K == 1024)
     x, w = _inputs(triton_device, dtype, 16, N, K, seed=7)
     others, _ = _inputs(triton_device, dtype, 16, N, K, seed=8)

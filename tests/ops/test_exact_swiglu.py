@@ -58,7 +58,9 @@ def test_kernel_is_the_stacked_product_then_the_activation(triton_device: str, d
     assert _rel_err_fp64(out, x, w13) < TOL[dtype]
     assert _rel_err_fp64(exact_swiglu_reference(x, w13), x, w13) < TOL[dtype]
     # the gate and up sums are exact_linear's of w13 (the same plan), then the module's roundings:
-    # the same bits under the interpreter. On the GPU Triton's exp (ex2.approx of the argument times
+    # the same bits under the interpreter, whose exact dots are per-element sums (ops/exact_dot.py):
+    # an up column sits F columns right of its gate column in the stacked product and at the gate's
+    # place in the fused one, which numpy's BLAS may sum differently. On the GPU Triton's exp (ex2.approx of the argument times
     # log2 e) and torch's differ by a few fp32 ulps plus |gate| / 2 ulps (the scaled argument's
     # rounding): in bf16 that moves a rare element by one unit; in fp32, where no rounding to a
     # coarser dtype hides it, most elements move, each within that bound
@@ -80,7 +82,8 @@ def test_kernel_is_the_stacked_product_then_the_activation(triton_device: str, d
 @pytest.mark.parametrize("F_, K", [(96, 1024), (96, 128)], ids=["two_splits", "one_split"])
 def test_a_rows_bits_do_not_depend_on_the_launch(triton_device: str, dtype: torch.dtype, F_: int, K: int) -> None:
     """Each of 16 rows alone, and at every position of 2- and 10-row launches among other rows, and
-    as the last row of a 33-row chunk, gives the same bits."""
+    as the last row of a 33-row chunk, gives the same bits (under the interpreter through the
+    kernel's per-element sums, ops/exact_dot.py, as for exact_linear)."""
     assert (exact_config(2 * F_, K).splits > 1) == (K == 1024)
     x, w13 = _inputs(triton_device, dtype, 16, 2 * F_, K, seed=7)
     others, _ = _inputs(triton_device, dtype, 16, 2 * F_, K, seed=8)

@@ -164,7 +164,9 @@ def test_plan_layout(triton_device, N, chunk, precount):
 def test_exact_mode_gives_a_token_the_same_bits_in_any_call(triton_device, dtype):
     """Exact mode: token 0 alone, and as token 3 of 10 and token 20 of 64 (where the default
     launch takes other tiles, whose K steps cut the sums elsewhere: 128 pairs over 4 experts), gives the
-    same bits, near the oracle."""
+    same bits, near the oracle. The token's pairs sit at other rows of their experts' blocks in each
+    call; under the interpreter exact mode's dots are the kernels' own per-element sums
+    (ops/exact_dot.py), as numpy's BLAS may sum a row by its position in the product."""
     E, H, I, k = 4, 512, 256, 2
     w13, w2 = _weights(E, H, I, dtype, triton_device)
     x, ids, w = _tokens(64, k, E, H, dtype, triton_device, seed=3)

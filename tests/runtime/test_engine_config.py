@@ -115,7 +115,7 @@ def test_from_config_builds_what_from_preset_builds():
     assert a.config == b.config.replace(dtype="auto")
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert a.generate([[3, 4, 5]], params)[0].token_ids == b.generate([[3, 4, 5]], params)[0].token_ids
-    assert a.block_size == 4 and a.model_config.vocab_size == 256
+    assert a.block_size == 4 and a.model_config.vocab_size == 264
 
 
 def test_one_imposed_rate_applies_to_every_draft_slot(target, draft):
