@@ -367,8 +367,8 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
     imposed = False
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
-    # one request before the measured runs: the first request of a process paid 0.5-0.8 s of one-time costs
-    # in its TTFT on the H200; it is reported apart, not mixed into p50/p99
+    # one request before the measured runs: the first request of a process pays 0.5-0.8 s of one-time costs
+    # in its TTFT; it is reported apart, not mixed into p50/p99
     warm = engine.generate(torch.randint(0, vocab, (1, cfg.prompt_len), generator=gen).tolist(),
                            SamplingParams(temperature=cfg.temperature, max_new_tokens=2, stop_token_ids=[],
                                           seed=cfg.engine.seed))
@@ -429,7 +429,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         row["imposed_acceptance"] = imposed
         if walks:  # the Jacobi walk ran (ops/markov_walk/jacobi.py): its w2 passes depend on the Markov weights
             row["walk_passes_mean"] = passes / walks
-        # the scheduler's choices over the measured runs (runtime/speculation.py): rounds per verify width
+        # the width policy's choices over the measured runs (runtime/speculation.py): rounds per verify width
         after = engine.speculation_stats["rounds_by_width"]
         row["rounds_by_width"] = {w: n - widths_before.get(w, 0) for w, n in after.items() if n > widths_before.get(w, 0)}
     return row
@@ -593,8 +593,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 results["hf_static_compile"].append(hf_row(target, cfg, batch, device, compiled=True))
             save()
     # Profiles come last, after every timing: a torch.profiler session leaves CUPTI attached to the
-    # process, which slows later kernel launches (10.0 us per eager launch on
-    # the H200 before a profile, 14.3 us after), and the HF eager baseline is launch-bound.
+    # process, which slows later kernel launches (10.0 us per eager launch before a profile, 14.3 us
+    # after), and the HF eager baseline is launch-bound.
     if cfg.profile_dir and device.type == "cuda":
         for engine in engines.values():
             batch = min(cfg.batch_sizes)

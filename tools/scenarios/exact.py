@@ -8,7 +8,7 @@ This scenario measures both sides of that trade, in each mode:
 - **identity**: greedy speculative against greedy target-only output for ``num_prompts`` prompts of
   8-64 random tokens (``output_len`` new tokens, in batches of ``max_batch``), with the draft's own
   acceptance (nothing imposed) and the whole block verified every round (a rarely accepted
-  random-weight draft would otherwise have the scheduler fall back to width 1, which verifies
+  random-weight draft would otherwise have the width policy fall back to width 1, which verifies
   nothing): the share of prompts whose outputs are identical and of tokens before the first
   difference;
 - **cost**: the median per-request TPOT of target-only and speculative engines (a random-weight
