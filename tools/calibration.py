@@ -1,6 +1,6 @@
 """Calibrating the draft's confidence head: Sequential Temperature Scaling (reference/dspark.md §4.4).
 
-The scheduler (runtime/speculation.py) reads absolute survival values ``a_k = c_1 * ... * c_k``,
+The verify-width policy (runtime/speculation.py) reads absolute survival values ``a_k = c_1 * ... * c_k``,
 and a raw confidence head is overconfident, so each block slot gets a temperature: ``c_k =
 sigmoid(z_k / T_k)``. :func:`record_rounds` runs the engine with every round verifying the whole
 block (as STS needs: no truncation) and keeps, per row of every round, the raw logits ``z`` and

@@ -8,7 +8,7 @@ only). This scenario times that warm-up as a deployment runs it, at every defaul
 ``LFMSPARK_CACHE_DIR``), with what was compiled and captured. Then, at each batch size, the median
 per-request greedy TPOT of ``runs`` batches of ``prompt_len``-token prompts and ``output_len`` new
 tokens: what the warmed engine delivers. For a speculative engine with several verify widths it
-also records the rounds the width scheduler ran at each width (runtime/speculation.py) and the TPOT
+also records the rounds the width policy ran at each width (runtime/speculation.py) and the TPOT
 with the whole block verified every round, so that the width policy's choice is measured against the
 fixed whole-block round on the same captured graphs.
 
