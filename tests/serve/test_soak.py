@@ -90,7 +90,7 @@ async def run(url: str, requests: list[dict], in_flight: int = 24) -> list[tuple
 
 @pytest.mark.slow
 def test_a_thousand_requests_leave_nothing_behind(ckpt):
-    solo = load(ckpt, max_batch=1, prefix_block=16)
+    solo = load(ckpt, max_batch=1, prefix_block=16, chat=False)      # completions take the text as it is
     engine = load(ckpt, max_batch=8, prefix_block=16)
     served = Served(make_server_app(engine, MODEL, warmup=False))
     try:

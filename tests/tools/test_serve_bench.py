@@ -170,8 +170,8 @@ def test_the_trace_over_http_against_lfmspark_serve(preset_server, tmp_path):
     """Completions of random token-id prompts, streamed: the in-process trace of the tiny preset
     (same seed, same vocabulary), every request at its length, counted from the server's usage."""
     shape = dict(num_prompts=8, input_len=10, output_len=6, range_ratio=0.5, request_rate=50.0)
-    cfg = ServeBenchConfig(**shape, base_url=preset_server, vocab_size=256, api_key="sk-not-in-the-report",
-                           json_path=str(tmp_path / "r.json"))
+    cfg = ServeBenchConfig(**shape, base_url=preset_server, vocab_size=target_preset("tiny").vocab_size,
+                           api_key="sk-not-in-the-report", json_path=str(tmp_path / "r.json"))
     trace = make_trace(cfg, cfg.vocab_size)
     in_process = make_trace(ServeBenchConfig(EngineConfig(preset="tiny"), **shape), target_preset("tiny").vocab_size)
     assert (trace.prompts, trace.output_lens, trace.arrivals) == (
