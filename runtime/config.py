@@ -82,6 +82,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
+        if self.draft_preset == "none":                 # the command line's word for no draft
+            object.__setattr__(self, "draft_preset", None)
         self._validate()
 
     # -- validation ------------------------------------------------------------------------
@@ -95,8 +97,10 @@ class EngineConfig:
         if self.draft_preset not in (None, "default") and self.draft_preset not in DRAFT_PRESETS:
             raise ValueError(f"unknown draft preset {self.draft_preset!r}: use 'default', 'none' or one of "
                              f"{', '.join(sorted(DRAFT_PRESETS))}")
-        if self.target is None and (self.tokenizer or self.chat_template or self.revision):
+        if self.target is None and (self.tokenizer or self.chat_template or self.revision
+                                    or self.generation_config != "auto"):
             named = [n for n in ("tokenizer", "chat_template", "revision") if getattr(self, n)]
+            named += ["generation_config"] if self.generation_config != "auto" else []
             raise ValueError(f"{', '.join(named)} go with a checkpoint (target), not a preset of random weights")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
@@ -203,7 +207,8 @@ class EngineConfig:
         models.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights' dtype (default: "
                             "auto, i.e. bfloat16 on a GPU, float32 on a CPU)")
         models.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-        models.add_argument("--seed", type=int, default=d.seed, help=f"random weights' seed (default: {d.seed})")
+        models.add_argument("--seed", type=int, default=d.seed, help="random seed: a preset's weights, generate's "
+                            f"sampling, bench serve's trace (default: {d.seed})")
 
         e = parser.add_argument_group("engine")
         e.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_int_from(1), default=None,
@@ -228,8 +233,8 @@ class EngineConfig:
         e.add_argument("--prefill-graph-tokens", type=_int_from(0), default=d.prefill_graph_tokens,
                        help="prompts run at bucket shapes of up to this many tokens, replayed from CUDA graphs "
                             f"(0: eager prefill at each prompt's own shape; default: {d.prefill_graph_tokens})")
-        e.add_argument("--no-chat", dest="chat", action="store_false", help="do not wrap text prompts in the "
-                       "chat template")
+        e.add_argument("--no-chat", dest="chat", action="store_false", default=True, help="do not wrap text prompts "
+                       "in the chat template (default: wrap them)")
         e.add_argument("--markov-walk", choices=WALKS, default=d.markov_walk,
                        help=f"the draft's greedy Markov walk kernel (default: {d.markov_walk})")
         e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d.logprobs_mode,

@@ -19,6 +19,7 @@ defaults); a ``bench`` command line without a mode is the latency benchmark's (:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -208,10 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     msg.add_argument("--token-ids", type=int_list, help="comma-separated prompt token ids")
     s = g.add_argument_group("sampling")
     s.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
-    s.add_argument("--max-new-tokens", type=positive_int, default=256)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=positive_int, help="the most tokens to generate (default: the "
+                   "checkpoint's generation_config.json, else 256)")
+    s.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's, else 0)")
+    s.add_argument("--top-k", type=int, help="0 is off (default: the checkpoint's, else 0)")
+    s.add_argument("--top-p", type=float, help="1 is off (default: the checkpoint's, else 1)")
     s.add_argument("--no-stream", action="store_true", help="print the text once at the end")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs: pip install 'lfmspark[serve]')",
@@ -220,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     h = sv.add_argument_group("server")
     h.add_argument("--served-model-name", help="the model name clients send (default: the target directory's "
                    "name or the preset)")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=positive_int, default=8000)
+    h.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    h.add_argument("--port", type=positive_int, default=8000, help="the port to listen on")
     h.add_argument("--max-waiting", type=positive_int, default=256, help="requests that may wait for a slot; past "
                    "it the server answers 503")
     h.add_argument("--no-warmup", action="store_true", help="serve at once, compiling on first use")
@@ -242,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompts", help="JSONL file, one {'prompt': text or token ids} per line (default: random "
                    "token ids, which calibrate nothing real)")
     r.add_argument("--num-prompts", type=positive_int, default=64, help="random prompts without --prompts")
-    r.add_argument("--max-new-tokens", type=positive_int, default=256)
+    r.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens generated per prompt")
     r.add_argument("--temperature", type=float, default=0.0, help="the deployment temperature the confidences are "
                    "calibrated for (reference/dspark.md §4.2)")
     r.add_argument("--out", help="write the fit (temperatures, ECE before and after) as JSON here")
@@ -274,7 +276,7 @@ def _bench(args) -> int:
     derived = [flag for flag, value in (("--max-batch", args.max_batch), ("--max-seq-len", args.max_seq_len),
                                         ("--cuda-graph-sizes", args.cuda_graph_sizes)) if value is not None]
     if derived:
-        raise SystemExit(f"lfmspark bench: error: {', '.join(derived)} follow --batch-sizes, --prompt-len and "
+        raise SystemExit(f"lfmspark bench: error: {', '.join(derived)}: set by --batch-sizes, --prompt-len and "
                          "--output-len in the latency benchmark: set those instead")
     engine = _engine_config(args, "bench", imposed_acceptance=None)
     cfg = BenchConfig(engine=engine, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len,
@@ -418,8 +420,13 @@ def _generate(args) -> int:
         prompt = args.token_ids
     else:
         prompt = args.prompt
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    # the checkpoint's sampling defaults (generation_config.json), then what the command line says
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+             "max_new_tokens": args.max_new_tokens}
+    params = dataclasses.replace(engine.default_sampling_params(), seed=args.seed,
+                                 **{k: v for k, v in given.items() if v is not None})
+    if args.max_new_tokens is None and "max_new_tokens" not in engine.sampling_defaults:
+        params.max_new_tokens = 256
     t0 = time.perf_counter()
     output = None
     for event in engine.stream(prompt, params):
