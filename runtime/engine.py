@@ -43,6 +43,7 @@ from .requests import (EngineDeadError, Request, RequestError, RequestFailedErro
                        is_device_error, make_requests, pair_prompts)
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .structured import GrammarCache
 
 log = logging.getLogger("lfmspark")
 
@@ -68,8 +69,9 @@ class Engine:
         SamplingParams(**self.sampling_defaults).validate(target.config.vocab_size)   # a bad default fails here
         self.model_runner = ModelRunner(target, draft, cfg)
         self.scheduler = Scheduler(cfg.max_batch, cfg.prefill_chunk, cfg.prefill_budget, alignment=cfg.prefix_block)
+        grammars = GrammarCache(tokenizer, target.config.vocab_size, self.stop_token_ids) if tokenizer else None
         self.limits = RequestLimits(target.config.vocab_size, cfg.max_seq_len, self.model_runner.verify_width,
-                                    cfg.max_batch, tokenizer, cfg.chat, self.stop_token_ids)
+                                    cfg.max_batch, tokenizer, cfg.chat, self.stop_token_ids, grammars)
         self._ids = itertools.count()
         self._rng = random.Random()
         self._dead: BaseException | None = None    # the device-level failure that ended the engine

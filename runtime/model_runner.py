@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,7 +115,7 @@ class ModelRunner:
             draft.requires_grad_(False)
         self._build_caches(config)
         self.imposed_acceptance = self._imposed(config.imposed_acceptance)
-        self.state = SlotState(config.max_batch, target.config.vocab_size, self.device)
+        self.state = SlotState(config.max_batch, target.config.vocab_size, self.device, self.verify_width)
         self.steps = Steps(target, self.tcache, self.state, draft, self.dcache, self.imposed_acceptance,
                            config.markov_walk, config.logprobs_mode)
         self.width_policy = self._width_policy(config.verify_widths)
@@ -368,17 +368,19 @@ class ModelRunner:
         if not done:
             return []
         index = [plan.rows.index(lead) for lead, _ in done]
-        mode = sampling_mode((r.params for lead, others in done for r in (lead, *others)),
-                             self.target.config.vocab_size)
+        requests = [r for lead, others in done for r in (lead, *others)]
+        mode = sampling_mode((r.params for r in requests), self.target.config.vocab_size)
         t = lambda v: to_device(v, self.device)  # noqa: E731
-        picked, scores = self.steps.prefill_pick(logits.index_select(0, t(index)), t([lead.slot for lead, _ in done]),
-                                                 t([len(lead.prompt_ids) for lead, _ in done]), mode)
-        out = []
-        for j, (lead, others) in enumerate(done):
-            out.append(FirstToken(lead, picked[j], scores[j]))
-            for first in self._share_prefill(lead, others, logits[index[j]], mode):
-                first.request.prompt_logprobs = lead.prompt_logprobs
-                out.append(first)
+        with self._constraints(requests, [[]] * len(requests)):
+            picked, scores = self.steps.prefill_pick(logits.index_select(0, t(index)),
+                                                     t([lead.slot for lead, _ in done]),
+                                                     t([len(lead.prompt_ids) for lead, _ in done]), mode)
+            out = []
+            for j, (lead, others) in enumerate(done):
+                out.append(FirstToken(lead, picked[j], scores[j]))
+                for first in self._share_prefill(lead, others, logits[index[j]], mode):
+                    first.request.prompt_logprobs = lead.prompt_logprobs
+                    out.append(first)
         return out
 
     def _share_prefill(self, lead: Request, others: list[Request], logits: torch.Tensor, mode: SamplingMode
@@ -407,21 +409,75 @@ class ModelRunner:
         # one host sync, after which the logprobs' host copies (queued before it) are complete too
         tokens = torch.stack([f.token for f in started]).tolist()
         records = {i: lp.records([tokens[i]], j, 1, f.request.params.logprobs) for j, (i, f) in enumerate(want)}
+        for f, token in zip(started, tokens):
+            if f.request.matcher is not None:
+                f.request.matcher.consume([token])
         return [RoundResult(f.request, [tokens[i]], records.get(i)) for i, f in enumerate(started)]
 
     # -- rounds --------------------------------------------------------------------------------
     @_numerics
     def step(self, rows: list[Request]) -> list[RoundResult]:
         """Launch the next round for ``rows`` (the decoding requests), then collect the previous
-        round's tokens (module doc: pipelined). On a failure no round is left in flight."""
+        round's tokens (module doc: pipelined). A batch with a structured-output request runs its
+        round at once instead (:meth:`_constrained_round`). On a failure no round is left in flight."""
+        rows = [r for r in rows if not r.finished]
         try:
-            launched = self._launch([r for r in rows if not r.finished])
+            if any(r.matcher is not None for r in rows):
+                return self._constrained_round(rows)
+            launched = self._launch(rows)
             results = self._collect(self.in_flight) if self.in_flight is not None else []
         except BaseException:
             self.in_flight = None
             raise
         self.in_flight = launched
         return results
+
+    def _constrained_round(self, rows: list[Request]) -> list[RoundResult]:
+        """A round of a batch holding structured-output requests: the masks of a verify window come
+        from each request's matcher advanced through the window's drafts, so the drafts go to the
+        host between the draft and the verify, and the next round's masks need this round's
+        committed tokens: the round runs its phases one after the other, uncaptured, and is
+        collected at once (no pipelining while such a request runs; the others in the batch pay
+        that too). The round in flight, launched before, is collected first."""
+        results = self._collect(self.in_flight) if self.in_flight is not None else []
+        self.in_flight = None
+        mode = sampling_mode((r.params for r in rows), self.target.config.vocab_size)
+        slots_np = np.array([r.slot for r in rows], dtype=np.int64)
+        width = self._choose_width(slots_np, mode)
+        slots = to_device(slots_np.tolist(), self.device)
+        with torch.no_grad():
+            if width is None:                                   # a target-only decode step
+                with self._constraints(rows, [[]] * len(rows)):
+                    out = self.steps.decode(slots, mode)
+            else:
+                inputs = self.steps.round_inputs(slots, mode, width)
+                drafted = self.steps.round_draft(inputs)
+                drafts = drafted.tokens[:, :width - 1].tolist() if width > 1 else [[]] * len(rows)
+                with self._constraints(rows, drafts):
+                    out = self.steps.round_commit(inputs, drafted, self.steps.round_verify(inputs, drafted.tokens))
+        return results + self._collect(self._to_host(rows, slots_np, out, width or 1))
+
+    @contextlib.contextmanager
+    def _constraints(self, rows: list[Request], drafts: list[list[int]]) -> Iterator[None]:
+        """Inside: the target's transforms read the structured-output masks, which hold, for each row
+        with a constraint, the tokens its matcher allows at each column of the window (after the
+        row's ``drafts`` before it). Without a constrained row, nothing changes."""
+        constrained = [(r, d) for r, d in zip(rows, drafts) if r.matcher is not None]
+        if not constrained:
+            yield
+            return
+        grammar = self.state.sampling.grammar
+        masks = np.full((len(constrained), grammar.shape[1], grammar.shape[2]), -1, dtype=np.int32)
+        for i, (req, d) in enumerate(constrained):
+            rows_i = req.matcher.masks(d)
+            masks[i, :len(rows_i)] = rows_i
+        grammar.index_copy_(0, to_device([r.slot for r, _ in constrained], self.device),
+                            torch.from_numpy(masks).to(self.device))
+        self.state.sampling.constrain = True
+        try:
+            yield
+        finally:
+            self.state.sampling.constrain = False
 
     def drop_in_flight(self) -> None:
         """Nothing decodes any more: wait for the round in flight and drop its results."""
@@ -438,6 +494,10 @@ class ModelRunner:
         slots_np = np.array(slots, dtype=np.int64)
         width = self._choose_width(slots_np, mode)
         out = self.step_runner.run(self.step_kind, slots, mode, width)
+        return self._to_host(rows, slots_np, out, width or 1)
+
+    def _to_host(self, rows: list[Request], slots_np: np.ndarray, out, width: int) -> _InFlight:
+        """Queue the host copies of a launched round's outputs (``out``: a ``StepOutput``)."""
         n = len(rows)
         tokens_flat, n_new_host, confidence_host = self._host_buffer()
         # a contiguous [n, W] view: a copy into a strided slice of a wider buffer is not an async memcpy
@@ -455,7 +515,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return _InFlight(rows, slots_np, tokens_host, n_new_host, done, width=width or 1, confidence=confidence,
+        return _InFlight(rows, slots_np, tokens_host, n_new_host, done, width=width, confidence=confidence,
                          logprobs=logprobs, logprob_rows=logprob_rows)
 
     def _choose_width(self, slots: np.ndarray, mode: SamplingMode) -> int | None:
@@ -511,6 +571,8 @@ class ModelRunner:
                 req.accept_lengths.append(n_new[i])
                 req.drafts_verified.append(verified[j])
             new = tokens[i][:n_new[i]]
+            if req.matcher is not None:
+                req.matcher.consume(new)
             logprobs = None
             if inflight.logprob_rows is not None and i in inflight.logprob_rows:
                 logprobs = inflight.logprobs.records(new, inflight.logprob_rows[i] * width, len(new),

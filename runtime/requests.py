@@ -24,6 +24,7 @@ from .logprobs import TokenLogprobs
 from .outputs import GenerationOutput, RequestStats, StreamEvent
 from .prompts import Prompt, PromptError, encode_prompt
 from .sampling import SamplingError, SamplingParams
+from .structured import GrammarCache, Matcher, StructuredOutputError
 
 # "stop": a stop token (included in the tokens); "length": max_new_tokens; "cancelled": the caller
 # left (closed the stream, aborted the id, shut the engine down); "timeout": SamplingParams.timeout_s
@@ -92,6 +93,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None    # with SamplingParams.prompt_logprobs
     cache_only: bool = False            # a finished turn's tokens prefilled into the prefix cache only
                                         # (Engine(prefix_cache_outputs=True)): no output, no events
+    matcher: Matcher | None = None      # its structured-output state (SamplingParams.structured_outputs)
 
     @property
     def finished(self) -> bool:
@@ -201,6 +203,7 @@ class RequestLimits:
     tokenizer: object | None = None
     chat: bool = True
     stop_token_ids: tuple[int, ...] = ()
+    grammars: GrammarCache | None = None    # compiles structured-output constraints (needs the tokenizer)
 
 
 def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits, request_id: str, *,
@@ -228,6 +231,8 @@ def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
         stops = frozenset(() if p.ignore_eos else limits.stop_token_ids)
     if p.stop and limits.tokenizer is None:
         raise RequestError(f"{label}stop strings need a tokenizer, and this engine has none: use stop_token_ids")
+    if p.structured_outputs is not None and limits.grammars is None:
+        raise RequestError(f"{label}structured_outputs need a tokenizer, and this engine has none")
     if p.n > limits.max_batch:
         raise RequestError(f"{label}n={p.n} samples run at once, one slot each, and the engine has "
                            f"max_batch={limits.max_batch}: lower n or raise max_batch")
@@ -238,8 +243,12 @@ def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
         text = (TextStream(limits.tokenizer, p.stop or (), p.include_stop_str_in_output)
                 if limits.tokenizer is not None else None)
         rid = request_id if p.n == 1 else f"{request_id}-{j}"
+        try:
+            matcher = limits.grammars.matcher(p.structured_outputs) if p.structured_outputs is not None else None
+        except StructuredOutputError as e:
+            raise RequestError(f"{label}{e}") from e
         requests.append(Request(rid, index, ids, p, stops, seed, now, sink=sink, text=text,
-                                group=request_id if p.n > 1 else None, sample=j))
+                                group=request_id if p.n > 1 else None, sample=j, matcher=matcher))
     return requests
 
 

@@ -16,6 +16,7 @@ import torch
 
 from . import distributions
 from .distributions import Filtered, SamplingMode, filter_rows
+from .structured import StructuredOutputError, StructuredOutputsParams
 
 
 class SamplingError(ValueError):
@@ -52,6 +53,9 @@ class SamplingParams:
     ``max_speculative_tokens``: the most draft tokens a round may accept for this request (``0``:
     speculation off for it; ``None``: as the engine's width policy decides, runtime/speculation.py).
     Such a request shares its rounds with the others; its output does not depend on the setting.
+    ``structured_outputs``: a constraint on the output (a JSON schema, any JSON object, a regular
+    expression, a choice of strings or a Lark grammar: runtime/structured.py), applied as a logit
+    transform at every position, speculation kept on; needs a tokenizer.
     """
 
     temperature: float = 0.0
@@ -74,6 +78,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     max_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -84,7 +89,7 @@ class SamplingParams:
         """Whether the logits are changed before sampling (bias, penalties, min_tokens): then even a
         greedy request needs the distribution path (its argmax moves)."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
-            or self.frequency_penalty != 0.0 or self.min_tokens > 0
+            or self.frequency_penalty != 0.0 or self.min_tokens > 0 or self.structured_outputs is not None
 
     @property
     def needs_distribution(self) -> bool:
@@ -112,7 +117,14 @@ class SamplingParams:
             if not isinstance(bias, dict):
                 raise SamplingError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
             bias = dict(bias)
-        return dataclasses.replace(self, stop_token_ids=stops, stop=strings, logit_bias=bias)
+        structured = self.structured_outputs
+        if isinstance(structured, dict):
+            try:
+                structured = StructuredOutputsParams(**structured)
+            except TypeError as e:
+                raise SamplingError(f"structured_outputs: {e}") from None
+        return dataclasses.replace(self, stop_token_ids=stops, stop=strings, logit_bias=bias,
+                                   structured_outputs=structured)
 
     def validate(self, vocab_size: int) -> None:
         """Raise :class:`SamplingError` naming the first field with a value the engine cannot run:
@@ -183,6 +195,14 @@ class SamplingParams:
         t = self.timeout_s
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t <= 0):
             raise SamplingError(f"timeout_s must be a finite number of seconds > 0 or None, got {t!r}")
+        structured = self.structured_outputs
+        if structured is not None:
+            if not isinstance(structured, StructuredOutputsParams):
+                raise SamplingError(f"structured_outputs must be a StructuredOutputsParams, got {structured!r}")
+            try:
+                structured.validate()
+            except StructuredOutputError as e:
+                raise SamplingError(str(e)) from None
 
 
 _FP32_MAX = 3.4028234663852886e38
@@ -223,10 +243,12 @@ class RowSampling:
     stops: torch.Tensor           # [B, V] bool: the request's stop tokens
     in_prompt: torch.Tensor       # [B, V] bool
     counts: torch.Tensor          # [B, V] fp32: output token counts (the anchor included)
+    grammar: torch.Tensor | None = None   # [B, W_max, ceil(V / 32)] int32: allowed tokens per position, or None
 
     def transform(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-        """Bias, penalties and min_tokens on fp32 ``logits [B, W, V]`` predicting ``position [B, W]``,
-        with ``extra [B, W, V]`` counts of tokens each column has in its history beyond ``counts``."""
+        """Bias, penalties, min_tokens and the structured-output masks on fp32 ``logits [B, W, V]``
+        predicting ``position [B, W]``, with ``extra [B, W, V]`` counts of tokens each column has in its
+        history beyond ``counts``."""
         x = logits + self.bias[:, None]
         counts = self.counts[:, None] if extra is None else self.counts[:, None] + extra
         seen = self.in_prompt[:, None] | (counts > 0)
@@ -234,7 +256,10 @@ class RowSampling:
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x = x - self.presence[:, None, None] * (counts > 0) - self.frequency[:, None, None] * counts
         early = (position < self.min_len[:, None])[..., None] & self.stops[:, None]
-        return x.masked_fill(early, float("-inf"))
+        x = x.masked_fill(early, float("-inf"))
+        if self.grammar is not None:
+            x = x.masked_fill(~unpack_allowed(self.grammar[:, :x.shape[1]], x.shape[-1]), float("-inf"))
+        return x
 
     def filtered(self, logits: torch.Tensor, position: torch.Tensor, extra: torch.Tensor | None,
                  mode: SamplingMode) -> Filtered:
@@ -249,6 +274,13 @@ class RowSampling:
         x = self.transform(logits, position, extra).reshape(-1, V)
         rep = lambda t: t.repeat_interleave(W) if W > 1 else t  # noqa: E731
         return filter_rows(x, rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p), mode)
+
+
+def unpack_allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[..., ceil(V / 32)]`` int32 bit masks (bit ``v % 32`` of word ``v // 32``) as ``[..., V]`` bools."""
+    v = torch.arange(vocab, device=bits.device)
+    words = bits.index_select(-1, v >> 5)
+    return ((words >> (v & 31)) & 1).bool()
 
 
 @dataclass
@@ -269,9 +301,13 @@ class SlotSampling:
     stops: torch.Tensor
     in_prompt: torch.Tensor
     counts: torch.Tensor
+    grammar: torch.Tensor        # [n, window, ceil(V / 32)] int32 structured-output masks (-1: all allowed)
+    # whether the target's transforms read ``grammar``: set by the model runner around the calls of a
+    # batch with a constrained request (a trace-time constant: those calls are a variant of their own)
+    constrain: bool = False
 
     @classmethod
-    def allocate(cls, n: int, vocab: int, device: torch.device | str) -> "SlotSampling":
+    def allocate(cls, n: int, vocab: int, device: torch.device | str, window: int = 1) -> "SlotSampling":
         f32 = dict(dtype=torch.float32, device=device)
         return cls(temperature=torch.zeros(n, **f32), top_k=torch.zeros(n, dtype=torch.int64, device=device),
                    top_p=torch.ones(n, **f32), min_p=torch.zeros(n, **f32),
@@ -279,13 +315,17 @@ class SlotSampling:
                    repetition=torch.ones(n, **f32), presence=torch.zeros(n, **f32), frequency=torch.zeros(n, **f32),
                    min_len=torch.zeros(n, dtype=torch.int64, device=device),
                    bias=torch.zeros(n, vocab, **f32), stops=torch.zeros(n, vocab, dtype=torch.bool, device=device),
-                   in_prompt=torch.zeros(n, vocab, dtype=torch.bool, device=device), counts=torch.zeros(n, vocab, **f32))
+                   in_prompt=torch.zeros(n, vocab, dtype=torch.bool, device=device), counts=torch.zeros(n, vocab, **f32),
+                   grammar=torch.full((n, window, (vocab + 31) // 32), -1, dtype=torch.int32, device=device))
 
-    def rows(self, idx: torch.Tensor) -> RowSampling:
+    def rows(self, idx: torch.Tensor, grammar: bool = True) -> RowSampling:
+        """The rows' parameters; their structured-output masks only while :attr:`constrain` is set and
+        ``grammar`` asks for them (the draft's proposals are not masked: runtime/structured.py)."""
         # spelled out: torch.compile (2.11) cannot trace dataclasses.fields() of the class
         return RowSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
                            self.seed[idx], self.repetition[idx], self.presence[idx], self.frequency[idx], self.min_len[idx],
-                           self.bias[idx], self.stops[idx], self.in_prompt[idx], self.counts[idx])
+                           self.bias[idx], self.stops[idx], self.in_prompt[idx], self.counts[idx],
+                           self.grammar[idx] if grammar and self.constrain else None)
 
     def set(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int],
             stop_ids: frozenset[int]) -> None:
@@ -311,6 +351,7 @@ class SlotSampling:
         if params.repetition_penalty != 1.0:
             self.in_prompt[slot, torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
         self.counts[slot] = 0.0
+        self.grammar[slot] = -1
 
     def record(self, index: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Count committed ``tokens [B, T]`` in the output history of slots ``index [B]`` (a scatter

@@ -18,13 +18,14 @@ NO_DRAFT_LIMIT = 1 << 30
 
 
 class SlotState:
-    def __init__(self, n_slots: int, vocab: int, device: torch.device | str):
+    def __init__(self, n_slots: int, vocab: int, device: torch.device | str, window: int = 1):
         self.n_slots = n_slots
         self.seq_len = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
         self.anchor = torch.zeros(n_slots + 1, dtype=torch.int64, device=device)
         # drafts a round may accept per slot (the request's cap; a large number: no cap)
         self.draft_limit = torch.full((n_slots + 1,), NO_DRAFT_LIMIT, dtype=torch.int64, device=device)
-        self.sampling = SlotSampling.allocate(n_slots + 1, vocab, device)
+        # ``window``: the widest verify window (the structured-output masks hold one row per column)
+        self.sampling = SlotSampling.allocate(n_slots + 1, vocab, device, window)
 
     @staticmethod
     def gather_index(slots: torch.Tensor) -> torch.Tensor:

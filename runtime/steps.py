@@ -152,11 +152,12 @@ class Steps:
         kinds = ("target", "draft") if self.draft is not None else ("target",)
         return [name for name, fn in vars(type(self)).items() if getattr(fn, "compiled_region", None) in kinds]
 
-    def read_rows(self, slots: torch.Tensor, sampling: bool = False) -> RowState:
-        """The rows' per-slot state; called inside each region that needs it."""
+    def read_rows(self, slots: torch.Tensor, sampling: bool = False, grammar: bool = True) -> RowState:
+        """The rows' per-slot state; called inside each region that needs it. ``grammar``: whether the
+        target's structured-output masks apply (not to the draft's proposals)."""
         st = self.state
         r = st.gather_index(slots)
-        return RowState(r, st.seq_len[r], st.anchor[r], st.sampling.rows(r) if sampling else None)
+        return RowState(r, st.seq_len[r], st.anchor[r], st.sampling.rows(r, grammar) if sampling else None)
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -286,7 +287,7 @@ class Steps:
     @region(draft=True)
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
         """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
-        row = self.read_rows(inp.slots, inp.mode.sampling)
+        row = self.read_rows(inp.slots, inp.mode.sampling, grammar=False)
         rows, s = row.rows, row.s
         draft_q: list[Filtered] = []
         drawn: list[torch.Tensor] = []
