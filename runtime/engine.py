@@ -8,12 +8,11 @@
     for event in engine.stream(["a", "b"], SamplingParams(temperature=0.7)):
         print(event.index, event.text, end="")
 
-The engine is three parts and the glue between them: the :class:`Scheduler` (runtime/scheduler.py:
-the queue, slots, admission and the prefill plan; host only), the :class:`ModelRunner`
-(runtime/model_runner.py: caches, graphs and every device call) and the requests themselves
-(runtime/requests.py: validation, stop rules, text, output). :meth:`Engine.step` runs one
-scheduling step over them; requests join and leave between steps, each holding a state slot from
-admission to its finish, cancellation or error.
+The engine is glue over the :class:`Scheduler` (runtime/scheduler.py: queue, slots, admission, the
+prefill plan; host only), the :class:`ModelRunner` (runtime/model_runner.py: caches, graphs, every
+device call) and the requests (runtime/requests.py: validation, stop rules, text, output).
+:meth:`Engine.step` runs one scheduling step over them; a request holds a state slot from admission
+to its finish, cancellation or error.
 """
 
 from __future__ import annotations
