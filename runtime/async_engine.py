@@ -31,6 +31,7 @@ from .outputs import StreamEvent
 from .prompts import Prompt, encode_prompt
 from .requests import EngineDeadError, Request, RequestError, RequestFailedError, describe
 from .sampling import SamplingParams
+from .structured import StructuredOutputError, StructuredOutputsParams
 
 log = logging.getLogger("lfmspark")
 
@@ -137,9 +138,22 @@ class AsyncEngine:
                 "prefix_cache_capacity": cache.get("capacity_blocks", 0),
                 "prefix_cache_queries": cache.get("queries", 0), "prefix_cache_hits": cache.get("hits", 0)}
 
-    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """A prompt's token ids as the engine would make them (raises ``PromptError``)."""
-        return encode_prompt(prompt, self.engine.tokenizer, self.engine.model_config.vocab_size, chat=chat)
+    def encode(self, prompt: Prompt, chat: bool = True, *, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
+        """A prompt's token ids as the engine would make them (raises ``PromptError``); ``tools`` and
+        ``template_kwargs`` go to the chat template (``encode_prompt``)."""
+        return encode_prompt(prompt, self.engine.tokenizer, self.engine.model_config.vocab_size, chat=chat,
+                             tools=tools, template_kwargs=template_kwargs)
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Compile a structured-output constraint now (cached for the request that will use it),
+        raising ``StructuredOutputError`` with the grammar engine's message: a server checks it in
+        a worker thread, naming the request's parameter, before the request is submitted."""
+        grammars = self.engine.limits.grammars
+        if grammars is None:
+            raise StructuredOutputError("structured outputs need a tokenizer, and this engine has none")
+        constraint.validate()
+        grammars.grammar(constraint)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with a prompt of ``prompt_len`` tokens may generate."""

@@ -14,6 +14,9 @@ Stop strings are searched in the text as it grows (from just before the previous
 that spans two rounds is found); the text is cut at the match (after it with
 ``include_stop_str_in_output``), and the last ``len(longest stop) - 1`` characters are held back
 from the stream until it is decided whether they start a stop string.
+
+Special tokens are left out of the text unless ``skip_special_tokens`` is off (a server that parses
+LFM2's tool-call delimiters, which are special tokens, needs them spelled).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
@@ -44,7 +49,7 @@ class TextStream:
         if self.stop_string is not None:
             return True
         before = len(self.text)
-        decode = lambda seq: self._tokenizer.decode(seq, skip_special_tokens=True)  # noqa: E731
+        decode = self._decode
         prefix_text = decode(ids[self._prefix:self._read])
         new_text = decode(ids[self._prefix:])
         complete = not new_text.endswith(_REPLACEMENT)
@@ -66,12 +71,15 @@ class TextStream:
         """The request ended: whatever was held back as a partial character is final (as a full
         decode renders it)."""
         if self.stop_string is None and ids[self._prefix:]:
-            prefix_text = self._tokenizer.decode(ids[self._prefix:self._read], skip_special_tokens=True)
-            new_text = self._tokenizer.decode(ids[self._prefix:], skip_special_tokens=True)
+            prefix_text = self._decode(ids[self._prefix:self._read])
+            new_text = self._decode(ids[self._prefix:])
             piece = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
             before = len(self.text)
             self.text += piece[self._partial:]
             self._match(before)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def take(self, final: bool) -> str:
         """The text not yet streamed; while running, minus what might still start a stop string."""

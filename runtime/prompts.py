@@ -155,7 +155,13 @@ def _check_text(text: str, where: str) -> None:
         raise PromptError(f"{where} is not valid Unicode text (a lone surrogate at character {e.start})") from None
 
 
-def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True) -> list[int]:
+def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True, *,
+                  tools: list[dict[str, Any]] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A prompt's token ids (module doc). ``tools`` (OpenAI function definitions) and
+    ``template_kwargs`` go to the chat template of a message list (LFM2's renders the tools into
+    the system turn; ``template_kwargs`` holds what a template reads beyond the messages, such as
+    ``enable_thinking``)."""
     if isinstance(prompt, str):
         _check_text(prompt, "the prompt")
         if tokenizer is None:
@@ -172,7 +178,7 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True)
                 _check_text(part, f"message {i}")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise PromptError("chat messages need a tokenizer with a chat template, and this engine has none")
-        ids = _chat_ids(tokenizer, list(prompt))
+        ids = _chat_ids(tokenizer, list(prompt), tools, template_kwargs)
     elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
         raise PromptError("a list of chat messages must hold only message dicts ({'role': ..., 'content': ...})")
     elif isinstance(prompt, (list, tuple)):
@@ -191,8 +197,17 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, chat: bool = True)
     return ids
 
 
-def _chat_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _chat_ids(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    options = dict(template_kwargs or {})
+    if tools:
+        options["tools"] = tools
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
+    except TemplateError as e:       # the template's raise_exception: messages it does not take
+        raise PromptError(f"the chat template refused the messages: {e}") from e
     if isinstance(ids, dict) or hasattr(ids, "keys"):      # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

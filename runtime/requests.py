@@ -132,9 +132,9 @@ class Request:
             delta = None
             if text is not None:
                 if not text.has_stop_strings:
-                    text.push(self.output)
+                    text.push(self.spelled())
                 if self.finished:
-                    text.finish(self.output)
+                    text.finish(self.spelled())
                 delta = text.take(final=self.finished)
         except Exception:
             self.finish_reason = None
@@ -145,11 +145,21 @@ class Request:
             self.logprobs += kept_logprobs
         return kept, delta, kept_logprobs
 
+    def spelled(self) -> list[int]:
+        """The output tokens its text spells: all of them, but, when special tokens are spelled
+        (``skip_special_tokens=False``), not the stop token that ended it (vLLM leaves it out too,
+        unless ``include_stop_str_in_output``): a parser reading the text never sees the EOS."""
+        p = self.params
+        if not p.skip_special_tokens and not p.include_stop_str_in_output and self.finish_reason == "stop" \
+                and isinstance(self.stop_reason, int):
+            return self.output[:-1]
+        return self.output
+
     def final_text(self) -> str | None:
         """Ending outside the token flow (cancelled, timeout): the text held back is final now."""
         if self.text is None or self.error is not None:
             return None
-        self.text.finish(self.output)
+        self.text.finish(self.spelled())
         return self.text.take(final=True)
 
     def to_output(self, block_size: int, imposed_acceptance: bool) -> GenerationOutput:
@@ -240,7 +250,7 @@ def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
     now, requests = time.perf_counter(), []
     for j in range(p.n):
         seed = p.seed + j if p.seed is not None else rng.getrandbits(32)
-        text = (TextStream(limits.tokenizer, p.stop or (), p.include_stop_str_in_output)
+        text = (TextStream(limits.tokenizer, p.stop or (), p.include_stop_str_in_output, p.skip_special_tokens)
                 if limits.tokenizer is not None else None)
         rid = request_id if p.n == 1 else f"{request_id}-{j}"
         try:

@@ -56,6 +56,9 @@ class SamplingParams:
     ``structured_outputs``: a constraint on the output (a JSON schema, any JSON object, a regular
     expression, a choice of strings or a Lark grammar: runtime/structured.py), applied as a logit
     transform at every position, speculation kept on; needs a tokenizer.
+    ``skip_special_tokens``: the output text leaves special tokens out (vLLM's default); ``False``
+    spells them (a server parsing tool calls between LFM2's ``<|tool_call_start|>`` and
+    ``<|tool_call_end|>`` needs them), all but the stop token that ended the output, as vLLM does.
     """
 
     temperature: float = 0.0
@@ -79,6 +82,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     max_speculative_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -178,6 +182,8 @@ class SamplingParams:
             bad = [x for x in strings if not isinstance(x, str) or not x]
             if bad or isinstance(self.stop, bytes):
                 raise SamplingError(f"stop must hold non-empty strings, got {bad or self.stop!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise SamplingError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise SamplingError(f"include_stop_str_in_output must be True or False, got "
                                 f"{self.include_stop_str_in_output!r}")

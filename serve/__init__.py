@@ -23,10 +23,12 @@ class PortInUseError(OSError):
 
 def make_server_app(engine: Engine, model_name: str, *, max_waiting: int = 256, warmup: bool = True,
                     api_key: str | None = None, allowed_origins: Sequence[str] = (),
-                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
+                    tool_call_parser: str = "lfm2"):
     """An AsyncEngine over ``engine`` (warmed up in its thread when ``warmup``), its metrics, and the
     FastAPI app serving them as ``model_name``. ``api_key`` None takes ``LFMSPARK_API_KEY`` (unset:
-    no key); the other options are :func:`~.app.build_app`'s."""
+    no key); the other options are :func:`~.app.build_app`'s (``reasoning_parser``: split
+    ``<think>`` reasoning into ``reasoning_content``; ``tool_call_parser``: ``lfm2``)."""
     from .app import build_app
     from .metrics import ServerMetrics
 
@@ -34,19 +36,22 @@ def make_server_app(engine: Engine, model_name: str, *, max_waiting: int = 256, 
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, warmup=warmup, observer=metrics.observe)
     key = api_key if api_key is not None else environment().api_key
     return build_app(async_engine, model_name, metrics, api_key=key, allowed_origins=allowed_origins,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, reasoning_parser=reasoning_parser,
+                     tool_call_parser=tool_call_parser)
 
 
 def run_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                max_waiting: int = 256, warmup: bool = True, log_level: str = "info", api_key: str | None = None,
-               allowed_origins: Sequence[str] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+               allowed_origins: Sequence[str] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               reasoning_parser: str | None = None, tool_call_parser: str = "lfm2") -> None:
     """Serve until interrupted (uvicorn; Ctrl-C shuts the engine down, cancelling running requests).
     Logs :func:`startup_line` first. A caller about to load an engine checks the port with
     :func:`check_port_free` before, so that a busy port fails in a second, not after the load."""
     import uvicorn
 
     app = make_server_app(engine, model_name, max_waiting=max_waiting, warmup=warmup, api_key=api_key,
-                          allowed_origins=allowed_origins, max_request_bytes=max_request_bytes)
+                          allowed_origins=allowed_origins, max_request_bytes=max_request_bytes,
+                          reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)   # sets up uvicorn's loggers
     keyed = api_key is not None or environment().api_key is not None
     logging.getLogger("uvicorn.error").info("%s", startup_line(engine, model_name, host, port, keyed))

@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one :class:`AsyncEngine`.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE streams, as OpenAI and vLLM send
-them), ``/v1/models`` and ``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` and
-``/reset_prefix_cache``, ``/version``, ``/health`` (503 while warming up or after a device failure)
-and ``/metrics`` (Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for a request the engine refuses or a parameter it cannot honour (named), 401
-without the API key, 404 for another model, 413 for a body over the size limit, 503 when the queue
-is full or the engine is not serving, 500 when a running request failed.
+them; on chat, tool calls in LFM2's format and a reasoning split: serve/tools.py,
+serve/chat_output.py; structured output on both: serve/constraints.py), ``/v1/models`` and
+``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` and ``/reset_prefix_cache``,
+``/version``, ``/health`` (503 while warming up or after a device failure) and ``/metrics``
+(Prometheus). Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
+400 for a request the engine refuses or a parameter it cannot honour (named), 401 without the API
+key, 404 for another model, 413 for a body over the size limit, 503 when the queue is full or the
+engine is not serving, 500 when a running request failed.
 
 The event loop only moves bytes: decoding and validating a body, the chat template and the
 tokenizer run in worker threads (``asyncio.to_thread``), and a text that cannot fit the context is
@@ -18,6 +20,7 @@ its requests aborted: their slots are free before the engine's next round.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -26,6 +29,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
@@ -36,11 +40,17 @@ from ..runtime.outputs import GenerationOutput, StreamEvent
 from ..runtime.prompts import PromptError, check_messages
 from ..runtime.requests import EngineDeadError, RequestError, RequestFailedError
 from ..runtime.sampling import SamplingParams
+from ..runtime.structured import StructuredOutputError
+from .chat_output import ChoiceParser, OutputPlan
+from .constraints import Constraint, Tags, after_reasoning, request_constraint, tool_call_grammar
 from .guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, BodyLimit, RequestTooLarge, too_large
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import CountResponses, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        UnsupportedParameter, dumps, error_json, invalid_body, parse_body)
+from .reasoning import REASONING_PARSERS, prompt_opens_reasoning
+from .tool_calls import TOOL_CALL_START
+from .tools import ToolRequest, prepare_messages, tool_request
 
 log = logging.getLogger("lfmspark.serve")
 
@@ -65,15 +75,28 @@ class ClientDisconnected(Exception):
     """The client went away before its answer was ready; its requests have been aborted."""
 
 
+TOOL_CALL_PARSERS = ("lfm2",)
+
+
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None, *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
+              tool_call_parser: str = "lfm2") -> FastAPI:
     """The app serving ``engine`` as ``model_name``. Shutting the app down shuts the engine down
     (running requests are cancelled and every waiter answered). ``api_key``: required as
     ``Authorization: Bearer`` on every route but ``/health``, ``/metrics`` and ``/version`` (None:
     open); ``allowed_origins``: the origins browsers may call from (CORS; none by default);
     ``max_request_bytes``: larger bodies are a 413 (serve/guards.py). With ``metrics``, every
-    response is counted by route and status (serve/metrics.py ``CountResponses``)."""
+    response is counted by route and status (serve/metrics.py ``CountResponses``).
+    ``reasoning_parser``: ``lfm2`` / ``qwen3`` / ``deepseek_r1`` (one ``<think>`` parser,
+    serve/reasoning.py) splits chat reasoning into ``reasoning_content``; None leaves it in the
+    content, as vLLM does without ``--reasoning-parser``. ``tool_call_parser``: how tool calls are
+    read (``lfm2``, the only format; tools are always parsed when a request sends them)."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or None, got "
+                         f"{reasoning_parser!r}")
+    if tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     if metrics is not None:
         metrics.attach(engine)
 
@@ -88,7 +111,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     _install_guards(app, api_key, allowed_origins, max_request_bytes)
     if metrics is not None:          # outside the guards: their 401 / 413 are counted too
         app.add_middleware(CountResponses, metrics=metrics, router=app.router)
-    front = Frontend(engine, model_name)
+    front = Frontend(engine, model_name, reasoning=reasoning_parser is not None)
     _info_routes(app, front, metrics)
     _generation_routes(app, front)
     _token_routes(app, front)
@@ -118,15 +141,24 @@ class Frontend:
     window it keeps free past a request's last token. ``max_chars``: a text longer than this cannot
     fit ``context`` tokens whatever it says, since no token spells more characters than the
     vocabulary's longest entry (a byte-level entry spells its bytes, a SentencePiece one its
-    characters); such a text is refused without being tokenized.
+    characters); such a text is refused without being tokenized. ``reasoning``: a reasoning
+    parser is on (serve/reasoning.py).
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncEngine, model_name: str, reasoning: bool = False):
+        self.engine, self.model_name, self.reasoning = engine, model_name, reasoning
         self.created = int(time.time())
-        self.token_text = TokenText(engine.tokenizer)
+        tokenizer = engine.tokenizer
+        self.token_text = TokenText(tokenizer)
         self.context = engine.max_new_tokens(0)
-        self.max_chars = self.context * _longest_token(engine.tokenizer)
+        self.max_chars = self.context * _longest_token(tokenizer)
+        self.tags = Tags.of(tokenizer)
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if isinstance(template, dict):          # several named templates
+            template = " ".join(map(str, template.values()))
+        self.template_renders_calls = "tool_calls" in template
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.tool_start_id: int | None = vocab.get(TOOL_CALL_START)
 
     def card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lfmspark",
@@ -137,39 +169,76 @@ class Frontend:
             raise ModelNotFound(requested, self.model_name)
 
     # -- generation requests (worker threads) --------------------------------------------------
-    def completion(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]], int]:
-        """The body, its prompts' token ids and its max_tokens (400 / 404 if refused)."""
+    def completion(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]], int, Constraint | None]:
+        """The body, its prompts' token ids, its max_tokens and its constraint (400 / 404 if refused)."""
         body = parse_body(raw, CompletionRequest)
         self.check_model(body.model)
         body.check()
+        constraint = request_constraint(body.response_format, body.structured_outputs, body.guided())
         prompts = [self.encode(p, chat=False, param="prompt") for p in body.prompts()]
         defaults = self.engine.sampling_defaults
         max_tokens = body.max_tokens if body.max_tokens is not None else defaults.get("max_new_tokens", 16)
         for ids in prompts:
             self.check_room(len(ids), max_tokens, "prompt", "max_tokens")
-        return body, prompts, max_tokens
+        self.check_constraint(constraint)
+        return body, prompts, max_tokens, constraint
 
-    def chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int], int]:
-        """The body, its prompt's token ids and its max_tokens (by default what the context leaves)."""
+    def chat(self, raw: bytes) -> ChatJob:
+        """The request, its prompt's token ids, its max_tokens (by default what the context leaves),
+        how its output is constrained and read (400 / 404 if refused)."""
         body = parse_body(raw, ChatCompletionRequest)
         self.check_model(body.model)
         body.check()
-        prompt_ids = self.encode(body.messages, chat=True, param="messages")
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, body.functions, body.function_call)
+        constraint = request_constraint(body.response_format, body.structured_outputs, body.guided())
+        if tools is not None and tools.forced and constraint is not None:
+            raise UnsupportedParameter(constraint.param, f"{constraint.param} cannot be combined with {tools.param} "
+                                       f"{tools.choice!r}: a forced call is a constraint of its own")
+        messages = prepare_messages(body.messages, self.template_renders_calls)
+        prompt_ids = self.encode(messages, chat=True, param="messages", tools=tools.tools if tools else None,
+                                 template_kwargs=body.chat_template_kwargs)
         defaults = self.engine.sampling_defaults
         max_tokens = body.requested_max_tokens or min(self.engine.max_new_tokens(len(prompt_ids)),
                                                       defaults.get("max_new_tokens", 1 << 30))
         named = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self.check_room(len(prompt_ids), max_tokens, "messages", named)
-        return body, prompt_ids, max_tokens
+        opened = self._opens_reasoning(prompt_ids) if self.reasoning else None
+        if tools is not None and tools.forced:
+            constraint = Constraint(tool_call_grammar(tools, self.tags, opened), tools.param)
+        elif constraint is not None and opened is not None:
+            constraint = after_reasoning(constraint, self.tags, opened)
+        self.check_constraint(constraint)
+        return ChatJob(body, prompt_ids, max_tokens, OutputPlan(opened, tools), constraint, self._ban(tools))
 
-    def encode(self, prompt, chat: bool, param: str) -> list[int]:
+    def check_constraint(self, constraint: Constraint | None) -> None:
+        """Compile the constraint now (cached for the request), a refusal naming its parameter."""
+        if constraint is None:
+            return
+        try:
+            self.engine.check_constraint(constraint.params)
+        except StructuredOutputError as e:
+            detail = str(e).removeprefix("structured_outputs: ")
+            raise UnsupportedParameter(constraint.param, f"{constraint.param}: {detail}") from None
+
+    def _opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the rendered prompt ends inside a ``<think>`` block (serve/reasoning.py)."""
+        tail = self.engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+        return prompt_opens_reasoning(tail)
+
+    def _ban(self, tools: ToolRequest | None) -> int | None:
+        """The token ``tool_choice: "none"`` bans (``<|tool_call_start|>``), when it is one token."""
+        return self.tool_start_id if tools is not None and tools.choice == "none" else None
+
+    def encode(self, prompt, chat: bool, param: str, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
         """A prompt's token ids, its text first bounded by length (class doc), a token-id list by
-        its length before its ids are checked one by one."""
+        its length before its ids are checked one by one; ``tools`` and ``template_kwargs`` go to
+        the chat template."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             self.check_room(len(prompt), 1, param, "max_tokens")
-        self.check_text(_text_chars(prompt), param)
+        self.check_text(_text_chars(prompt) + (len(dumps(tools)) if tools else 0), param)
         try:
-            return self.engine.encode(prompt, chat=chat)
+            return self.engine.encode(prompt, chat=chat, tools=tools, template_kwargs=template_kwargs)
         except PromptError as e:
             raise UnsupportedParameter(param, f"{param}: {e}") from e
 
@@ -229,17 +298,54 @@ class Frontend:
         return self.engine.tokenizer
 
     def _render(self, tokenizer, body: TokenizeRequest) -> str:
-        """The chat template's text for ``body.messages``, checked as a chat request's are."""
+        """The chat template's text for ``body.messages`` (and its tools), checked as a chat
+        request's are."""
+        tools = tool_request(body.tools, None, None, None, None) if body.tools is not None else None
+        messages = prepare_messages(body.messages, self.template_renders_calls)
         try:
-            check_messages(body.messages)
+            check_messages(messages)
         except PromptError as e:
             raise UnsupportedParameter("messages", f"messages: {e}") from e
-        self.check_text(_text_chars(body.messages), "messages")
+        self.check_text(_text_chars(messages) + (len(dumps(body.tools)) if body.tools else 0), "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise UnsupportedParameter("messages", "this model's tokenizer has no chat template")
-        options = {"continue_final_message": True} if body.continue_final_message else {}
-        return tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt,
-                                             tokenize=False, **options)
+        options = dict(body.chat_template_kwargs or {})
+        if body.continue_final_message:
+            options["continue_final_message"] = True
+        if tools is not None:
+            options["tools"] = tools.tools
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 tokenize=False, **options)
+        except TemplateError as e:
+            raise UnsupportedParameter("messages", f"messages: the chat template refused them: {e}") from e
+
+
+class ChatJob:
+    """A chat request ready to run: its body, prompt, max_tokens, how its output is read, its
+    constraint and the token it bans (``tool_choice: "none"``)."""
+
+    def __init__(self, body: ChatCompletionRequest, prompt_ids: list[int], max_tokens: int, plan: OutputPlan,
+                 constraint: Constraint | None, banned: int | None):
+        self.body, self.prompt_ids, self.max_tokens, self.plan = body, prompt_ids, max_tokens, plan
+        self.constraint, self.banned = constraint, banned
+
+    def sampling(self, defaults: dict) -> SamplingParams:
+        """The engine's parameters: the body's, the constraint, special tokens spelled when the
+        output is parsed, and the banned token's bias."""
+        params = self.body.sampling(self.max_tokens, defaults, logprobs=self.body.logprobs_count)
+        return with_constraint(params, self.constraint, skip_special_tokens=not self.plan.active, banned=self.banned)
+
+
+def with_constraint(params: SamplingParams, constraint: Constraint | None, skip_special_tokens: bool = True,
+                    banned: int | None = None) -> SamplingParams:
+    """``params`` with the request's constraint, whether special tokens are spelled in the text, and
+    ``banned`` (a token the request may not draw) biased by -100, the most the engine takes."""
+    bias = params.logit_bias
+    if banned is not None:
+        bias = {**(bias or {}), banned: -100.0}
+    return dataclasses.replace(params, structured_outputs=constraint.params if constraint is not None else None,
+                               skip_special_tokens=skip_special_tokens, logit_bias=bias)
 
 
 def _longest_token(tokenizer) -> int:
@@ -317,9 +423,10 @@ def _generation_routes(app: FastAPI, front: Frontend) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body, prompts, max_tokens = await asyncio.to_thread(front.completion, await request.body())
+        body, prompts, max_tokens, constraint = await asyncio.to_thread(front.completion, await request.body())
         rid = f"cmpl-{uuid.uuid4().hex}"
-        params = body.sampling(max_tokens, engine.sampling_defaults, logprobs=body.logprobs)
+        params = with_constraint(body.sampling(max_tokens, engine.sampling_defaults, logprobs=body.logprobs),
+                                 constraint)
         streams = await _unless_disconnected(request, _start(engine, prompts, params, rid))
         if body.stream:
             return _sse(_completion_chunks(streams, rid, model_name, prompts, body, token_text))
@@ -336,16 +443,17 @@ def _generation_routes(app: FastAPI, front: Frontend) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, prompt_ids, max_tokens = await asyncio.to_thread(front.chat, await request.body())
+        job = await asyncio.to_thread(front.chat, await request.body())
+        body, prompt_ids = job.body, job.prompt_ids
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        params = body.sampling(max_tokens, engine.sampling_defaults, logprobs=body.logprobs_count)
+        params = job.sampling(engine.sampling_defaults)
         streams = await _unless_disconnected(request, _start(engine, [prompt_ids], params, rid))
         if body.stream:
-            return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body, token_text))
+            return _sse(_chat_chunks(streams[0], rid, model_name, prompt_ids, body, token_text, job.plan))
         outs = await _unless_disconnected(request, _finish_all(streams))
-        choices = [{"index": j, "message": {"role": "assistant", "content": out.text or ""},
+        choices = [{"index": j, **_chat_message(out, job.plan),
                     "logprobs": chat_logprobs(out.logprobs, token_text) if out.logprobs is not None else None,
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                    "stop_reason": out.stop_reason,
                     **({"token_ids": out.token_ids} if body.return_token_ids else {}),
                     **_prompt_logprobs(out, token_text)}
                    for j, out in enumerate(outs)]
@@ -522,8 +630,17 @@ async def _completion_chunks(streams: list[_Started], rid: str, model: str, prom
                "usage": _usage(prompts, outs)}
 
 
+def _chat_message(out: GenerationOutput, plan: OutputPlan) -> dict:
+    """A whole choice's ``message`` and ``finish_reason``: the text as it is, or parsed (reasoning,
+    content, tool calls) when the plan reads it."""
+    if not plan.active:
+        return {"message": {"role": "assistant", "content": out.text or ""}, "finish_reason": out.finish_reason}
+    parser = ChoiceParser(plan)
+    return {"message": parser.message(out.text or ""), "finish_reason": parser.finish_reason(out.finish_reason)}
+
+
 async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[int],
-                       body: ChatCompletionRequest, token_text: TokenText) -> AsyncIterator[dict]:
+                       body: ChatCompletionRequest, token_text: TokenText, plan: OutputPlan) -> AsyncIterator[dict]:
     created = int(time.time())
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
@@ -535,14 +652,25 @@ async def _chat_chunks(stream: _Started, rid: str, model: str, prompt_ids: list[
     for j in range(body.n or 1):
         yield chunk(j, {"role": "assistant", "content": ""})
     outs = []
+    parsers: dict[int, ChoiceParser] = {}
     async for ev in stream.events():
         extra = {"token_ids": ev.token_ids} if body.return_token_ids else {}
-        if ev.text or ev.token_ids:
-            logprobs = chat_logprobs(ev.logprobs, token_text) if ev.logprobs is not None else None
-            yield chunk(ev.sample, {"content": ev.text or ""}, logprobs=logprobs, **extra)
+        logprobs = chat_logprobs(ev.logprobs, token_text) if ev.logprobs is not None else None
+        if not plan.active:
+            deltas = [{"content": ev.text or ""}] if ev.text or ev.token_ids else []
+        else:
+            parser = parsers.get(ev.sample) or parsers.setdefault(ev.sample, ChoiceParser(plan))
+            deltas = parser.feed(ev.text or "") + (parser.finish() if ev.finished else [])
+            if not deltas and ev.token_ids and (logprobs is not None or extra):
+                deltas = [{}]                   # the tokens' logprobs / ids, while their text is held
+        for k, delta in enumerate(deltas):
+            yield chunk(ev.sample, delta, **({"logprobs": logprobs, **extra} if k == 0 else {}))
         if ev.finished:
             outs.append(ev.output)
-            yield chunk(ev.sample, {}, ev.output.finish_reason, stop_reason=ev.output.stop_reason)
+            reason = ev.output.finish_reason
+            if plan.active:
+                reason = parsers[ev.sample].finish_reason(reason)
+            yield chunk(ev.sample, {}, reason, stop_reason=ev.output.stop_reason)
     if body.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": _usage([prompt_ids], outs)}

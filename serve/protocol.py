@@ -7,7 +7,10 @@ not an integer and ``"yes"`` is not a boolean (an integer is a number, though), 
 non-standard ``NaN`` / ``Infinity`` are refused. Extensions, as vLLM names them: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``, ``timeout_s``,
-``prompt_logprobs``. vLLM's ``/tokenize`` and ``/detokenize`` bodies are here too.
+``prompt_logprobs``, ``structured_outputs`` and the older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (serve/constraints.py), and on chat ``chat_template_kwargs``.
+Tools, ``response_format`` and reasoning are read by serve/tools.py, serve/constraints.py and
+serve/chat_output.py. vLLM's ``/tokenize`` and ``/detokenize`` bodies are here too.
 
 Bodies are decoded by :func:`parse_body` (the server calls it off the event loop), and responses
 encoded by :func:`dumps`.
@@ -99,6 +102,18 @@ class _Common(BaseModel):
     timeout_s: float | None = None
     prompt_logprobs: int | None = None
     max_speculative_tokens: int | None = None     # 0: no speculation for this request (runtime/speculation.py)
+    # structured output (serve/constraints.py): OpenAI's field, vLLM's, and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guided(self) -> dict[str, Any]:
+        """vLLM's older constraint fields, by name."""
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -184,12 +199,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None          # serve/tools.py reads these five
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: what the template reads beyond the messages
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -205,12 +220,13 @@ class ChatCompletionRequest(_Common):
         _check_max_tokens("max_completion_tokens", self.max_completion_tokens)
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs=true")
-        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                     "prediction", "web_search_options", "reasoning_effort"):
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort"):
             if getattr(self, name) is not None:
                 raise UnsupportedParameter(name, f"{name} is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedParameter("response_format", "only response_format {'type': 'text'} is supported")
+        reserved = set(self.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS
+        if reserved:
+            raise UnsupportedParameter("chat_template_kwargs", f"chat_template_kwargs cannot set {sorted(reserved)}: "
+                                       "the server sets them")
         if self.modalities not in (None, ["text"]):
             raise UnsupportedParameter("modalities", "only text output is supported")
         if self.store:
@@ -231,6 +247,12 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 def _check_max_tokens(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise UnsupportedParameter(name, f"{name} must be >= 1, got {value}")
@@ -239,13 +261,16 @@ def _check_max_tokens(name: str, value: int | None) -> None:
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a ``prompt`` (special tokens added by default) or chat ``messages``
     (through the chat template, with the generation prompt by default; no special tokens beyond
-    the template's). ``token_strs`` in the answer when ``return_token_strs``."""
+    the template's). ``token_strs`` in the answer when ``return_token_strs``. ``tools`` and
+    ``chat_template_kwargs`` render as a chat request's do."""
 
     model_config = _STRICT
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None        # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -257,6 +282,12 @@ class TokenizeRequest(BaseModel):
         if self.prompt is None and self.add_generation_prompt and self.continue_final_message:
             raise UnsupportedParameter("continue_final_message", "continue_final_message needs "
                                        "add_generation_prompt=false")
+        if self.prompt is not None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise UnsupportedParameter("tools", "tools and chat_template_kwargs go with messages, not a prompt")
+        reserved = set(self.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS
+        if reserved:
+            raise UnsupportedParameter("chat_template_kwargs", f"chat_template_kwargs cannot set {sorted(reserved)}: "
+                                       "the server sets them")
 
     @property
     def special_tokens(self) -> bool:

@@ -345,7 +345,8 @@ def deployments(config: EngineConfig, model_name: str, replicas: int, *, warmup:
                 imbalance: int = 4, gpus_per_replica: float | None = None, server_options: dict[str, Any] | None = None):
     """The Ray Serve application: ``replicas`` engines behind one ingress (see the module doc);
     ``server_options`` go to each replica's app (``make_server_app``: api_key, allowed_origins,
-    max_request_bytes), which checks every request as ``lfmspark serve`` does."""
+    max_request_bytes, reasoning_parser, tool_call_parser), which checks and reads every request as
+    ``lfmspark serve`` does."""
     import torch
 
     if replicas < 1:
@@ -365,9 +366,11 @@ def deployments(config: EngineConfig, model_name: str, replicas: int, *, warmup:
 def app_builder(args: dict[str, str]):
     """For ``serve run lfmspark.serve.ray_app:app_builder key=value ...``: every engine flag of
     ``lfmspark serve`` by its name (``target=DIR draft=DIR``, or ``preset=NAME``; ``max_batch=16``,
-    ``exact=true``, ...), ``replicas`` (default 1) and ``name`` (the model name clients send)."""
+    ``exact=true``, ...), ``replicas`` (default 1), ``name`` (the model name clients send) and
+    ``reasoning_parser`` / ``tool_call_parser`` (as ``lfmspark serve``'s flags)."""
     args = dict(args)
     replicas, name = int(args.pop("replicas", 1)), args.pop("name", None)
+    options = {k: args.pop(k) for k in ("reasoning_parser", "tool_call_parser") if k in args}
     parser = argparse.ArgumentParser(prog="app_builder", add_help=False, exit_on_error=False)
     EngineConfig.add_arguments(parser)
     flags = parser._option_string_actions
@@ -376,7 +379,7 @@ def app_builder(args: dict[str, str]):
         flag = "--" + key.replace("_", "-")
         if flag not in flags:
             raise ValueError(f"app_builder: unknown key {key!r}: keys are lfmspark serve's engine flags (max_batch=16, "
-                             "...), replicas and name")
+                             "...), replicas, name, reasoning_parser and tool_call_parser")
         if flags[flag].nargs == 0:           # a switch: key=true turns it on
             if str(value).lower() in ("true", "1", "yes"):
                 argv.append(flag)
@@ -389,4 +392,4 @@ def app_builder(args: dict[str, str]):
     if config.target is None and config.preset is None:
         raise ValueError("app_builder needs target=DIR (and draft=DIR) or preset=NAME")
     name = name or (config.target or config.preset).rstrip("/").split("/")[-1]
-    return deployments(config, name, replicas)
+    return deployments(config, name, replicas, server_options=options or None)

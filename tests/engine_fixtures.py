@@ -99,18 +99,22 @@ def byte_level_text(tokenizer, ids: list[int]) -> str:
 # checkpoints
 
 @torch.no_grad()
-def save_tiny_target(path: Path, seed: int = 0, tokenizer: bool = True, generation_eos=None) -> Path:
+def save_tiny_target(path: Path, seed: int = 0, tokenizer=True, generation_eos=None, *, vocab: int = VOCAB,
+                     max_positions: int = 512, special_ids: tuple[int, int, int] = (BOS, IM_END, PAD)) -> Path:
     """A random tiny LFM2 target saved by transformers. Weights are re-drawn larger than HF's
     0.02 init so that the greedy output depends on the context and has no near-ties.
     ``generation_eos`` (an int or a list) is written to generation_config.json; ``None`` leaves
-    transformers' own file (eos = config.json's ``eos_token_id`` = ``<|im_end|>``)."""
+    transformers' own file (eos = config.json's ``eos_token_id`` = ``<|im_end|>``). ``tokenizer``:
+    True saves the word tokenizer, a tokenizer object is saved instead (with ``vocab`` covering it
+    and ``special_ids`` its BOS, EOS and pad ids)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     path = Path(path)
-    cfg = Lfm2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=N_LAYERS,
+    bos, eos, pad = special_ids
+    cfg = Lfm2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=N_LAYERS,
                      num_attention_heads=4, num_key_value_heads=2, layer_types=list(LAYER_TYPES),
-                     block_auto_adjust_ff_dim=False, max_position_embeddings=512, bos_token_id=BOS,
-                     eos_token_id=IM_END, pad_token_id=PAD, tie_word_embeddings=True,
+                     block_auto_adjust_ff_dim=False, max_position_embeddings=max_positions, bos_token_id=bos,
+                     eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=True,
                      rope_parameters={"rope_theta": 10_000.0, "rope_type": "default"})
     torch.manual_seed(seed)
     model = Lfm2ForCausalLM(cfg)
@@ -125,8 +129,10 @@ def save_tiny_target(path: Path, seed: int = 0, tokenizer: bool = True, generati
         else:
             p.copy_(1.2 * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     model.save_pretrained(str(path))
-    if tokenizer:
+    if tokenizer is True:
         word_tokenizer().save_pretrained(str(path))
+    elif tokenizer:
+        tokenizer.save_pretrained(str(path))
     if generation_eos is not None:
         write_generation_eos(path, generation_eos)
     return path

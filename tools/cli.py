@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="ORIGINS", help="comma-separated origins browsers may call from (CORS; default: none)")
     h.add_argument("--max-request-bytes", type=positive_int, default=None, help="larger request bodies get 413 "
                    "before they are read (default: 16 MiB)")
+    h.add_argument("--reasoning-parser", choices=("lfm2", "qwen3", "deepseek_r1"), default=None,
+                   help="split <think>...</think> reasoning out of chat answers into reasoning_content (vLLM's "
+                   "flag; the three names are one parser: docs/api.md); default: off, reasoning stays in content")
+    h.add_argument("--tool-call-parser", choices=("lfm2",), default="lfm2", help="how tool calls are read from "
+                   "the output (LFM2's format; requests with tools are always parsed)")
+    h.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM command lines; tool "
+                   "choice 'auto' is always on")
     h.add_argument("--replicas", type=positive_int, help="serve this many engines behind one endpoint on Ray Serve "
                    "(one GPU each; needs: pip install 'lfmspark[ray]'); routing keeps a conversation on the "
                    "replica holding its prefix cache")
@@ -471,8 +478,10 @@ def _serve(args) -> int:
 
 
 def _server_options(args) -> dict:
-    """The app's request checks: the API key, CORS origins and the body limit."""
-    options = dict(api_key=args.api_key, allowed_origins=args.allowed_origins)
+    """The app's options: the request checks (the API key, CORS origins, the body limit) and how
+    chat outputs are read (the reasoning and tool-call parsers)."""
+    options = dict(api_key=args.api_key, allowed_origins=args.allowed_origins,
+                   reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     if args.max_request_bytes is not None:
         options["max_request_bytes"] = args.max_request_bytes
     return options

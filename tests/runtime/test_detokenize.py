@@ -117,3 +117,39 @@ def test_a_stop_string_inside_a_multibyte_character_sequence():
     assert ts.stop_string == "bé" and ts.text == "a" and "".join(deltas) == "a"
     deltas, ts = stream_all(tok, ids, [3, 3], stop=("éc",), include_stop=True)
     assert ts.text == "abéc" and "".join(deltas) == "abéc"
+
+
+def test_special_tokens_are_spelled_when_asked():
+    """``skip_special_tokens=False`` (a server parsing LFM2's tool-call delimiters): the deltas
+    concatenate to the decode that spells special tokens, whatever the chunking."""
+    from tool_fixtures import ID, VOCAB as TOOL_VOCAB, tool_tokenizer
+
+    tok = tool_tokenizer()
+    rng = random.Random(1)
+    for trial in range(40):
+        ids = [rng.choice([rng.randrange(TOOL_VOCAB), ID["<|tool_call_start|>"], ID["<think>"]])
+               for _ in range(rng.randint(1, 30))]
+        deltas, ts = stream_all(tok, ids, [rng.randint(1, 5) for _ in ids], skip_special_tokens=False)
+        assert "".join(deltas) == ts.text == tok.decode(ids, skip_special_tokens=False), (trial, ids)
+
+
+def test_an_engine_spells_special_tokens_but_not_the_stop_token(tmp_path):
+    """``SamplingParams(skip_special_tokens=False)`` through the engine: special tokens are in the
+    text, the stop token that ended the output is not (unless ``include_stop_str_in_output``)."""
+    import torch
+
+    from lfmspark.runtime import Engine, SamplingParams
+    from tool_fixtures import ID, save_tool_checkpoint
+
+    target, _ = save_tool_checkpoint(tmp_path)
+    engine = Engine.from_pretrained(target, dtype=torch.float32, device="cpu", max_seq_len=256, max_batch=1)
+    think, start = ID["<think>"], ID["<|tool_call_start|>"]
+
+    def text(**kw) -> str:
+        return engine.generate([[1, 40, 41]], SamplingParams(max_new_tokens=2, **kw))[0].text
+
+    assert text(logit_bias={think: 100}, skip_special_tokens=False) == "<think><think>"
+    assert text(logit_bias={think: 100}) == ""
+    stop = dict(logit_bias={start: 100}, stop_token_ids=[start], skip_special_tokens=False)
+    assert text(**stop) == ""
+    assert text(include_stop_str_in_output=True, **stop) == "<|tool_call_start|>"

@@ -56,18 +56,20 @@ def cluster(ckpt):
 
 def test_app_builder_takes_the_engine_flags_by_name(ckpt, monkeypatch):
     """``serve run lfmspark.serve.ray_app:app_builder key=value ...``: every engine flag of
-    ``lfmspark serve`` by its name, switches as key=true; an unknown key is named."""
+    ``lfmspark serve`` by its name, switches as key=true, the output parsers as server options; an
+    unknown key is named."""
     from lfmspark.serve import ray_app
 
     built = {}
-    monkeypatch.setattr(ray_app, "deployments", lambda config, name, replicas: built.update(
-        config=config, name=name, replicas=replicas))
+    monkeypatch.setattr(ray_app, "deployments", lambda config, name, replicas, server_options=None: built.update(
+        config=config, name=name, replicas=replicas, options=server_options))
     target, draft = ckpt
     ray_app.app_builder({"target": str(target), "draft": str(draft), "max_batch": "3", "max_model_len": "300",
-                         "exact": "true", "prefix_cache_outputs": "false", "replicas": "2", "name": "m"})
+                         "exact": "true", "prefix_cache_outputs": "false", "replicas": "2", "name": "m",
+                         "reasoning_parser": "qwen3"})
     assert built["config"] == EngineConfig(target=str(target), draft=str(draft), max_batch=3, max_seq_len=300,
                                            exact=True)
-    assert (built["name"], built["replicas"]) == ("m", 2)
+    assert (built["name"], built["replicas"], built["options"]) == ("m", 2, {"reasoning_parser": "qwen3"})
     with pytest.raises(ValueError, match="unknown key 'max_batches'"):
         ray_app.app_builder({"preset": "tiny", "max_batches": "3"})
     with pytest.raises(ValueError, match="needs target=DIR"):

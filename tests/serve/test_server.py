@@ -300,10 +300,12 @@ def test_what_the_server_cannot_honour_is_a_400_naming_it(served, kw, param):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(tools=[{"type": "custom", "custom": {"name": "f"}}]), "tools"),
+    (dict(tool_choice="required"), "tool_choice"),
     (dict(top_logprobs=3), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=30), "logprobs"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(reasoning_effort="high"), "reasoning_effort"),
     (dict(messages=[{"role": "wizard", "content": "w3"}]), "messages"),
     (dict(messages=[{"role": "user"}]), "messages"),
 ])

@@ -136,6 +136,7 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
     (["serve", "--target", "/nonexistent"], "'/nonexistent': not a checkpoint directory"),
     (["serve", "--preset", "tiny", "--draft-preset", "none", "--imposed-acceptance", "0.8"], "needs a draft"),
     (["serve", "--preset", "tiny", "--cuda-graph-sizes", "0"], "positive integers"),
+    (["serve", "--preset", "tiny", "--reasoning-parser", "gpt"], "invalid choice: 'gpt'"),
 ])
 def test_bad_arguments_fail_clearly(args, message):
     proc = lfmspark(*args)
@@ -189,10 +190,12 @@ def test_serve_passes_the_engine_flags(monkeypatch):
     monkeypatch.setattr(serve_pkg, "run_server", lambda engine, name, **kw: built.update(engine=engine, name=name, **kw))
     assert main(["serve", "--preset", "tiny", "--device", "cpu", "--no-warmup", "--prefix-cache-outputs",
                  "--exact", "--api-key", "k3y", "--allowed-origins", "http://a.example, http://b.example",
-                 "--max-request-bytes", "1000", "--port", str(free_port())]) == 0
+                 "--max-request-bytes", "1000", "--reasoning-parser", "qwen3", "--tool-call-parser", "lfm2",
+                 "--enable-auto-tool-choice", "--port", str(free_port())]) == 0
     assert built["engine"].config.prefix_cache_outputs and built["engine"].exact and built["name"] == "tiny"
     assert (built["api_key"], built["allowed_origins"], built["max_request_bytes"]) == (
         "k3y", ["http://a.example", "http://b.example"], 1000)
+    assert (built["reasoning_parser"], built["tool_call_parser"]) == ("qwen3", "lfm2")
 
 
 def test_serve_checks_its_port_before_loading_the_engine(monkeypatch):
