@@ -416,7 +416,6 @@ def _refuse_in_process_flags(args: argparse.Namespace) -> None:
 
 def _generate(args) -> int:
     from ..runtime.engine import Engine
-    from ..runtime.sampling import SamplingParams
 
     cfg = _engine_config(args, "generate", **({"chat": False} if args.raw else {}))
     engine = Engine.from_config(cfg)
