@@ -60,6 +60,14 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise StructuredOutputError(f"json must be a JSON schema (an object or its JSON text), got "
                                         f"{type(self.json).__name__}")
+        # the schema is read as JSON before it is compiled (key(), to_grammar()): text that does not
+        # parse, or a dict holding what JSON cannot hold, must be refused here by name, not escape
+        # from the grammar cache as a bare JSONDecodeError / TypeError
+        if self.json is not None:
+            try:
+                json.loads(self.json) if isinstance(self.json, str) else json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise StructuredOutputError(f"json is not a JSON schema: {e}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -169,10 +177,13 @@ class Matcher:
 
     def consume(self, tokens: list[int]) -> None:
         """Advance past committed tokens (the target drew them from the masked distribution, so they
-        are allowed; a token after the grammar ended, such as EOS, is ignored)."""
-        if self._matcher.is_stopped():
-            return
-        self._matcher.consume_tokens(tokens)
+        are allowed; the tokens after the grammar ended, such as EOS after its EOS, are ignored)."""
+        # one at a time: a round may commit tokens past the grammar's end (EOS after EOS, with
+        # ignore_eos), and the grammar engine refuses those as a parse error (and says so on stderr)
+        for token in tokens:
+            if self._matcher.is_stopped():
+                return
+            self._matcher.consume_tokens([token])
 
     @property
     def done(self) -> bool:
@@ -181,14 +192,21 @@ class Matcher:
     def masks(self, drafts: list[int]) -> np.ndarray:
         """``[len(drafts) + 1, words]``: row ``j`` the tokens allowed after consuming ``drafts[:j]``
         (the rows past a draft the grammar refuses allow everything: that draft is rejected before
-        they are read). The matcher's state is left as it was."""
+        they are read; the rows past the grammar's end allow what the ended grammar allows). The
+        matcher's state is left as it was."""
         import llguidance.numpy as lnp
 
         out = np.full((len(drafts) + 1, self.words), -1, dtype=np.int32)
         taken = 0
         for j in range(len(drafts) + 1):
             lnp.fill_next_token_bitmask(self._matcher, out, j)
-            if j == len(drafts) or self._matcher.is_stopped() or not self._matcher.try_consume_tokens([drafts[j]]):
+            if self._matcher.is_stopped():
+                # an ended grammar (a draft was its EOS) allows the EOS alone at every later column, as
+                # target-only decoding of a request that goes on past the EOS (ignore_eos) sees it: a
+                # column left open there would let the target draw freely after an accepted EOS draft
+                out[j + 1:] = out[j]
+                break
+            if j == len(drafts) or not self._matcher.try_consume_tokens([drafts[j]]):
                 break
             taken += 1
         if taken:
