@@ -153,7 +153,7 @@ class AsyncEngine:
         if grammars is None:
             raise StructuredOutputError("structured outputs need a tokenizer, and this engine has none")
         constraint.validate()
-        grammars.grammar(constraint)
+        grammars.compile(constraint)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with a prompt of ``prompt_len`` tokens may generate."""

@@ -111,7 +111,8 @@ class StructuredOutputsParams:
 
 class GrammarCache:
     """Compiled constraints for one tokenizer, least recently used dropped past ``size``: a
-    constraint compiles once however many requests use it. Thread-safe (requests are prepared on
+    constraint compiles once however many requests use it (each request's matcher is a copy of the
+    constraint's fresh one: building it from the grammar text takes about a millisecond). Thread-safe (requests are prepared on
     the server's worker threads). The grammar engine's view of the tokenizer is built on first use
     (it takes up to a second for a large vocabulary); ``eos`` are the tokens a finished output ends
     with (the engine's stop tokens)."""
@@ -121,7 +122,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.size = size
         self._llg_tokenizer = None
-        self._compiled: OrderedDict[str, str] = OrderedDict()
+        self._compiled: OrderedDict[str, object] = OrderedDict()   # key -> a fresh llguidance matcher
         self._lock = threading.Lock()
 
     @property
@@ -138,8 +139,9 @@ class GrammarCache:
                     raise StructuredOutputError(f"structured outputs cannot use this tokenizer: {e}") from e
             return self._llg_tokenizer
 
-    def grammar(self, params: StructuredOutputsParams) -> str:
-        """The checked grammar of ``params`` (raises :class:`StructuredOutputError` naming the problem)."""
+    def compile(self, params: StructuredOutputsParams):
+        """The constraint's fresh matcher, compiled on first use (raises :class:`StructuredOutputError`
+        naming the problem)."""
         import llguidance
 
         key = params.key()
@@ -152,14 +154,20 @@ class GrammarCache:
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise StructuredOutputError(f"structured_outputs: the constraint does not compile: {error.strip()}")
+        fresh = llguidance.LLMatcher(tokenizer, grammar)
+        if fresh.is_error():
+            raise StructuredOutputError(f"structured_outputs: {fresh.get_error()}")
         with self._lock:
-            self._compiled[key] = grammar
+            self._compiled[key] = fresh
             while len(self._compiled) > self.size:
                 self._compiled.popitem(last=False)
-        return grammar
+        return fresh
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        return Matcher(self, self.grammar(params))
+        """A new request's matcher for ``params``."""
+        fresh = self.compile(params)
+        with self._lock:           # the copy reads the shared fresh matcher
+            return Matcher(fresh.deep_copy(), (self.vocab_size + 31) // 32)
 
 
 class Matcher:
@@ -167,13 +175,8 @@ class Matcher:
     of the next positions as bit masks (``[n, ceil(V / 32)]`` int32, bit ``v % 32`` of word
     ``v // 32`` set where token ``v`` is allowed)."""
 
-    def __init__(self, cache: GrammarCache, grammar: str):
-        import llguidance
-
-        self.words = (cache.vocab_size + 31) // 32
-        self._matcher = llguidance.LLMatcher(cache.tokenizer, grammar)
-        if self._matcher.is_error():
-            raise StructuredOutputError(f"structured_outputs: {self._matcher.get_error()}")
+    def __init__(self, matcher, words: int):
+        self._matcher, self.words = matcher, words
 
     def consume(self, tokens: list[int]) -> None:
         """Advance past committed tokens (the target drew them from the masked distribution, so they

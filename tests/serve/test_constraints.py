@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pytest
 
 from lfmspark.runtime.byte_tokenizer import byte_tokenizer
@@ -42,7 +41,7 @@ def plain():
 def accepts(setup, params: StructuredOutputsParams, text: str) -> bool:
     """Whether the grammar takes ``text`` whole and may end there."""
     tok, cache = setup
-    matcher = llguidance.LLMatcher(cache.tokenizer, cache.grammar(params))
+    matcher = cache.compile(params).deep_copy()
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
