@@ -1,5 +1,5 @@
 """``lfmspark`` command line: ``bench`` (the latency benchmark), ``bench serve``, the named benchmark
-scenarios (``bench sampling|warmup|multiturn|exact``: tools/scenarios/), ``generate``, ``serve`` and
+scenarios (``bench sampling|warmup|multiturn|exact|structured``: tools/scenarios/), ``generate``, ``serve`` and
 ``calibrate``. Every command takes the engine's flags (runtime/config.py ``EngineConfig``) with the
 same names and defaults.
 

@@ -53,6 +53,22 @@ def test_sampling_takes_a_subset_of_settings(tmp_path):
                                                                          ("target_only", "top-p")]
 
 
+def test_structured_times_constrained_unconstrained_and_mixed_batches(tmp_path, capsys):
+    report = run_scenario(tmp_path, "structured", "--batch-sizes", "1,2", "--prompt-len", "6", "--output-len", "8",
+                          "--runs", "1")
+    assert report["tokenizer"] == "checkpoint"           # the tiny preset comes with the byte tokenizer
+    assert set(report["compile_ms"]) == {"tokenizer", "first", "cached"} and report["compile_ms"]["first"] > 0
+    cells = [(r["batch"], r["case"]) for r in report["results"]]
+    assert cells == [(1, "unconstrained"), (1, "constrained"), (2, "unconstrained"), (2, "constrained"),
+                     (2, "one-constrained")]
+    for r in report["results"]:
+        assert r["tpot_ms_p50"] > 0 and r["imposed_acceptance"] == [0.9] and sum(r["rounds_by_width"].values()) > 0
+        assert (r["constrained_tpot_ms_p50"] is not None) == (r["case"] == "one-constrained")
+    assert "20-property schema: compiled in" in capsys.readouterr().out
+    assert main(["bench", "structured", *TINY, "--draft-preset", "none", *SHORT]) == 2
+    assert "structured scenario: it measures the speculative engine" in capsys.readouterr().err
+
+
 def test_warmup_reports_the_warmup_and_the_tpot_per_batch_size(tmp_path):
     report = run_scenario(tmp_path, "warmup", "--batch-sizes", "1,2", "--imposed-acceptance", "0.5", *SHORT)
     assert report["engine"] == "speculative" and report["imposed_acceptance"] == [0.5]

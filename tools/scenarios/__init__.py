@@ -6,7 +6,9 @@ of weights, prints a table and writes JSON with ``--json``.
 - ``warmup`` (warmup.py): warm-up time at every default batch size, cold or warm compile cache,
   and the TPOT after it;
 - ``multiturn`` (multiturn.py): multi-turn chat TTFT with the prefix cache on and off;
-- ``exact`` (exact.py): exact mode's identity rates and TPOT cost against the default mode.
+- ``exact`` (exact.py): exact mode's identity rates and TPOT cost against the default mode;
+- ``structured`` (structured.py): speculative TPOT of JSON-schema requests against unconstrained
+  ones, and the schema's compile time.
 
 Each module has ``NAME``, ``SUMMARY``, ``SHARED`` (the ``lfmspark bench`` flags it reads beside the
 engine's, with its defaults for them), ``add_arguments(parser)`` (its own flags, in a group of its
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import exact, multiturn, sampling, warmup
+from . import exact, multiturn, sampling, structured, warmup
 
-SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (sampling, warmup, multiturn, exact)}
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (sampling, warmup, multiturn, exact, structured)}
 
 __all__ = ["SCENARIOS"]
