@@ -314,8 +314,9 @@ class Engine:
                 break
             if plan.budgeted:
                 break                            # one budgeted forward per step
-        now = time.perf_counter()
-        for first in self.model_runner.read_first_tokens(started) if started else []:
+        firsts = self.model_runner.read_first_tokens(started) if started else []
+        now = time.perf_counter()            # the first tokens are on the host now (read_first_tokens syncs)
+        for first in firsts:
             first.request.first_token_at = now
             self.scheduler.start_running(first.request)
             events.append(self._emit(first))

@@ -820,6 +820,27 @@ def test_stats_of_speculative_requests(target, draft):
         assert d["rounds"] == len(n) and d["tau"] == s.tau and d["accept_lengths"] == n
 
 
+def test_time_to_first_token_ends_when_the_first_token_is_on_the_host(target, draft, monkeypatch):
+    """``ttft_s`` covers the prefill: the first token's time is taken after the token is read back
+    (when the host has only queued the prefill, the device may still be computing it). The clock
+    jumps 10 s while the first token is read, as a long prefill would make the read wait."""
+    import time
+
+    real, jump = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + jump[0])
+    e = engine(target, draft)
+    read = e.model_runner.read_first_tokens
+
+    def slow_read(started):
+        out = read(started)
+        jump[0] += 10.0
+        return out
+
+    monkeypatch.setattr(e.model_runner, "read_first_tokens", slow_read)
+    s = e.generate([SCHED_PROMPTS[0]], greedy(6))[0].stats
+    assert 10.0 <= s.ttft_s < 20.0 and s.decode_s < 10.0
+
+
 def test_acceptance_statistics_of_known_drafts():
     perm = permutation(21)
     target = bigram_target(perm, leak=0.0)
