@@ -12,6 +12,7 @@ import pytest
 
 from lfmspark.environment import VARIABLES
 from lfmspark.tools.cli import main
+from lfmspark.tools.cli import main
 
 
 def lfmspark(*args: str) -> subprocess.CompletedProcess:
@@ -138,10 +139,21 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
     (["serve", "--preset", "tiny", "--cuda-graph-sizes", "0"], "positive integers"),
     (["serve", "--preset", "tiny", "--reasoning-parser", "gpt"], "invalid choice: 'gpt'"),
 ])
-def test_bad_arguments_fail_clearly(args, message):
-    proc = lfmspark(*args)
-    assert proc.returncode != 0
-    assert message in proc.stderr
+def test_bad_arguments_fail_clearly(args, message, capsys):
+    """In process (``main``, what the console script calls); the console script itself below."""
+    said = ""
+    try:
+        code = main(list(args))
+    except SystemExit as e:                  # argparse's refusals, or a message the interpreter prints
+        code, said = e.code, e.code if isinstance(e.code, str) else ""
+    assert code != 0
+    assert message in capsys.readouterr().err + said
+
+
+def test_the_console_script_exits_nonzero_with_the_message():
+    proc = lfmspark("bench", "--batch-sizes", "0")
+    assert proc.returncode == 2
+    assert "positive integers" in proc.stderr
 
 
 def test_serve_answers_on_its_port_and_stops_cleanly():
