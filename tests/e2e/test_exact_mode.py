@@ -45,7 +45,7 @@ def models(kind: str, moe: bool):
 
 def generate(target, draft, prompts, exact=True, **params):
     engine = Engine(target, draft, max_batch=4, max_seq_len=96, exact=exact)
-    return engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, **params))
+    return engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True, **params))
 
 
 @pytest.mark.parametrize("moe, kind", [(False, "often"), (True, "rarely")], ids=["dense-often", "moe-rarely"])
