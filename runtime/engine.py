@@ -314,8 +314,7 @@ class Engine:
                 break
             if plan.budgeted:
                 break                            # one budgeted forward per step
-        firsts = self.model_runner.read_first_tokens(started) if started else []
-        now = time.perf_counter()            # the first tokens are on the host now (read_first_tokens syncs)
+        firsts, now = self.model_runner.read_first_tokens(started), time.perf_counter()   # the read syncs first
         for first in firsts:
             first.request.first_token_at = now
             self.scheduler.start_running(first.request)

@@ -401,6 +401,8 @@ class ModelRunner:
 
     def read_first_tokens(self, started: list[FirstToken]) -> list[RoundResult]:
         """The first tokens on the host (one sync for them all) with the logprobs of those that ask."""
+        if not started:
+            return []
         want = [(i, f) for i, f in enumerate(started) if f.request.params.logprobs is not None]
         lp = None
         if want:
