@@ -156,10 +156,10 @@ def test_early_injection_graphs_match_the_injection_at_the_commit(monkeypatch, m
     for early in (True, False):
         engines[early] = Engine(target, draft, max_batch=4, max_seq_len=256, batch_sizes=[1, 2, 4])
         if early:   # what the verify did when each graph was captured
-            verify = engines[early].steps.round_verify
-            engines[early].steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
+            verify = engines[early].model_runner.steps.round_verify
+            engines[early].model_runner.steps.round_verify = lambda *a: (v := verify(*a), early_forks.append(v.injected))[0]
         else:
-            engines[early].steps.target = TapsNeverReadyEarly(target)
+            engines[early].model_runner.steps.target = TapsNeverReadyEarly(target)
         engines[early].warmup(progress=False, sampling=[mode])
     on, off = engines[True], engines[False]
     assert on.model_runner.steps.side_stream is not None and off.model_runner.steps.side_stream is not None
@@ -250,7 +250,7 @@ def test_eager_runner_is_used_without_cuda_graphs():
     engine = Engine(target, draft, max_batch=2, max_seq_len=64, cuda_graphs=False)
     assert isinstance(engine.model_runner.step_runner, EagerRunner)
     engine2 = Engine(target, draft, max_batch=2, max_seq_len=64)
-    assert isinstance(engine2.runner, CudaGraphRunner)
+    assert isinstance(engine2.model_runner.step_runner, CudaGraphRunner)
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
