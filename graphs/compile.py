@@ -36,8 +36,8 @@ cache slices as inputs (models/cache.py), so nothing in a compiled layer depends
 
 Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
 ``LFMSPARK_CACHE_DIR`` (lfmspark/environment.py; default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
-from cache instead of recompiling (set at import, so it also holds for other ``torch.compile``
-calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins).
+from cache instead of recompiling (``import lfmspark`` sets it before anything else, so it also holds
+for other ``torch.compile`` calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins).
 
 **One compile for every batch size.** The batch dimension is dynamic: a region is compiled at
 the first batch size it sees, and at the second its batch dimension becomes symbolic (Dynamo's
@@ -56,14 +56,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..environment import cache_dir, environment
+from ..environment import environment
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +88,6 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
         setattr(steps, name, compiled(getattr(steps, name)))
     steps.later_target_layers = [compiled(layer) for layer in steps.later_target_layers]
     steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
-
-
-# Set when lfmspark is imported: Inductor fixes its cache directory the first time it needs one
-# (any compile, or a Triton launch through it), which may happen before an engine compiles.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
 
 
 def configure_compile(n_variants: int) -> None:

@@ -106,3 +106,20 @@ def test_arrows_point_one_way():
     assert runner not in edges[scheduler] and scheduler not in edges[runner]
     assert not [m for m in edges if "lfmspark.runtime.engine" in edges[m] and m.startswith(
         ("lfmspark.runtime.scheduler", "lfmspark.runtime.model_runner", "lfmspark.runtime.requests"))]
+
+
+def test_importing_the_package_points_inductor_at_lfmspark_cache_dir(tmp_path):
+    """``import lfmspark`` sets Inductor's cache directory before any of its imports can make Inductor
+    fix one (graphs/compile.py): a fresh interpreter, with only ``LFMSPARK_CACHE_DIR`` set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["LFMSPARK_CACHE_DIR"] = str(tmp_path / "inductor")
+    code = ("import lfmspark\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(cache_dir())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp_path / "inductor")
