@@ -98,7 +98,7 @@ def run(cfg: StructuredConfig) -> dict:
     report["compile_ms"] = compile_times(models.tokenizer, models.target.config.vocab_size, models.stop_token_ids)
     engine = Engine.from_config(engine_cfg, models)
     t0 = time.perf_counter()
-    engine.warmup(progress=True)
+    engine.warmup(progress=True, sampling=False)        # every request here is greedy
     report["warmup_s"], report["results"] = time.perf_counter() - t0, []
     vocab, seed = engine.model_config.vocab_size, cfg.engine.seed
     for batch in cfg.batch_sizes:
