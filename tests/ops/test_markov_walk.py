@@ -312,6 +312,8 @@ def test_barrier_counter_is_never_first_made_inside_a_capture(monkeypatch: pytes
     """A counter created inside a CUDA-graph capture would hold garbage until that graph's first
     replay, so the first walk over a weight must run outside a capture."""
     w2 = torch.zeros(8, 4)
+    # counters are kept per weight address: an earlier test's freed weight may have had this one's
+    monkeypatch.setattr(walk_persistent, "_COUNTERS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="run it once before capturing"):
