@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from lfmspark.runtime.byte_tokenizer import _byte_symbols
+
 VOCAB = 64
 HIDDEN = 32
 N_LAYERS = 4
@@ -56,15 +58,8 @@ def ids_to_text(ids: list[int]) -> str:
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet), as the runtime's tokenizer uses."""
+    return dict(enumerate(_byte_symbols()))
 
 
 def byte_tokenizer():

@@ -17,17 +17,12 @@ from __future__ import annotations
 import itertools
 import re
 
+from lfmspark.runtime.byte_tokenizer import _byte_symbols
+
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ByteLevel alphabet)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet), as the runtime's tokenizer uses."""
+    return dict(enumerate(_byte_symbols()))
 
 
 def token_tokenizer(tokens: list[str | bytes], specials: tuple[str, ...] = (), eos: str | None = None):
