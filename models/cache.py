@@ -1,11 +1,24 @@
-"""Device state the models read and write: target KV + conv state + verify tape, draft context KV.
+"""Device state the models read and write: paged target KV + conv state + verify tape, paged draft context KV.
 
-Allocated once per engine (DESIGN §4) with fixed ``n_slots`` (= max batch), ``max_seq_len`` and
-verify width, so every tensor keeps its address for CUDA graph replay. Rows of a batch address
-slots through a ``slots`` index tensor; the verify tape is indexed by batch row instead.
-Caches start zeroed (finite values everywhere, so attention over never-written positions of a
-padding row cannot produce NaN). The RoPE cos/sin tables live here too: they are sized by
-``max_seq_len``, like the caches.
+**Pages.** The attention layers' K/V (the target's and the draft's context) live in fixed-size pages
+of ``page_size`` positions: ``k, v [layers, n_pages + 1, page_size, n_kv, head_dim]``. A slot's
+positions map to pages through one ``page_table [n_slots, max_pages]`` (int32, shared by the target
+and the draft: both keep one K/V row per position): position ``p`` of slot ``s`` is at page
+``page_table[s, p // page_size]``, offset ``p % page_size``. The last physical page (index
+``n_pages``) is the **trash page**: table entries no request owns point at it, so a write a round
+makes past its slot's pages (the pipelined round a finished request rides along in) lands there and
+nowhere else. Which pages a slot holds is the host's business (runtime/pages.py); the table is a
+device tensor the kernels read by address, so a CUDA graph replays whatever it maps.
+
+Without a page pool (``n_pages=None``) each slot owns ``max_pages`` consecutive pages, the table is
+the identity: the layout of one dense ``[slots, max_seq_len]`` cache per layer, which tests and the
+model-level code use.
+
+Allocated once per engine with fixed ``n_slots`` (= max batch), ``max_seq_len`` and verify width,
+so every tensor keeps its address for CUDA graph replay. Rows of a batch address slots through a
+``slots`` index tensor; the verify tape is indexed by batch row instead. Caches start zeroed
+(finite values everywhere, so attention over never-written positions of a padding row cannot
+produce NaN). The RoPE cos/sin tables live here too: they are sized by ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -17,47 +30,97 @@ import torch
 from ..ops.attention.rope import rope_cos_sin_table
 from .config import ATTENTION, DraftConfig, TargetConfig
 
-# one decoder layer's share of the cache: (k, v) or (conv_state, conv_tape), each a one-layer slice
-LayerCache = tuple[torch.Tensor, torch.Tensor]
+DEFAULT_PAGE_SIZE = 16   # vLLM's; a key block of the attention (64 or 128 keys) reads several pages
+
+# one decoder layer's share of the cache, one-layer slices: (k, v, page_table) for attention,
+# (conv_state, conv_tape) for ShortConv
+LayerCache = tuple[torch.Tensor, ...]
+
+
+def pages_for(positions: int, page_size: int) -> int:
+    """Pages that hold ``positions`` positions."""
+    return -(-positions // page_size)
+
+
+def make_page_table(n_slots: int, max_pages: int, n_pages: int | None, device: torch.device | str) -> torch.Tensor:
+    """The table of a fresh cache: the identity layout without a pool (``n_pages=None``: slot ``s``
+    owns pages ``s * max_pages ..``), else every entry on the trash page ``n_pages``."""
+    if n_pages is None:
+        return torch.arange(n_slots * max_pages, dtype=torch.int32, device=device).view(n_slots, max_pages)
+    return torch.full((n_slots, max_pages), n_pages, dtype=torch.int32, device=device)
+
+
+def _kv_pages(layers: int, n_pages: int, page_size: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (layers, n_pages + 1, page_size, n_kv, head_dim)   # + the trash page
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+class _PagedKV:
+    """What the target's and the draft's caches share: reading, writing and copying positions
+    through the page table (host-side helpers for the prefix cache, tests and ``n > 1`` prompts;
+    the models go through the ops)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    page_table: torch.Tensor
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def n_pages(self) -> int:
+        """Physical pages a pool may hand out (the trash page excluded)."""
+        return self.k.shape[1] - 1
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions a slot's table can map."""
+        return self.page_table.shape[1] * self.page_size
+
+    def page_nbytes(self) -> int:
+        """Bytes of one page across every layer, K and V."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def gather(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v) [layers, length, n_kv, head_dim]``: slot ``slot``'s positions ``< length``."""
+        pages = self.page_table[slot, :pages_for(length, self.page_size)].long()
+        return (self.k[:, pages].flatten(1, 2)[:, :length], self.v[:, pages].flatten(1, 2)[:, :length])
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Physical pages ``dst`` get the contents of pages ``src`` (int64 index tensors)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
 
 @dataclass
-class TargetCache:
-    k: torch.Tensor            # [n_attn_layers, n_slots, max_seq_len, n_kv, head_dim]
+class TargetCache(_PagedKV):
+    k: torch.Tensor            # [n_attn_layers, n_pages + 1, page_size, n_kv, head_dim]
     v: torch.Tensor
+    page_table: torch.Tensor   # [n_slots, max_pages] int32
     conv_state: torch.Tensor   # [n_conv_layers, n_slots, L_cache - 1, hidden]
     conv_tape: torch.Tensor    # [n_conv_layers, n_rows, verify_width + L_cache - 1, hidden]
     rope: torch.Tensor         # [max_seq_len, head_dim] fp32 (cos | sin)
-    # the prefix cache's conv-state snapshots (runtime/prefix_cache.py): per slot, the conv state at each
-    # multiple of `block` tokens its prompt's prefill passed, [n_conv_layers, n_slots, max_seq_len // block,
-    # L_cache - 1, hidden]; None without a prefix cache
-    block_state: torch.Tensor | None = None
-    block: int = 0
 
     @classmethod
     def allocate(cls, cfg: TargetConfig, n_slots: int, max_seq_len: int, verify_width: int,
-                 dtype: torch.dtype, device: torch.device | str, block: int = 0) -> "TargetCache":
-        """``block``: the prefix cache's block (0: no prefix cache, no block states)."""
+                 dtype: torch.dtype, device: torch.device | str, *, page_size: int = DEFAULT_PAGE_SIZE,
+                 n_pages: int | None = None) -> "TargetCache":
+        """``n_pages``: the pool's pages (None: ``max_seq_len`` per slot, the identity table)."""
         n_attn, n_conv = len(cfg.attention_layers), len(cfg.conv_layers)
-        kv_shape = (n_attn, n_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
+        max_pages = pages_for(max_seq_len, page_size)
+        table = make_page_table(n_slots, max_pages, n_pages, device)
+        k, v = _kv_pages(n_attn, n_slots * max_pages if n_pages is None else n_pages, page_size,
+                         cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         km1 = cfg.conv_L_cache - 1
-        block_state = None
-        if block:
-            block_state = torch.zeros((n_conv, n_slots, max_seq_len // block, km1, cfg.hidden_size),
-                                      dtype=dtype, device=device)
         return cls(
-            k=torch.zeros(kv_shape, dtype=dtype, device=device),
-            v=torch.zeros(kv_shape, dtype=dtype, device=device),
+            k=k, v=v, page_table=table,
             conv_state=torch.zeros((n_conv, n_slots, km1, cfg.hidden_size), dtype=dtype, device=device),
             conv_tape=torch.zeros((n_conv, n_slots, verify_width + km1, cfg.hidden_size), dtype=dtype,
                                   device=device),
             rope=rope_cos_sin_table(max_seq_len, cfg.head_dim, cfg.rope_theta, device=device),
-            block_state=block_state, block=block,
         )
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.k.shape[2]
 
     def layer_caches(self, cfg: TargetConfig) -> list[LayerCache]:
         """Each decoder layer's one-layer slices (``[1, ...]`` views, addressed as layer 0 by the ops).
@@ -68,7 +131,7 @@ class TargetCache:
         out, n_attn, n_conv = [], 0, 0
         for kind in cfg.layer_types:
             if kind == ATTENTION:
-                out.append((self.k[n_attn:n_attn + 1], self.v[n_attn:n_attn + 1]))
+                out.append((self.k[n_attn:n_attn + 1], self.v[n_attn:n_attn + 1], self.page_table))
                 n_attn += 1
             else:
                 out.append((self.conv_state[n_conv:n_conv + 1], self.conv_tape[n_conv:n_conv + 1]))
@@ -76,41 +139,33 @@ class TargetCache:
         return out
 
     def nbytes(self) -> int:
-        tensors = [self.k, self.v, self.conv_state, self.conv_tape]
-        if self.block_state is not None:
-            tensors.append(self.block_state)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
-        """Give slots ``dst`` the state slot ``src`` has after ``length`` tokens: their K/V at
-        positions ``< length`` and the conv state (several samples of one prompt, one prefill)."""
-        idx = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
-        self.k[:, idx, :length] = self.k[:, src:src + 1, :length]
-        self.v[:, idx, :length] = self.v[:, src:src + 1, :length]
-        self.conv_state[:, idx] = self.conv_state[:, src:src + 1]
-        if self.block_state is not None:
-            blocks = length // self.block
-            self.block_state[:, idx, :blocks] = self.block_state[:, src:src + 1, :blocks]
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv_state, self.conv_tape))
 
 
 @dataclass
-class DraftCache:
-    k: torch.Tensor            # [n_draft_layers, n_slots, max_seq_len, n_kv, head_dim]
+class DraftCache(_PagedKV):
+    k: torch.Tensor            # [n_draft_layers, n_pages + 1, page_size, n_kv, head_dim]
     v: torch.Tensor
+    page_table: torch.Tensor   # the target cache's table (same tensor)
     rope: torch.Tensor         # [max_seq_len, head_dim] fp32
 
     @classmethod
     def allocate(cls, cfg: DraftConfig, n_slots: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device | str) -> "DraftCache":
-        shape = (cfg.num_hidden_layers, n_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
-        return cls(k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
+                 device: torch.device | str, *, page_size: int = DEFAULT_PAGE_SIZE, n_pages: int | None = None,
+                 page_table: torch.Tensor | None = None) -> "DraftCache":
+        """``page_table``: the target cache's, whose pages this cache mirrors (None: a table of its own,
+        as :meth:`TargetCache.allocate` makes it)."""
+        max_pages = pages_for(max_seq_len, page_size)
+        if page_table is None:
+            page_table = make_page_table(n_slots, max_pages, n_pages, device)
+        k, v = _kv_pages(cfg.num_hidden_layers, n_slots * max_pages if n_pages is None else n_pages, page_size,
+                         cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        return cls(k=k, v=v, page_table=page_table,
                    rope=rope_cos_sin_table(max_seq_len, cfg.head_dim, cfg.rope_theta, device=device))
+
+    def layer_caches(self) -> list[LayerCache]:
+        """Each layer's one-layer K/V slices ``[1, ...]`` and the page table (as :meth:`TargetCache.layer_caches`)."""
+        return [(self.k[i:i + 1], self.v[i:i + 1], self.page_table) for i in range(self.k.shape[0])]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
-
-    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
-        """Give slots ``dst`` the draft context of slot ``src`` at positions ``< length``."""
-        idx = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
-        self.k[:, idx, :length] = self.k[:, src:src + 1, :length]
-        self.v[:, idx, :length] = self.v[:, src:src + 1, :length]

@@ -26,7 +26,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.argmax_rows import argmax_last
 from ..ops.attention.rope import apply_rope, gather_cos_sin, window_positions
 from ..ops.routing import window_attention
-from .cache import DraftCache
+from .cache import DraftCache, LayerCache
 from .config import ConfigError, DraftConfig, TargetConfig
 from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, linear, linear_pair, norm_linear,
                      project_norm_feed_forward)
@@ -97,7 +97,8 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, delta: Pending, kv_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, rope: torch.Tensor,
+                slots: torch.Tensor,
                 start: torch.Tensor, lens: torch.Tensor, next_norm: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, Pending]:
         """One layer over the block ``x [B, G, H]`` plus the previous layer's pending MLP output
@@ -140,19 +141,20 @@ class DraftLayer(nn.Module):
         scale = attn.head_dim ** -0.5
         # one eps serves q and k: q_norm's is the config's rms_norm_eps, as self.eps
         if qkv is not None and window_attention(G, attn.n_heads, k_cache.shape[-2]):
-            o = lfm.qkv_window_attention(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0, slots,
-                                         start, lens, self.eps, self.is_neox, False, scale)
+            o = lfm.qkv_window_attention(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, page_table, 0,
+                                         slots, start, lens, self.eps, self.is_neox, False, scale)
         else:
             if qkv is not None:
-                q = lfm.qkv_norm_rope_write(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache, 0,
-                                            slots, start, lens, self.eps, self.is_neox)
+                q = lfm.qkv_norm_rope_write(qkv, attn.q_norm.weight, k_norm_weight[0], rope, k_cache, v_cache,
+                                            page_table, 0, slots, start, lens, self.eps, self.is_neox)
             else:
                 q = attn.q_norm(attn.q_proj(h).view(B, G, attn.n_heads, attn.head_dim))
                 cos, sin = gather_cos_sin(rope, window_positions(start, G))
                 q = apply_rope(q.float(), cos[:, :, None, :], sin[:, :, None, :], self.is_neox).to(x.dtype)
-                lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, 0, slots, start,
+                lfm.kv_norm_rope_write(linear(h, kv_weight), k_norm_weight, rope, k_cache, v_cache, page_table, 0, slots,
+                                       start,
                                        lens, self.eps, self.is_neox)
-            o = lfm.cache_attention(q, k_cache, v_cache, 0, slots, start, False, scale)
+            o = lfm.cache_attention(q, k_cache, v_cache, page_table, 0, slots, start, False, scale)
         return project_norm_feed_forward(x, o.reshape(B, G, -1), attn.o_proj, self.post_attention_layernorm, self.mlp,
                                          decode=False, next_norm=next_norm)
 
@@ -259,7 +261,7 @@ class DSparkDraft(nn.Module):
         (models/layers.py ``linear``)."""
         ctx = self.hidden_norm(linear(aux, self.fc.weight, side_stream))
         kv = linear(ctx, self.kv_proj.flatten(0, 1), side_stream)
-        lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, 0, slots, start, lens,
+        lfm.kv_norm_rope_write(kv, self.k_norm, cache.rope, cache.k, cache.v, cache.page_table, 0, slots, start, lens,
                                self.config.rms_norm_eps, self.config.rope_is_neox_style)
 
     # -- block ------------------------------------------------------------------------------
@@ -271,7 +273,7 @@ class DSparkDraft(nn.Module):
         :meth:`block_begin`, then :meth:`run_layers` over every layer (the runtime calls them
         separately, with the first layer compiled together with the glue: runtime/steps.py)."""
         x, lens = self.block_begin(anchor, start)
-        return self.run_layers(x, None, self.layer_caches(cache), cache.rope, slots, start, lens, self.layers)
+        return self.run_layers(x, None, cache.layer_caches(), cache.rope, slots, start, lens, self.layers)
 
     def block_begin(self, anchor: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's input up to its first layer: the embeddings ``[B, gamma, H]`` of
@@ -284,24 +286,20 @@ class DSparkDraft(nn.Module):
         x = self.embed_tokens(torch.cat([anchor[:, None], masks], dim=1))
         return x, torch.full_like(start, G)
 
-    @staticmethod
-    def layer_caches(cache: DraftCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's one-layer K/V slices ``[1, ...]`` (as :meth:`TargetCache.layer_caches`)."""
-        return [(cache.k[i:i + 1], cache.v[i:i + 1]) for i in range(cache.k.shape[0])]
-
     def run_layers(self, x: torch.Tensor, delta: Pending,
-                   layer_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: torch.Tensor,
+                   layer_caches: Sequence[LayerCache], rope: torch.Tensor,
                    slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, layers: Sequence[nn.Module],
                    first: int = 0) -> tuple[torch.Tensor, Pending]:
         """Layers ``first, first + 1, ..`` over the block ``x`` plus the pending ``delta`` (None before
-        the first layer), each with its K/V slices (:meth:`layer_caches`) and the weight of the norm
+        the first layer), each with its K/V slices and page table (``DraftCache.layer_caches``) and the weight of the norm
         after it, which the layer may start in its epilogue (models/layers.py ``NormedCarry``).
         ``layers`` are those of ``self.layers``, or stand-ins for them: the runtime passes compiled
         wrappers (graphs/compile.py)."""
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, layer_caches, strict=True), start=first):
+        for i, (layer, (k_cache, v_cache, page_table)) in enumerate(zip(layers, layer_caches, strict=True),
+                                                                    start=first):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, rope, slots, start,
-                             lens, next_norm.weight)
+            x, delta = layer(x, delta, self.kv_proj[i], self.k_norm[i:i + 1], k_cache, v_cache, page_table, rope,
+                             slots, start, lens, next_norm.weight)
         return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,

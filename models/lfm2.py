@@ -96,7 +96,7 @@ class TargetOutput:
 
 
 class Lfm2Attention(nn.Module):
-    """GQA attention: fused qkv projection, per-head q/k RMSNorm, neox RoPE, slot-indexed KV cache."""
+    """GQA attention: fused qkv projection, per-head q/k RMSNorm, neox RoPE, paged KV cache (models/cache.py)."""
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -125,15 +125,15 @@ class Lfm2Attention(nn.Module):
         attention row tile (decode, verify; ops/routing.py ``window_attention``) fold that launch
         into the attention's: ``lfmspark::qkv_window_attention`` (ops/attention/window_attention.py)."""
         B, T, _ = qkv.shape
-        k_cache, v_cache = kv
+        k_cache, v_cache, page_table = kv
         if window_attention(T, self.n_heads, self.n_kv):
             o = lfm.qkv_window_attention(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache,
-                                         v_cache, 0, rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True,
+                                         v_cache, page_table, 0, rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True,
                                          True, self.scale)
             return o.reshape(B, T, self.n_heads * self.head_dim)
-        q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache, 0,
-                                    rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
-        o = lfm.cache_attention(q, k_cache, v_cache, 0, rows.slots, rows.start, True, self.scale, exact_mode())
+        q = lfm.qkv_norm_rope_write(qkv, self.q_layernorm.weight, self.k_layernorm.weight, rope, k_cache, v_cache,
+                                    page_table, 0, rows.slots, rows.start, rows.lens, self.q_layernorm.eps, True)
+        o = lfm.cache_attention(q, k_cache, v_cache, page_table, 0, rows.slots, rows.start, True, self.scale, exact_mode())
         return o.reshape(B, T, self.n_heads * self.head_dim)
 
 

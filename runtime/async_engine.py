@@ -115,7 +115,7 @@ class AsyncEngine:
 
     @property
     def max_model_len(self) -> int:
-        """Tokens per request: prompt, output and the verify window."""
+        """Tokens per request: prompt and output (the engine's ``max_seq_len``)."""
         return self.engine.max_seq_len
 
     @property
@@ -129,11 +129,15 @@ class AsyncEngine:
         return self.engine.block_size
 
     def usage(self) -> dict[str, int]:
-        """What the engine holds now, for gauges: state slots in use and in all, the prefix cache's
-        blocks held and capacity, and its counters of prompt tokens looked up and found cached (a
-        read without the engine's lock: each value is current, the set may straddle a step)."""
+        """What the engine holds now, for gauges: state slots in use and in all, KV pages in use and in
+        all, preemptions so far, the prefix cache's blocks held and capacity, and its counters of
+        prompt tokens looked up and found cached (a read without the engine's lock: each value is
+        current, the set may straddle a step)."""
         cache = self.engine.prefix_cache_stats
+        pool = self.engine.kv_pages
         return {"slots_in_use": self.engine.num_running, "slots": self.engine.max_batch,
+                "kv_pages_in_use": pool.in_use, "kv_pages": pool.n_pages,
+                "preemptions": self.engine.num_preemptions,
                 "prefix_cache_blocks": cache.get("cached_blocks", 0),
                 "prefix_cache_capacity": cache.get("capacity_blocks", 0),
                 "prefix_cache_queries": cache.get("queries", 0), "prefix_cache_hits": cache.get("hits", 0)}
@@ -157,7 +161,7 @@ class AsyncEngine:
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with a prompt of ``prompt_len`` tokens may generate."""
-        return max(1, self.engine.max_seq_len - prompt_len - self.engine.verify_width)
+        return max(1, self.engine.max_seq_len - prompt_len)
 
     async def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (running requests are unaffected); the blocks dropped."""

@@ -27,6 +27,7 @@ import torch
 from ..models.presets import DRAFT_PRESETS, TARGET_PRESETS
 from ..ops.routing import WALKS
 from .logprobs import LOGPROBS_MODES
+from ..models.cache import DEFAULT_PAGE_SIZE
 from .prefix_cache import DEFAULT_BLOCK
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -54,7 +55,10 @@ class EngineConfig:
     seed: int = 0                       # random weights' seed (presets)
     # -- the engine ------------------------------------------------------------------------
     max_batch: int = 8                  # requests decoded at once (state slots)
-    max_seq_len: int = 4096             # prompt + output + the verify window, per request
+    max_seq_len: int | None = None      # prompt + output per request (None: the model's context length)
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page (a power of two; prefix_block is a multiple of it)
+    kv_cache_memory: int | None = None  # the KV pool's bytes (None: from gpu_memory_utilization; runtime/kv_budget.py)
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may hold, the KV pool included
     imposed_acceptance: tuple[float, ...] | None = None   # random-weight drafts: per-slot rates (one: every slot)
     cuda_graphs: bool | None = None     # None: on a CUDA device
     compile: bool | None = None         # torch.compile the steps' regions (None: with CUDA graphs)
@@ -105,12 +109,17 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
         for name in ("max_batch", "max_seq_len", "prefill_chunk", "prefill_budget", "prefill_graph_tokens",
-                     "prefix_block", "seed"):
+                     "prefix_block", "seed", "page_size"):
             value = getattr(self, name)
+            if name == "max_seq_len" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be None (the model's context length) or >= 2 (a prompt token and an "
+                             f"output token), got {self.max_seq_len}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.prefill_budget < 1:
@@ -121,6 +130,17 @@ class EngineConfig:
                              f"got {self.prefill_graph_tokens}")
         if self.prefix_block < 1:
             raise ValueError(f"prefix_block must be >= 1 (tokens per cached block), got {self.prefix_block}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two (tokens per KV page), got {self.page_size}")
+        if self.prefix_block % self.page_size:
+            raise ValueError(f"prefix_block {self.prefix_block} must be a multiple of page_size {self.page_size} "
+                             "(a cached block is whole pages)")
+        memory = self.kv_cache_memory
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+            raise ValueError(f"kv_cache_memory must be None or a number of bytes >= 1, got {memory!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
         tokens = self.prefix_cache_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
             raise ValueError(f"prefix_cache_tokens must be None (the default budget), 0 (off) or a number of "
@@ -214,7 +234,16 @@ class EngineConfig:
         e.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_int_from(1), default=None,
                        help=f"requests decoded at once, one state slot each (default: {d.max_batch})")
         e.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", type=_int_from(1), default=None,
-                       help=f"tokens per request: prompt + output + the verify window (default: {d.max_seq_len})")
+                       help="tokens per request, prompt and output (default: the model's context length, "
+                            "max_position_embeddings, or what the KV cache holds if less)")
+        e.add_argument("--page-size", type=_int_from(1), default=d.page_size,
+                       help=f"tokens per KV page, a power of two (default: {d.page_size})")
+        e.add_argument("--kv-cache-memory", type=_int_from(1), default=None, metavar="BYTES",
+                       help="bytes of the KV cache pool (default: from --gpu-memory-utilization on a GPU, at most "
+                            "1 GiB on a CPU, and never more than every slot filled to --max-model-len)")
+        e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="the share of the GPU's memory the engine may hold, weights, activations and KV cache "
+                            f"(default: {d.gpu_memory_utilization})")
         rates = dict(action="append") if acceptance_profiles else {}
         e.add_argument("--imposed-acceptance", type=rate_list, metavar="RATES", help="random-weight drafts: "
                        "per-position conditional acceptance rates (one value: every position); outputs are labelled"
@@ -274,6 +303,7 @@ class EngineConfig:
             seed=ns.seed,
             max_batch=d.max_batch if ns.max_batch is None else ns.max_batch,
             max_seq_len=d.max_seq_len if ns.max_seq_len is None else ns.max_seq_len,
+            page_size=ns.page_size, kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
             imposed_acceptance=rates, cuda_graphs=False if ns.enforce_eager else None, batch_sizes=ns.cuda_graph_sizes,
             prefill_chunk=ns.prefill_chunk, prefill_budget=ns.prefill_budget,
             prefill_graph_tokens=ns.prefill_graph_tokens, chat=ns.chat, markov_walk=ns.markov_walk,

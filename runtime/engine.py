@@ -37,6 +37,7 @@ from .distributions import SamplingMode
 from .loader import LoadedModels, load_models
 from .model_runner import ModelRunner, RoundResult
 from .outputs import GenerationOutput, StreamEvent
+from .pages import PagePool
 from .prompts import Prompt
 from .requests import (EngineDeadError, Request, RequestError, RequestFailedError, RequestLimits, describe,
                        is_device_error, make_requests, pair_prompts)
@@ -67,9 +68,10 @@ class Engine:
         self.sampling_defaults = dict(sampling_defaults or {})
         SamplingParams(**self.sampling_defaults).validate(target.config.vocab_size)   # a bad default fails here
         self.model_runner = ModelRunner(target, draft, cfg)
-        self.scheduler = Scheduler(cfg.max_batch, cfg.prefill_chunk, cfg.prefill_budget, alignment=cfg.prefix_block)
+        self.scheduler = Scheduler(cfg.max_batch, cfg.prefill_chunk, cfg.prefill_budget, cfg.prefix_block,
+                                   self.model_runner.pages, self.model_runner.verify_width)
         grammars = GrammarCache(tokenizer, target.config.vocab_size, self.stop_token_ids) if tokenizer else None
-        self.limits = RequestLimits(target.config.vocab_size, cfg.max_seq_len, self.model_runner.verify_width,
+        self.limits = RequestLimits(target.config.vocab_size, self.model_runner.max_seq_len, self.model_runner.verify_width,
                                     cfg.max_batch, tokenizer, cfg.chat, self.stop_token_ids, grammars)
         self._ids = itertools.count()
         self._rng = random.Random()
@@ -108,7 +110,7 @@ class Engine:
     device = property(lambda self: self.model_runner.device)
     dtype = property(lambda self: self.model_runner.dtype)
     max_batch = property(lambda self: self.config.max_batch)
-    max_seq_len = property(lambda self: self.config.max_seq_len)
+    max_seq_len = property(lambda self: self.model_runner.max_seq_len)   # the config's, or the model's context
     exact = property(lambda self: self.config.exact)
     block_size = property(lambda self: self.model_runner.block_size)
     verify_width = property(lambda self: self.model_runner.verify_width)
@@ -247,6 +249,24 @@ class Engine:
         return self.scheduler.pool.in_use
 
     @property
+    def kv_pages(self) -> PagePool:
+        """The KV page pool (``n_pages``, ``in_use``, ``n_free``: runtime/pages.py)."""
+        return self.model_runner.pages.pool
+
+    def kv_cache_info(self) -> dict:
+        """The KV pool: page size, pages in all, in use now and at most so far, and its bytes."""
+        runner = self.model_runner
+        pool = runner.pages.pool
+        return {"page_size": runner.pages.page_size, "pages": pool.n_pages, "pages_in_use": pool.in_use,
+                "pages_in_use_peak": pool.peak_in_use, "bytes": pool.n_pages * runner.page_nbytes(runner.pages.page_size),
+                "max_seq_len": runner.max_seq_len}
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far when the KV pool ran out."""
+        return self.scheduler.preemptions
+
+    @property
     def dead(self) -> BaseException | None:
         """The device-level failure that ended the engine, or None while it is healthy."""
         return self._dead
@@ -268,6 +288,7 @@ class Engine:
                 events.append(self._end(req, "timeout"))
             events += self.prefill_step()
             try:
+                self.scheduler.reserve_rounds(self.model_runner.in_flight is not None)
                 results = self.model_runner.step(self.scheduler.running)
             except BaseException as e:
                 self._contain(e, list(self.scheduler.running), events)
@@ -316,7 +337,7 @@ class Engine:
                 break                            # one budgeted forward per step
         firsts, now = self.model_runner.read_first_tokens(started), time.perf_counter()   # the read syncs first
         for first in firsts:
-            first.request.first_token_at = now
+            first.request.first_token_at = first.request.first_token_at or now   # kept across a preemption
             self.scheduler.start_running(first.request)
             events.append(self._emit(first))
         return events

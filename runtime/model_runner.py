@@ -41,6 +41,8 @@ from .cpu_threads import set_cpu_threads
 from .distributions import SamplingMode
 from .logprobs import LogprobTensors, TokenLogprobs, token_logprobs
 from .prefill_warmup import prefill_variants, prefill_warm_shapes
+from .kv_budget import kv_pool_pages, resolve_max_seq_len
+from .pages import PagePool, SlotPages
 from .prefix_cache import PrefixCache
 from .requests import PrefillPlan, Request
 from .sampling import sampling_mode
@@ -103,9 +105,6 @@ class ModelRunner:
             set_cpu_threads(config.cpu_threads)
         self.block_size = draft.config.block_size if draft is not None else 0
         self.verify_width = self.block_size + 1
-        if config.max_seq_len < self.verify_width + 2:
-            raise ValueError(f"max_seq_len {config.max_seq_len} leaves no room for a verify window of "
-                             f"{self.verify_width}")
         if config.routing_locality is not None:
             impose_routing_locality(target, config.routing_locality, config.max_batch)
         # inference only: parameters that require grad would make a compiled region traced outside
@@ -125,8 +124,8 @@ class ModelRunner:
         # replayed from graphs once captured; 0: eager prefill at each chunk's own shape
         self.prefill_runner = PrefillRunner(
             self.steps.prefill_logits, self.device,
-            prefill_buckets(config.max_batch, min(config.prefill_chunk, config.max_seq_len),
-                            config.prefill_graph_tokens), config.max_seq_len)
+            prefill_buckets(config.max_batch, min(config.prefill_chunk, self.max_seq_len),
+                            config.prefill_graph_tokens), self.tcache.max_seq_len)
         self.step_kind = StepKind.ROUND if draft is not None else StepKind.DECODE
         self.in_flight: _InFlight | None = None
         self._host_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -138,27 +137,53 @@ class ModelRunner:
     # -- construction --------------------------------------------------------------------------
     def _build_caches(self, config: EngineConfig) -> None:
         cfg = self.target.config
-        blocks = self._prefix_blocks(config)
-        self.tcache = TargetCache.allocate(cfg, config.max_batch, config.max_seq_len, self.verify_width, self.dtype,
-                                           self.device, block=config.prefix_block if blocks else 0)
-        self.dcache = None
         if self.draft is not None:
             check_draft_fits_target(self.draft.config, cfg)
             self.draft.attach_target(self.target.model.embed_tokens, self.target.lm_head)
-            self.dcache = DraftCache.allocate(self.draft.config, config.max_batch, config.max_seq_len, self.dtype,
-                                              self.device)
-        self.prefix_cache = PrefixCache(self.tcache, self.dcache, blocks, config.prefix_block) if blocks else None
+        size = config.page_size
+        n_pages = kv_pool_pages(config, self.page_nbytes(size), self.device, cfg.max_position_embeddings,
+                                cfg.vocab_size, self.verify_width)
+        # a request's prompt and output fit max_seq_len; past its last token a round's window and the
+        # draft's block are scratch, so a slot maps max_seq_len + verify_width positions
+        self.max_seq_len = resolve_max_seq_len(config, cfg.max_position_embeddings, n_pages * size,
+                                               self.verify_width)
+        positions = self.max_seq_len + self.verify_width
+        self.tcache = TargetCache.allocate(cfg, config.max_batch, positions, self.verify_width, self.dtype,
+                                           self.device, page_size=size, n_pages=n_pages)
+        self.dcache = None
+        if self.draft is not None:
+            self.dcache = DraftCache.allocate(self.draft.config, config.max_batch, positions, self.dtype,
+                                              self.device, page_size=size, n_pages=n_pages,
+                                              page_table=self.tcache.page_table)
+        self.pages = SlotPages(PagePool(n_pages), config.max_batch, self.tcache.page_table.shape[1], size,
+                               trash=n_pages)
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB), max_seq_len %d", n_pages, size,
+                 n_pages * size, n_pages * self.page_nbytes(size) / 2**30, self.max_seq_len)
+        blocks = self._prefix_blocks(config, n_pages)
+        self.prefix_cache = PrefixCache(self.tcache, self.pages, blocks, config.prefix_block) if blocks else None
         if config.prefix_cache_outputs and self.prefix_cache is None:
             raise ValueError("prefix_cache_outputs=True needs the prefix cache: leave prefix_cache_tokens at None "
                              "or give it a budget of at least one prefix_block")
 
-    @staticmethod
-    def _prefix_blocks(config: EngineConfig) -> int:
-        """The prefix cache's capacity in blocks (0: none)."""
+    def page_nbytes(self, page_size: int) -> int:
+        """Bytes of one KV page: every attention layer's K and V of the target and the draft."""
+        t = self.target.config
+        n = len(t.attention_layers) * t.num_key_value_heads * t.head_dim
+        if self.draft is not None:
+            d = self.draft.config
+            n += d.num_hidden_layers * d.num_key_value_heads * d.head_dim
+        return 2 * n * page_size * self.dtype.itemsize
+
+    def _prefix_blocks(self, config: EngineConfig, n_pages: int) -> int:
+        """The prefix cache's capacity in blocks (0: none): its budget of tokens, by default as many
+        blocks as the pool's pages make (cached blocks live in the pool's pages)."""
+        size = config.page_size
+        if config.prefix_block % size:
+            raise ValueError(f"prefix_block {config.prefix_block} must be a multiple of page_size {size}")
         tokens = config.prefix_cache_tokens
         if tokens is None:
-            tokens = config.max_batch * config.max_seq_len // 2
-        if config.prefix_block > config.max_seq_len:
+            tokens = n_pages * size
+        if config.prefix_block > self.max_seq_len:
             return 0           # no prompt can fill a block
         return tokens // config.prefix_block
 
@@ -254,7 +279,7 @@ class ModelRunner:
     def prefill_warm_shapes(self) -> list[tuple[int, int]]:
         """The ``(rows, length)`` prefills :meth:`warmup` runs. Off CUDA nothing is compiled, so one
         short prefill exercises the path."""
-        max_seq_len = self.options.max_seq_len
+        max_seq_len = self.max_seq_len
         if self.device.type != "cuda":
             return [(1, min(16, max_seq_len))]
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -280,6 +305,9 @@ class ModelRunner:
         (a request asking for prompt logprobs computes every position)."""
         for req in group:
             self.state.sampling.set(req.slot, req.params, req.seed, req.prompt_ids, req.stop_ids)
+            if req.output:        # resuming after a preemption: its output so far is in its history
+                self.state.sampling.record(to_device([req.slot], self.device),
+                                           to_device([req.output], self.device))
             cap = req.params.max_speculative_tokens
             self.state.draft_limit[req.slot] = NO_DRAFT_LIMIT if cap is None else cap
             if self.width_policy is not None:
@@ -287,8 +315,9 @@ class ModelRunner:
         lead, cache = group[0], self.prefix_cache
         if cache is None or lead.params.prompt_logprobs is not None:
             return
-        cache.stats.queries += len(lead.prompt_ids)
-        lead.prefilled = lead.cached_tokens = cache.load(cache.match(lead.prompt_ids), lead.slot)
+        context = lead.context_ids
+        cache.stats.queries += len(context)
+        lead.prefilled = lead.cached_tokens = cache.load(cache.match(context), lead.slot)
         cache.stats.hits += lead.cached_tokens
 
     def load_cached_prefix(self, job: Request) -> None:
@@ -309,7 +338,9 @@ class ModelRunner:
         Rows that ask for prompt logprobs run eagerly with every position's logits (they are rare, and
         no graph holds logits of every position), the others from the prefill runner's buckets."""
         rows = plan.rows
-        plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None]
+        self.pages.flush(self.tcache.page_table)
+        # a request resuming after a preemption has its prompt logprobs already
+        plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None or r.output]
         if len(plain) == len(rows):
             logits = self.prefill_runner.run(plan.chunks, [r.slot for r in rows], plan.starts)
         else:
@@ -347,17 +378,12 @@ class ModelRunner:
         return logits[len(chunk) - 1]
 
     def _cache_prefilled(self, rows: list[Request], ends: list[int]) -> None:
-        """After a prefill forward: store the conv state of the rows whose chunk ended on a block
-        boundary, then the full blocks of their prompts (runtime/prefix_cache.py)."""
+        """After a prefill forward: store the block each row's chunk completed, with the conv state
+        after it (runtime/prefix_cache.py)."""
         block = self.prefix_cache.block
-        at_boundary = [(r, end) for r, end in zip(rows, ends) if end % block == 0]
-        if at_boundary:
-            slots = to_device([r.slot for r, _ in at_boundary], self.device)
-            index = to_device([end // block - 1 for _, end in at_boundary], self.device)
-            self.tcache.block_state[:, slots, index] = self.tcache.conv_state[:, slots]
         for req, end in zip(rows, ends):
-            if end >= block:
-                self.prefix_cache.insert(req.prompt_ids, req.slot, end)
+            if end % block == 0:
+                self.prefix_cache.insert(req.context_ids, req.slot, end)
 
     @_numerics
     def first_tokens(self, plan: PrefillPlan, logits: torch.Tensor, done: list[tuple[Request, list[Request]]]
@@ -374,7 +400,7 @@ class ModelRunner:
         with self._constraints(requests, [[]] * len(requests)):
             picked, scores = self.steps.prefill_pick(logits.index_select(0, t(index)),
                                                      t([lead.slot for lead, _ in done]),
-                                                     t([len(lead.prompt_ids) for lead, _ in done]), mode)
+                                                     t([len(lead.context_ids) for lead, _ in done]), mode)
             out = []
             for j, (lead, others) in enumerate(done):
                 out.append(FirstToken(lead, picked[j], scores[j]))
@@ -389,15 +415,35 @@ class ModelRunner:
         first token from ``logits [V]`` (the prompt's last) with its own sampling state."""
         if not others:
             return []
-        n = len(lead.prompt_ids)
+        n = len(lead.context_ids)
         dst = [r.slot for r in others]
-        self.tcache.copy_prefix(lead.slot, dst, n)
-        if self.dcache is not None:
-            self.dcache.copy_prefix(lead.slot, dst, n)
+        self._share_pages(lead.slot, dst, n)
         slots = to_device(dst, self.device)
         picked, scores = self.steps.prefill_pick(logits[None].expand(len(dst), -1), slots, torch.full_like(slots, n),
                                                  mode)
         return [FirstToken(req, picked[j], scores[j]) for j, req in enumerate(others)]
+
+    def _share_pages(self, src: int, dst: list[int], length: int) -> None:
+        """Give slots ``dst`` the state slot ``src`` has after ``length`` tokens: its full pages by
+        reference, a copy of its last partial page (the samples write their own tokens there) and
+        the conv state."""
+        size = self.pages.page_size
+        full, partial = divmod(length, size)
+        shared = self.pages.pages[src][:full]
+        copies = []
+        for slot in dst:
+            self.pages.share(slot, shared)
+            if partial:
+                self.pages.ensure(slot, length)
+                copies.append(self.pages.pages[slot][full])
+        if copies:
+            index = to_device(copies, self.device)
+            source = to_device([self.pages.pages[src][full]] * len(copies), self.device)
+            for cache in (self.tcache, self.dcache):
+                if cache is not None:
+                    cache.copy_pages(source, index)
+        idx = to_device(dst, self.device)
+        self.tcache.conv_state[:, idx] = self.tcache.conv_state[:, src:src + 1]
 
     def read_first_tokens(self, started: list[FirstToken]) -> list[RoundResult]:
         """The first tokens on the host (one sync for them all) with the logprobs of those that ask."""
@@ -423,6 +469,7 @@ class ModelRunner:
         round's tokens (module doc: pipelined). A batch with a structured-output request runs its
         round at once instead (:meth:`_constrained_round`). On a failure no round is left in flight."""
         rows = [r for r in rows if not r.finished]
+        self.pages.flush(self.tcache.page_table)
         try:
             if any(r.matcher is not None for r in rows):
                 return self._constrained_round(rows)
@@ -564,7 +611,8 @@ class ModelRunner:
             inflight.done.synchronize()
         tokens, n_new = inflight.tokens.tolist(), inflight.n_new.tolist()
         width = inflight.tokens.shape[1]
-        live = [i for i, req in enumerate(inflight.requests) if not req.finished]
+        # rows of requests that finished, or were preempted (their slot taken back), are dropped
+        live = [i for i, req in enumerate(inflight.requests) if not req.finished and req.slot == inflight.slots[i]]
         verified = self._observe_round(inflight, live) if self.width_policy is not None else None
         results = []
         for j, i in enumerate(live):

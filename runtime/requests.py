@@ -75,7 +75,7 @@ class Request:
     submitted: float              # time.perf_counter()
     sink: Callable[[StreamEvent], None] | None = None     # where its events go
     slot: int | None = None
-    prefilled: int = 0                  # prompt tokens in the cache (prefill runs in chunks across steps)
+    prefilled: int = 0                  # context tokens in the cache (prefill runs in chunks across steps)
     cached_tokens: int = 0              # of them, copied from the prefix cache at admission
     output: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)   # tokens each round committed
@@ -94,10 +94,16 @@ class Request:
     cache_only: bool = False            # a finished turn's tokens prefilled into the prefix cache only
                                         # (Engine(prefix_cache_outputs=True)): no output, no events
     matcher: Matcher | None = None      # its structured-output state (SamplingParams.structured_outputs)
+    preemptions: int = 0                # times its KV pages were taken back (it resumed by recomputing them)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens its prefill runs: the prompt, and after a preemption the output so far too."""
+        return self.prompt_ids + self.output if self.output else self.prompt_ids
 
     @property
     def deadline(self) -> float | None:
@@ -208,7 +214,7 @@ class RequestLimits:
 
     vocab_size: int
     max_seq_len: int
-    verify_width: int                 # the round's window: a request needs room for one past its end
+    verify_width: int                 # the round's window (scratch past a request's tokens, outside max_seq_len)
     max_batch: int
     tokenizer: object | None = None
     chat: bool = True
@@ -228,12 +234,11 @@ def make_requests(prompt: Prompt, params: SamplingParams, limits: RequestLimits,
         ids = encode_prompt(prompt, limits.tokenizer, limits.vocab_size, limits.chat)
     except (PromptError, SamplingError) as e:
         raise RequestError(f"{label}{e}") from e
-    need = len(ids) + p.max_new_tokens + limits.verify_width
+    need = len(ids) + p.max_new_tokens
     if need > limits.max_seq_len:
-        raise RequestError(f"{label}prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) + "
-                           f"the verify window ({limits.verify_width}) = {need} exceeds max_seq_len "
-                           f"{limits.max_seq_len}: shorten the prompt, lower max_new_tokens, or build the "
-                           "engine with a larger max_seq_len")
+        raise RequestError(f"{label}prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = {need} "
+                           f"exceeds max_seq_len {limits.max_seq_len} (the context length): shorten the prompt, "
+                           "lower max_new_tokens, or build the engine with a larger max_seq_len (--max-model-len)")
     # explicit stop ids always stop; ignore_eos drops only the default (EOS) ones
     if p.stop_token_ids is not None:
         stops = frozenset(p.stop_token_ids)

@@ -13,6 +13,17 @@ overtakes an earlier large group. At a step where nothing decodes, prefills or i
 finished turns queued for the prefix cache (``Engine(prefix_cache_outputs=True)``) start first in
 free slots, and the queue waits a step, so that its prompts can match those blocks.
 
+**Pages** (runtime/pages.py). A slot's KV pages follow the request: its prefill takes pages as its
+chunks go (:meth:`Scheduler.next_prefill`), each round's rows are covered before it launches
+(:meth:`Scheduler.reserve_rounds`: the committed tokens, the round in flight and this round's
+window), and :meth:`Scheduler.release` gives them all back. Admission waits until the pool can
+hold the group's context and its first rounds, above a watermark of free pages kept for the
+running requests to grow. When the pool runs dry anyway (the cache gives back what it can first),
+the most recently admitted decoding request is **preempted** (vLLM's recompute policy): its pages
+and slot are freed and it goes back to the head of the queue with its output so far, which its
+next prefill recomputes after its prompt (``Request.context_ids``); its stream goes on where it
+stopped, no token lost or repeated.
+
 **The prefill plan** (:meth:`Scheduler.next_prefill`): while requests decode, one forward of at most
 ``prefill_budget`` tokens a step, padding included, so an arrival delays the decoding streams by one
 such chunk per round however long its prompt; with nothing decoding, every prompt to its end, the
@@ -25,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from .pages import OutOfPagesError, SlotPages
 from .requests import PrefillPlan, Request, RequestError
 from .sampling import SamplingParams
 
@@ -66,8 +78,14 @@ class SlotPool:
 class Scheduler:
     """Admission, slots and the prefill plan (module doc)."""
 
-    def __init__(self, max_batch: int, prefill_chunk: int, prefill_budget: int, alignment: int):
+    def __init__(self, max_batch: int, prefill_chunk: int, prefill_budget: int, alignment: int, pages: SlotPages,
+                 window: int):
+        """``pages``: the slots' KV pages; ``window``: the most positions a round writes past a
+        request's committed tokens (the verify window)."""
         self.pool = SlotPool(max_batch)
+        self.pages, self.window = pages, window
+        self.watermark = max(1, pages.pool.n_pages // 100)   # free pages admission leaves for growth
+        self.preemptions = 0
         self.prefill_chunk, self.prefill_budget, self.alignment = prefill_chunk, prefill_budget, alignment
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []      # holding slots, prompt partly prefilled (arrival order)
@@ -110,8 +128,12 @@ class Scheduler:
         :meth:`begin_prefill` once their cached prefix is loaded)."""
         if self.running or self.prefilling or round_in_flight:
             return []
-        jobs = []
+        jobs, promised = [], self._promised() + self.watermark
         while self.cache_jobs and self.pool.n_free:
+            need = self._need([self.cache_jobs[0]])
+            if promised + need > self.pages.pool.available():
+                break
+            promised += need
             job = self.cache_jobs.popleft()
             job.slot = self.pool.acquire()
             jobs.append(job)
@@ -125,11 +147,14 @@ class Scheduler:
         if self.cache_jobs and not self.running and not self.prefilling and round_in_flight:
             return []
         groups, now = [], time.perf_counter()
+        promised = self._promised() + self.watermark
         while self.waiting and self.pool.n_free:
             head = self.waiting[0]
             members = [head] if head.group is None else [r for r in self.waiting if r.group == head.group]
-            if len(members) > self.pool.n_free:
-                break                        # wait for enough slots
+            need = self._need(members)
+            if len(members) > self.pool.n_free or promised + need > self.pages.pool.available():
+                break                        # wait for enough slots and pages
+            promised += need
             for req in members:
                 self.waiting.remove(req)
                 req.slot = self.pool.acquire()
@@ -137,10 +162,23 @@ class Scheduler:
             groups.append(members)
         return groups
 
+    def _need(self, members: list[Request]) -> int:
+        """The pages a prompt's samples take until they decode: the context and two rounds' windows
+        of the first (less what its slot holds), two windows and a partly shared last page for each other."""
+        lead = members[0]
+        length = len(lead.context_ids) + 2 * self.window
+        mine = self.pages.pages_needed(lead.slot, length) if lead.slot is not None else \
+            -(-length // self.pages.page_size)
+        return mine + (len(members) - 1) * (-(-2 * self.window // self.pages.page_size) + 1)
+
+    def _promised(self) -> int:
+        """Pages the requests already admitted still need before they decode."""
+        return sum(self._need([lead, *self._followers.get(id(lead), ())]) for lead in self.prefilling)
+
     def begin_prefill(self, leader: Request, followers: Iterable[Request] = ()) -> None:
         """Start prefilling ``leader`` from ``leader.prefilled`` (after any cached prefix); a cache job
         whose tokens are all cached already has nothing to run and is released."""
-        if leader.prefilled >= len(leader.prompt_ids) and leader.cache_only:
+        if leader.prefilled >= len(leader.context_ids) and leader.cache_only:
             self.release_job(leader)
             return
         self.prefilling.append(leader)
@@ -159,15 +197,18 @@ class Scheduler:
         is nearly in."""
         budget = self.prefill_budget if self.running else None
         rows, chunks, width = [], [], 0
-        for req in self.prefilling:
-            take = self.chunk_len(req.prefilled, len(req.prompt_ids))
+        for req in list(self.prefilling):
+            context = req.context_ids
+            take = self.chunk_len(req.prefilled, len(context))
             if budget is not None:
                 cap = budget // (1 << len(rows).bit_length())     # rows 1, 2, 3-4, 5-8, ...: budget / that
                 if width > cap or cap == 0:
                     break
                 take = min(take, cap)
+            if not self._cover(req, req.prefilled + take, others=rows):
+                break                        # the pool is dry: the rest waits for pages
             rows.append(req)
-            chunks.append(req.prompt_ids[req.prefilled:req.prefilled + take])
+            chunks.append(context[req.prefilled:req.prefilled + take])
             width = max(width, take)
         if not rows:
             return None
@@ -186,7 +227,7 @@ class Scheduler:
         :meth:`start_running` them once their first token is picked)."""
         for req, end in zip(plan.rows, plan.ends):
             req.prefilled = end
-        done = [r for r in plan.rows if r.prefilled == len(r.prompt_ids)]
+        done = [r for r in plan.rows if r.prefilled == len(r.context_ids)]
         for job in [r for r in done if r.cache_only]:
             self.release_job(job)
         done = [r for r in done if not r.cache_only]
@@ -209,6 +250,48 @@ class Scheduler:
         self._followers.pop(id(req), None)
         self.running.append(req)
 
+    # -- pages ---------------------------------------------------------------------------------
+    def reserve_rounds(self, round_in_flight: bool) -> list[Request]:
+        """Cover every decoding request's next round with pages: its committed tokens (prompt and
+        output), the round in flight (``round_in_flight``: up to a window more) and this round's
+        window, oldest request first, preempting the newest where the pool runs dry. Returns the
+        requests preempted (back at the head of the queue)."""
+        preempted: list[Request] = []
+        ahead = self.window * (2 if round_in_flight else 1)
+        for req in list(self.running):
+            if req in self.running and not self._cover(req, len(req.prompt_ids) + len(req.output) + ahead,
+                                                        preempted=preempted):
+                self.preempt(req)
+                preempted.append(req)
+        return preempted
+
+    def _cover(self, req: Request, length: int, others: list[Request] = (),
+               preempted: list[Request] | None = None) -> bool:
+        """Give ``req``'s slot pages up to ``length`` positions, preempting newer decoding requests
+        (not ``others``) while the pool cannot; False when nothing is left to preempt."""
+        while True:
+            try:
+                self.pages.ensure(req.slot, length)
+                return True
+            except OutOfPagesError:
+                victims = [r for r in self.running if r is not req and r not in others]
+                if preempted is None or not victims:
+                    return False
+                victim = max(victims, key=lambda r: r.admitted_at)
+                self.preempt(victim)
+                preempted.append(victim)
+
+    def preempt(self, req: Request) -> None:
+        """Take a decoding request's pages and slot back; it waits at the head of the queue and resumes
+        by prefilling its prompt and output so far (module doc)."""
+        self.running.remove(req)
+        self.pages.release(req.slot)
+        self.pool.release(req.slot)
+        req.slot, req.prefilled, req.cached_tokens = None, 0, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
     # -- finishing -----------------------------------------------------------------------------
     def release(self, req: Request) -> None:
         """``req`` finished: its slot is free and it leaves every queue; a prefilling leader's first
@@ -216,6 +299,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         if req.slot is not None:
+            self.pages.release(req.slot)
             self.pool.release(req.slot)
             req.slot = None
         if req in self.running:
@@ -228,6 +312,7 @@ class Scheduler:
         if job in self.prefilling:
             self.prefilling.remove(job)
         if job.slot is not None:
+            self.pages.release(job.slot)
             self.pool.release(job.slot)
             job.slot = None
 

@@ -265,7 +265,7 @@ class Steps:
         if inp.width == 1:
             return Drafted(None, None)
         draft, cache = self.draft, self.dcache
-        caches = draft.layer_caches(cache)
+        caches = cache.layer_caches()
         with exact_scope(False):         # the draft: default routes (ops/routing.py)
             x, delta, s, lens = self.draft_head(inp.slots, caches[0])
             x, delta = draft.run_layers(x, delta, caches[1:], cache.rope, inp.slots, s, lens,
@@ -273,7 +273,7 @@ class Steps:
             return self.finish_draft(inp, x, delta)
 
     @region(draft=True)
-    def draft_head(self, slots: torch.Tensor, first_cache: tuple[torch.Tensor, torch.Tensor]
+    def draft_head(self, slots: torch.Tensor, first_cache: LayerCache
                    ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
         """The draft up to its second layer: the block's embeddings and lens, and its first layer.
         Returns ``(x, delta, s, lens)``, what the later layers take (each reads its RoPE rows itself:

@@ -87,10 +87,9 @@ def startup_line(engine: Engine, model_name: str, host: str, port: int, api_key:
     else:
         draft = cfg.draft or f"preset {draft_preset_name(cfg)}"
     dtype = str(engine.dtype).removeprefix("torch.")
-    context = engine.max_seq_len - engine.verify_width
     graphs = "on" if engine.cuda_graphs else "off"
     return (f"serving {model_name!r} on http://{host}:{port}: model {model}, draft {draft}, {dtype} on "
-            f"{engine.device}, context {context} tokens (max_seq_len {engine.max_seq_len} less the verify window), "
+            f"{engine.device}, context {engine.max_seq_len} tokens, "
             f"{engine.max_batch} slots, CUDA graphs {graphs}, API key {'required' if api_key else 'off'}")
 
 

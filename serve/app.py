@@ -137,8 +137,7 @@ class Frontend:
     the routes run in worker threads.
 
     ``context``: the most tokens a request's prompt and ``max_tokens`` may total, which
-    ``/v1/models`` advertises as ``max_model_len``: the engine's ``max_model_len`` less the verify
-    window it keeps free past a request's last token. ``max_chars``: a text longer than this cannot
+    ``/v1/models`` advertises as ``max_model_len``: the engine's ``max_model_len``. ``max_chars``: a text longer than this cannot
     fit ``context`` tokens whatever it says, since no token spells more characters than the
     vocabulary's longest entry (a byte-level entry spells its bytes, a SentencePiece one its
     characters); such a text is refused without being tokenized. ``reasoning``: a reasoning

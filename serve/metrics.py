@@ -173,7 +173,7 @@ class _EngineState:
     def collect(self) -> Iterator[Metric]:
         usage = self.engine.usage() if self.engine is not None else {}
         waiting = self.engine.num_waiting if self.engine is not None else 0
-        slots, blocks = usage.get("slots", 0), usage.get("prefix_cache_capacity", 0)
+        pages, blocks = usage.get("kv_pages", 0), usage.get("prefix_cache_capacity", 0)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -189,10 +189,10 @@ class _EngineState:
                     usage.get("slots_in_use", 0))
         yield gauge("lfmspark:num_requests_waiting", "Requests submitted and not yet admitted.", waiting)
         yield gauge("lfmspark:kv_cache_usage_perc",
-                    "KV-cache usage, 1 = full: state slots in use over the slots (--max-batch). Each slot "
-                    "reserves its whole KV cache and conv state when the engine starts, so a slot in use is its "
-                    "cache in use; the prefix cache's blocks are counted apart.",
-                    usage.get("slots_in_use", 0) / slots if slots else 0.0)
+                    "KV-cache usage, 1 = full: KV pages in use (by requests or the prefix cache) over the pool's "
+                    "pages.", usage.get("kv_pages_in_use", 0) / pages if pages else 0.0)
+        yield counter("lfmspark:num_preemptions", "Requests preempted when the KV pool ran out (each resumed by "
+                      "recomputing its tokens).", usage.get("preemptions", 0))
         yield gauge("lfmspark:prefix_cache_usage_perc",
                     "Prefix-cache usage, 1 = full: blocks held over its capacity (0 without a prefix cache).",
                     usage.get("prefix_cache_blocks", 0) / blocks if blocks else 0.0)

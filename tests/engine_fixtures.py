@@ -191,3 +191,13 @@ def save_tiny_draft(path: Path, seed: int = 1, **changes) -> Path:
         json.dump(cfg, f, indent=1)
     save_file({k: v.contiguous() for k, v in draft_tensors(cfg, seed).items()}, str(path / "model.safetensors"))
     return path
+
+
+def map_slots(engine, slots) -> None:
+    """Give ``slots`` KV pages for the engine's whole ``max_seq_len``, for tests that run rounds or
+    steps on slots themselves, outside the scheduler (which covers each round's rows as it goes)."""
+    runner = engine.model_runner
+    for slot in slots:
+        if slot >= 0:
+            runner.pages.ensure(slot, runner.max_seq_len)
+    runner.pages.flush(runner.tcache.page_table)

@@ -411,6 +411,7 @@ def measure_engine(engine: Engine, cfg: BenchConfig, batch: int, copy_gbps: floa
         "step_ms": step_s * 1e3, "step_bytes": n_bytes, "step_gbps": n_bytes / step_s / 1e9,
         "loop_step_ms": percentile(loop_step, 50) * 1e3,
         "peak_memory_bytes": peak,
+        "kv_cache": engine.kv_cache_info(),
         "prefill_ms": prefill_s * 1e3, "prefill_bucket": bucket,
         "prefill_tflops": prefill_flops(engine, batch, cfg.prompt_len) / prefill_s / 1e12,
     }

@@ -503,9 +503,11 @@ def _run_in_process(cfg: ServeBenchConfig) -> dict:
                 lambda t, e=engine: _summarise(*asyncio.run(_serve_trace(e, t, cfg)), None, warmup_s))
             if engine.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(engine.device)
+        engine.kv_pages.peak_in_use = engine.kv_pages.in_use
         results, duration = asyncio.run(_serve_trace(engine, served, cfg))
         peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else None
         report["results"][kind] = _summarise(results, duration, peak, warmup_s)
+        report["results"][kind]["kv_cache"] = {**engine.kv_cache_info(), "preemptions": engine.num_preemptions}
         if rate is not None:
             report["results"][kind]["request_rate"] = rate
         del engine

@@ -1,15 +1,25 @@
-"""Attention of a token window over the slot-indexed KV cache (GQA, per-row lengths).
+"""Attention of a token window over the paged KV cache (GQA, per-row lengths).
+
+Cache layout (shared by every op of this package): ``k_cache``/``v_cache [L, n_pages, page_size,
+n_kv, hd]`` hold fixed-size pages of positions, and ``page_table [R, max_pages]`` (int32, contiguous
+rows) maps logical page ``j`` of slot ``s`` to a physical page: position ``pos`` of slot ``s`` is
+``cache[layer, page_table[s, pos // page_size], pos % page_size]``. A slot's length is
+``S = max_pages * page_size``; the ops read only the table entries of positions they read or write,
+so entries past a slot's used length may hold anything. Pages need not be contiguous, ordered or
+distinct between slots (a shared prefix may map to the same pages); pages a call writes must not be
+read by another of its rows. Row ``b`` of a call addresses slot ``slots[b]`` (``-1``: a padding row,
+which reads no table entry).
 
 ``q [B, T, n_heads, hd]`` for row ``b`` sits at positions ``start[b] .. start[b] + T - 1``; the window's
-own K/V are already in ``k_cache``/``v_cache [L, slots, S, n_kv, hd]`` (written by the KV-write ops
-before the call). Query ``t`` attends to cache positions ``[0, start[b] + t + 1)`` when ``causal``
-(target prefill / decode / verify) and to ``[0, start[b] + T)`` otherwise (the DSpark draft block,
-non-causal inside the block), both clipped to the cache length. Query head ``h`` reads KV head
+own K/V are already in the cache (written by the KV-write ops before the call). Query ``t`` attends to
+positions ``[0, start[b] + t + 1)`` when ``causal`` (target prefill / decode / verify) and to
+``[0, start[b] + T)`` otherwise (the DSpark draft block, non-causal inside the block), both clipped to
+``S``. Query head ``h`` reads KV head
 ``h // (n_heads // n_kv)`` (``repeat_interleave`` order). Softmax in fp32, output in ``q``'s dtype;
 rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
 ignore.
 
-``exact`` (exact mode): the launch plan follows the cache length ``S`` only, never the
+``exact`` (exact mode): the launch plan follows the slot length ``S`` only, never the
 window, the batch or the SMs: 16-row query tiles, 64-key blocks, and key slices of a fixed span
 of absolute positions (``plan_launch``). A query then visits the same key blocks in the same order
 and its slices merge in the same order whether it is a decode step's token, a verify window's or a
@@ -62,14 +72,14 @@ def _exact_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROWWISE: tl.
 # The ints that change with the prompt length and the batch are not specialized (Triton would
 # otherwise compile a variant per "== 1" / "% 16 == 0" class of each): every prefill shape of one
 # launch class (``AttentionLaunch.variant``) then shares one binary, which the engine's prefill
-# warm-up compiles before traffic (runtime/engine.py). The cache length S is fixed per engine.
+# warm-up compiles before traffic (runtime/engine.py). The slot length S is fixed per engine.
 @triton.jit(do_not_specialize=["T", "n_rows", "n_out_rows", "num_splits"])
 def _cache_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, slots_ptr, start_ptr,
+    q_ptr, kc_ptr, vc_ptr, pt_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, slots_ptr, start_ptr,
     T, S, H, n_kv, n_rows, n_out_rows, num_splits, qk_scale,
     stride_qb, stride_qt, stride_qh,
-    stride_cs, stride_cp, stride_ch,
-    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
+    stride_cpage, stride_cp, stride_ch, stride_pt,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     DOT_ROWWISE: tl.constexpr, FIXED_SLICES: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -78,7 +88,7 @@ def _cache_attention_kernel(
         tl.extra.cuda.gdc_wait()
     # One program: BLOCK_M rows = flattened (token, head-in-group) pairs of one (batch row, kv head),
     # against one slice of the key range (the whole range unless SPLIT). Every K/V tile is loaded
-    # once for the whole GQA group. ``kc_ptr``/``vc_ptr`` already point at the layer's cache.
+    # once for the whole GQA group. ``kc_ptr``/``vc_ptr`` already point at the layer's pages.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest tiles start first
     b = tl.program_id(1) // n_kv
     kvh = tl.program_id(1) % n_kv
@@ -111,16 +121,21 @@ def _cache_attention_kernel(
 
     q_offs = b * stride_qb + t * stride_qt + h * stride_qh
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = kc_ptr + slot * stride_cs + kvh * stride_ch
-    v_base = vc_ptr + slot * stride_cs + kvh * stride_ch
+    table = pt_ptr + tl.maximum(slot, 0) * stride_pt  # the slot's page table row (padding: no key reads it)
+    k_base = kc_ptr + kvh * stride_ch
+    v_base = vc_ptr + kvh * stride_ch
 
     # online softmax in the log2 domain (qk_scale includes log2(e))
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    # each key block's pages are loaded one block ahead (loop-carried): a block's K/V loads then depend
+    # on no load of their own iteration, and Triton pipelines them as deep as a dense cache's
+    pages = _load_pages(table, lo + tl.arange(0, BLOCK_N), hi, PAGE)
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        kv_offs = keys[:, None] * stride_cp + dims[None, :]
+        kv_offs = _page_offsets(pages, keys, stride_cpage, stride_cp, PAGE)[:, None] + dims[None, :]
+        pages = _load_pages(table, keys + BLOCK_N, hi, PAGE)
         k = tl.load(k_base + kv_offs, mask=(keys < hi)[:, None], other=0.0)
         qk = _exact_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST, DOT_ROWWISE) * qk_scale
         qk = tl.where(keys[None, :] < row_end[:, None], qk, float("-inf"))
@@ -136,6 +151,19 @@ def _cache_attention_kernel(
 
     _store_rows(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, (b * T + t) * H + h, row_ok, split,
                 n_out_rows, HD, SPLIT)
+
+
+@triton.jit
+def _load_pages(table, pos, n_pos, PAGE: tl.constexpr):
+    """The physical pages of positions ``pos`` of a slot, from its page table row ``table``; positions
+    at or past ``n_pos`` read no entry (page 0: their K/V loads are masked)."""
+    return tl.load(table + pos // PAGE, mask=pos < n_pos, other=0)
+
+
+@triton.jit
+def _page_offsets(pages, pos, stride_page, stride_cp, PAGE: tl.constexpr):
+    """Offsets (int64) of positions ``pos`` on their ``pages`` (:func:`_load_pages`) in a layer's cache."""
+    return pages.to(tl.int64) * stride_page + (pos % PAGE) * stride_cp
 
 
 @triton.jit
@@ -155,7 +183,7 @@ def _split_range(n_keys, split, num_splits, BLOCK_N: tl.constexpr, SPLIT: tl.con
 @triton.jit
 def _fixed_split_range(n_keys, span, split, num_splits, BLOCK_N: tl.constexpr):
     """Keys ``[lo, hi)`` of slice ``split`` of ``[0, span)`` cut into ``num_splits`` slices of whole key
-    blocks (their bounds follow ``span``, the cache length, alone), clipped to ``[0, n_keys)``."""
+    blocks (their bounds follow ``span``, the slot length, alone), clipped to ``[0, n_keys)``."""
     chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     lo = tl.minimum(split * chunk, n_keys)
     hi = tl.minimum(lo + chunk, n_keys)
@@ -244,7 +272,7 @@ def _key_config(n_rows: int, hd: int, elem_size: int, split: bool) -> tuple[int,
 
 def _pick_splits(n_programs: int, n_rows: int, S: int, block_n: int, sms: int) -> int:
     """Key-range splits for ``n_programs`` (batch rows x kv heads x row tiles) of ``n_rows`` rows each
-    on ``sms`` SMs. Static information only (the actual lengths live on the device, so the cache
+    on ``sms`` SMs. Static information only (the actual lengths live on the device, so the slot
     length ``S`` bounds the useful number of slices): none once the programs fill at least half a
     wave of SMs, else about ``_PROGRAMS_PER_SM`` programs per SM, and at most
     ``_MAX_WIDE_SPLITS`` for windows of 33-64 rows (one row tile). Measured at 1.2B shapes:
@@ -283,7 +311,7 @@ class AttentionLaunch:
 
 def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: int, sms: int,
                 num_splits: int | None = None, exact: bool = False) -> AttentionLaunch:
-    """The launch of a ``[B, T, H, hd]`` query window over a cache of length ``S`` on ``sms`` SMs;
+    """The launch of a ``[B, T, H, hd]`` query window over slots of length ``S`` on ``sms`` SMs;
     ``num_splits`` overrides the occupancy heuristic, and so does ``LFMSPARK_TUNE``'s
     ``attention.num_splits`` (ops/tuning.py) for the launches the heuristic splits. ``exact``: the
     plan of exact mode, a function of ``S`` alone (module doc)."""
@@ -302,14 +330,31 @@ def plan_launch(B: int, T: int, H: int, n_kv: int, hd: int, S: int, elem_size: i
     return AttentionLaunch(block_m, n_tiles, num_splits, block_n, num_warps, num_stages)
 
 
-def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                           slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+def slot_length(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor) -> int:
+    """``S = max_pages * page_size`` of a paged cache (module doc), after checking ``page_table`` (the
+    kernels read it as int32 rows with unit stride) and that both caches have the same pages."""
+    if page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32, got {page_table.dtype}")
+    if page_table.dim() != 2:
+        raise ValueError(f"page_table must be 2-D [rows, max_pages], got shape {tuple(page_table.shape)}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table must be contiguous along its pages (stride(1) == 1), got {page_table.stride()}")
+    if page_table.device != k_cache.device:
+        raise ValueError(f"page_table is on {page_table.device}, the caches on {k_cache.device}")
+    if k_cache.dim() != 5 or k_cache.shape[:4] != v_cache.shape[:4]:
+        raise ValueError("k_cache and v_cache must be [L, n_pages, page_size, n_kv, hd] with the same pages, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    return page_table.shape[1] * k_cache.shape[2]
+
+
+def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                           layer: int, slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
                            num_splits: int | None = None, exact: bool = False) -> torch.Tensor:
     """Triton implementation of :func:`cache_attention`; ``num_splits`` forces the number of
     key-range slices (1: single pass) instead of the occupancy heuristic; ``exact``: exact mode's
     launch plan (module doc)."""
     B, T, H, hd = q.shape
-    S, n_kv = k_cache.shape[2], k_cache.shape[3]
+    S, n_kv = slot_length(k_cache, v_cache, page_table), k_cache.shape[3]
     if H % n_kv != 0:
         raise ValueError(f"n_heads {H} is not a multiple of n_kv {n_kv}")
     if hd < 16 or hd & (hd - 1) or k_cache.shape[4] != hd:
@@ -329,11 +374,11 @@ def cache_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_m, part_l, part_acc = split_partials(out, num_splits)
     kc, vc = k_cache[layer], v_cache[layer]  # views: the layer offset is folded into the pointer
     _cache_attention_kernel[(launch.n_tiles, B * n_kv, num_splits)](
-        q, kc, vc, out, part_m, part_l, part_acc, slots, start,
+        q, kc, vc, page_table, out, part_m, part_l, part_acc, slots, start,
         T, S, H, n_kv, T * group, B * T * H, num_splits, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd,
+        kc.stride(0), kc.stride(1), kc.stride(2), page_table.stride(0),
+        CAUSAL=bool(causal), SPLIT=split, GROUP=group, HD=hd, PAGE=k_cache.shape[2],
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
         DOT_UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
@@ -370,14 +415,21 @@ def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.T
 # ---------------------------------------------------------------------------------------------
 # reference
 
-def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                              slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+def read_slot(cache: torch.Tensor, page_table: torch.Tensor, layer: int, slot: int, end: int) -> torch.Tensor:
+    """Positions ``[0, end)`` of ``slot`` in layer ``layer`` of a paged cache: ``[end, n_kv, hd]``."""
+    page = cache.shape[2]
+    pages = page_table[slot, :triton.cdiv(max(end, 0), page)].long()
+    return cache[layer, pages].flatten(0, 1)[:max(end, 0)]
+
+
+def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                              layer: int, slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
                               window_lens: torch.Tensor | None = None) -> torch.Tensor:
     """The op's oracle, in fp32; with ``window_lens``, the window's keys at or past ``window_lens[b]``
     are hidden too (ops/attention/window_attention.py's semantics). Each kv head's ``group`` query heads are
     one ``[T * group, hd]`` matrix of its products (grouped-query attention without repeating K/V)."""
     B, T, n_heads, hd = q.shape
-    S, n_kv = k_cache.shape[2], k_cache.shape[3]
+    S, n_kv = page_table.shape[1] * k_cache.shape[2], k_cache.shape[3]
     group = n_heads // n_kv
     out = torch.zeros_like(q)
     lens = [T] * B if window_lens is None else [min(n, T) for n in window_lens.tolist()]
@@ -385,8 +437,8 @@ def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if slot < 0:
             continue
         end = min(s0 + n, S)
-        k = k_cache[layer, slot, :end].float()                                 # [end, n_kv, hd]
-        v = v_cache[layer, slot, :end].float()
+        k = read_slot(k_cache, page_table, layer, slot, end).float()           # [end, n_kv, hd]
+        v = read_slot(v_cache, page_table, layer, slot, end).float()
         qg = q[b].float().view(T, n_kv, group, hd).transpose(0, 1).reshape(n_kv, T * group, hd)
         scores = (torch.bmm(qg, k.permute(1, 2, 0)) * scale).view(n_kv, T, group, end)
         if causal and T > 1:     # a single query (decode) sees every key: they all precede it
@@ -403,21 +455,22 @@ def cache_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # op
 
 @torch.library.custom_op("lfmspark::cache_attention", mutates_args=())
-def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                    slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    layer: int, slots: torch.Tensor, start: torch.Tensor, causal: bool, scale: float,
                     exact: bool = False) -> torch.Tensor:
-    """Attention output ``[B, T, n_heads, hd]`` of the window over layer ``layer`` of the cache
+    """Attention output ``[B, T, n_heads, hd]`` of the window over layer ``layer`` of the paged cache
     (``exact``: exact mode's launch plan, each query's bits independent of the launch; module doc)."""
     if use_triton(q):
-        return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=exact)
-    return cache_attention_reference(q, k_cache, v_cache, layer, slots, start, causal, scale)
+        return cache_attention_triton(q, k_cache, v_cache, page_table, layer, slots, start, causal, scale,
+                                      exact=exact)
+    return cache_attention_reference(q, k_cache, v_cache, page_table, layer, slots, start, causal, scale)
 
 
 @cache_attention.register_kernel("cuda")
-def _cache_attention_cuda(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=False):
-    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=exact)
+def _cache_attention_cuda(q, k_cache, v_cache, page_table, layer, slots, start, causal, scale, exact=False):
+    return cache_attention_triton(q, k_cache, v_cache, page_table, layer, slots, start, causal, scale, exact=exact)
 
 
 @cache_attention.register_fake
-def _cache_attention_fake(q, k_cache, v_cache, layer, slots, start, causal, scale, exact=False):
+def _cache_attention_fake(q, k_cache, v_cache, page_table, layer, slots, start, causal, scale, exact=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

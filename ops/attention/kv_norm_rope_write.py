@@ -7,9 +7,12 @@ target context against all layers' stacked ``k_proj``/``v_proj`` weights produce
 token and layer: per-head RMSNorm of K over ``head_dim`` with fp32 statistics, multiplied by the
 layer's ``k_norm`` weight and **rounded to the activation dtype before rotation** (the unfused
 path materialises it, reference/sglang.md §6.2), then RoPE at position ``start[b] + t`` with fp32
-cos/sin and one final rounding, then K and V (unchanged) are stored at
-``cache[layer, slots[b], start[b] + t]``. Only the first ``lens[b]`` columns of each row are written
-(the commit mask), rows with slot ``-1`` are skipped, and positions past the cache are never written.
+cos/sin and one final rounding, then K and V (unchanged) are stored at position ``start[b] + t`` of slot
+``slots[b]`` in the paged caches ``k_cache``/``v_cache [L, n_pages, page_size, n_kv, hd]``: at
+``cache[layer, page_table[slots[b], pos // page_size], pos % page_size]`` (the layout:
+ops/attention/cache_attention.py). Only the first ``lens[b]`` columns of each row are written (the
+commit mask), rows with slot ``-1`` are skipped, and positions at or past the slot length
+``S = page_table.shape[1] * page_size`` are never written; a skipped token reads no table entry.
 
 ``lfmspark::qkv_norm_rope_write`` is the target attention's variant: one layer, K and V taken from
 the fused ``qkv`` projection, and the queries normalised and rotated by the same program (with
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import pdl_kwargs, use_triton
+from .cache_attention import slot_length
 from .rope import apply_rope, gather_cos_sin, window_positions
 
 
@@ -172,13 +176,13 @@ def _norm_rope_store(src, w_row, cos, sin, dst, stride_dh, eps, n_heads,
 
 @triton.jit
 def _kv_norm_rope_write_kernel(
-    kv_ptr, w_ptr, cs_ptr, kc_ptr, vc_ptr, slots_ptr, start_ptr, lens_ptr, q_ptr, qw_ptr, q_out_ptr,
+    kv_ptr, w_ptr, cs_ptr, kc_ptr, vc_ptr, pt_ptr, slots_ptr, start_ptr, lens_ptr, q_ptr, qw_ptr, q_out_ptr,
     T, S, P, first_layer, eps,
-    stride_xb, stride_xt, stride_wl, stride_cs, stride_qb, stride_qt,
-    stride_kl, stride_ks, stride_kp, stride_kh,
-    stride_vl, stride_vs, stride_vp, stride_vh,
+    stride_xb, stride_xt, stride_wl, stride_cs, stride_qb, stride_qt, stride_pt,
+    stride_kl, stride_kpage, stride_kp, stride_kh,
+    stride_vl, stride_vpage, stride_vp, stride_vh,
     N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HD: tl.constexpr, IS_NEOX: tl.constexpr,
-    N_Q: tl.constexpr, BLOCK_Q: tl.constexpr, PDL: tl.constexpr,
+    N_Q: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
@@ -195,6 +199,8 @@ def _kv_norm_rope_write_kernel(
     slot = tl.load(slots_ptr + b)
     pos = tl.load(start_ptr + b) + t
     ok = (slot >= 0) & (t < tl.load(lens_ptr + b)) & (pos < S)
+    # the position's page, through the slot's page table row (a skipped token reads no entry)
+    page = tl.load(pt_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pt + pos // PAGE, mask=ok, other=0)
     HALF: tl.constexpr = HD // 2
     ACT: tl.constexpr = kv_ptr.dtype.element_ty
     j = tl.arange(0, HALF)[None, :]
@@ -217,13 +223,14 @@ def _kv_norm_rope_write_kernel(
     layer = (first_layer + i).to(tl.int64)
     n_heads = tl.where(ok, N_KV, 0)
     k_src = kv_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt + i.to(tl.int64) * (2 * N_KV * HD)
-    k_dst = kc_ptr + layer * stride_kl + slot.to(tl.int64) * stride_ks + pos.to(tl.int64) * stride_kp
+    cell = pos % PAGE
+    k_dst = kc_ptr + layer * stride_kl + page.to(tl.int64) * stride_kpage + cell * stride_kp
     _norm_rope_store(k_src, w_ptr + layer * stride_wl, cos, sin, k_dst, stride_kh, eps, n_heads,
                      BLOCK_H, HD, IS_NEOX, ACT)
     h = tl.arange(0, BLOCK_H)[:, None]
     md = (h < n_heads) & (d < HD)
     v = tl.load(k_src + N_KV * HD + h * HD + d, mask=md)
-    v_dst = vc_ptr + layer * stride_vl + slot.to(tl.int64) * stride_vs + pos.to(tl.int64) * stride_vp + h * stride_vh
+    v_dst = vc_ptr + layer * stride_vl + page.to(tl.int64) * stride_vpage + cell * stride_vp + h * stride_vh
     tl.store(v_dst + d, v.to(vc_ptr.dtype.element_ty), mask=md)
 
 
@@ -246,8 +253,8 @@ def _check_heads(n_kv: int, hd: int, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _launch(kv: torch.Tensor, k_norm_weight: torch.Tensor, stride_wl: int, cos_sin: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int, n: int, slots: torch.Tensor,
-            start: torch.Tensor, lens: torch.Tensor, eps: float, is_neox: bool,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, S: int, first_layer: int,
+            n: int, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, eps: float, is_neox: bool,
             q: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
             q_out: torch.Tensor | None = None) -> None:
     B, T = kv.shape[:2]
@@ -258,33 +265,34 @@ def _launch(kv: torch.Tensor, k_norm_weight: torch.Tensor, stride_wl: int, cos_s
         q, q_norm_weight, q_out = kv, k_norm_weight, kv
     # (B*T, n): index tensors are read on the device only, so the launch is graph-capturable
     _kv_norm_rope_write_kernel[(B * T, n)](
-        kv, k_norm_weight, cos_sin, k_cache, v_cache, slots, start, lens, q, q_norm_weight, q_out,
-        T, k_cache.shape[2], cos_sin.shape[0], first_layer, eps,
-        kv.stride(0), kv.stride(1), stride_wl, cos_sin.stride(0), q.stride(0), q.stride(1),
+        kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, slots, start, lens, q, q_norm_weight, q_out,
+        T, S, cos_sin.shape[0], first_layer, eps,
+        kv.stride(0), kv.stride(1), stride_wl, cos_sin.stride(0), q.stride(0), q.stride(1), page_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HD=hd, IS_NEOX=is_neox,
-        N_Q=n_q, BLOCK_Q=triton.next_power_of_2(max(n_q, 1)),
+        N_Q=n_q, BLOCK_Q=triton.next_power_of_2(max(n_q, 1)), PAGE=k_cache.shape[2],
         num_warps=_NUM_WARPS if n_q == 0 else _QKV_NUM_WARPS, **pdl_kwargs(kv),
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
     )
 
 
 def kv_norm_rope_write_triton(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos_sin: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
-                              slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                              first_layer: int, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
                               eps: float, is_neox: bool) -> None:
     B, T, width = kv.shape
     n_kv, hd = k_cache.shape[-2:]
     n = width // (2 * n_kv * hd)
     _check_heads(n_kv, hd, k_cache, v_cache)
+    S = slot_length(k_cache, v_cache, page_table)
     if width != n * 2 * n_kv * hd:
         raise ValueError(f"kv width {width} is not a multiple of 2 * n_kv * head_dim = {2 * n_kv * hd}")
     if B * T * n == 0:
         return
     weight = _inner_contiguous(k_norm_weight)
-    _launch(_inner_contiguous(kv), weight, weight.stride(0), cos_sin, k_cache, v_cache, first_layer, n, slots,
-            start, lens, eps, is_neox)
+    _launch(_inner_contiguous(kv), weight, weight.stride(0), cos_sin, k_cache, v_cache, page_table, S, first_layer, n,
+            slots, start, lens, eps, is_neox)
 
 
 def _split_qkv(qkv: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -300,19 +308,20 @@ def _split_qkv(qkv: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]
 
 
 def qkv_norm_rope_write_triton(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                               cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                               slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
-                               eps: float, is_neox: bool) -> torch.Tensor:
+                               cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_table: torch.Tensor, layer: int, slots: torch.Tensor, start: torch.Tensor,
+                               lens: torch.Tensor, eps: float, is_neox: bool) -> torch.Tensor:
     B, T, _ = qkv.shape
     n_q, n_kv, hd = _split_qkv(qkv, k_cache)
     _check_heads(n_kv, hd, k_cache, v_cache)
+    S = slot_length(k_cache, v_cache, page_table)
     q_out = torch.empty((B, T, n_q, hd), dtype=qkv.dtype, device=qkv.device)
     if B * T == 0:
         return q_out
     qkv = _inner_contiguous(qkv)
     # the layer's one weight row serves every program (row stride 0)
-    _launch(qkv[..., n_q * hd:], _inner_contiguous(k_norm_weight), 0, cos_sin, k_cache, v_cache, layer, 1, slots,
-            start, lens, eps, is_neox, q=qkv, q_norm_weight=_inner_contiguous(q_norm_weight), q_out=q_out)
+    _launch(qkv[..., n_q * hd:], _inner_contiguous(k_norm_weight), 0, cos_sin, k_cache, v_cache, page_table, S, layer,
+            1, slots, start, lens, eps, is_neox, q=qkv, q_norm_weight=_inner_contiguous(q_norm_weight), q_out=q_out)
     return q_out
 
 
@@ -328,23 +337,27 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
     return apply_rope((x_hat * weight.to(x.dtype)).float(), cos, sin, is_neox)
 
 
-def _write_window(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
-                  slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor) -> None:
-    """Store ``k, v [B, T, n, n_kv, hd]`` at ``cache[first_layer + i, slots[b], start[b] + t]`` for
-    ``t < lens[b]`` and positions inside the cache, skipping rows with slot ``-1``: one slice per row,
-    every layer at once."""
+def _write_window(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  page_table: torch.Tensor, first_layer: int, slots: torch.Tensor, start: torch.Tensor,
+                  lens: torch.Tensor) -> None:
+    """Store ``k, v [B, T, n, n_kv, hd]`` at position ``start[b] + t`` of slot ``slots[b]`` in layers
+    ``first_layer + i`` of the paged caches, for ``t < lens[b]`` and positions below the slot length,
+    skipping rows with slot ``-1``: one indexed store per row, every layer at once."""
     T, n = k.shape[1], k.shape[2]
+    page = k_cache.shape[2]
     layers = slice(first_layer, first_layer + n)
     for b, (slot, s0, n_b) in enumerate(zip(slots.tolist(), start.tolist(), lens.tolist())):
-        n_b = min(n_b, T, k_cache.shape[2] - s0)
+        n_b = min(n_b, T, page_table.shape[1] * page - s0)
         if slot >= 0 and n_b > 0:
-            k_cache[layers, slot, s0:s0 + n_b] = k[b, :n_b].transpose(0, 1).to(k_cache.dtype)   # [n, n_b, n_kv, hd]
-            v_cache[layers, slot, s0:s0 + n_b] = v[b, :n_b].transpose(0, 1).to(v_cache.dtype)
+            pos = torch.arange(s0, s0 + n_b, device=page_table.device)
+            pages, cells = page_table[slot, pos // page].long(), pos % page
+            k_cache[layers, pages, cells] = k[b, :n_b].transpose(0, 1).to(k_cache.dtype)   # [n, n_b, n_kv, hd]
+            v_cache[layers, pages, cells] = v[b, :n_b].transpose(0, 1).to(v_cache.dtype)
 
 
 def kv_norm_rope_write_reference(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos_sin: torch.Tensor,
-                                 k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
-                                 slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                                 first_layer: int, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
                                  eps: float, is_neox: bool) -> None:
     B, T, width = kv.shape
     n_kv, hd = k_cache.shape[-2:]
@@ -354,13 +367,13 @@ def kv_norm_rope_write_reference(kv: torch.Tensor, k_norm_weight: torch.Tensor, 
     cos, sin = gather_cos_sin(cos_sin, window_positions(start, T))    # [B, T, hd/2]
     w = k_norm_weight[first_layer:first_layer + n, None, :]   # [n, 1, hd]: each layer's weight, every head
     k_r = _norm_rope(k, w, cos[:, :, None, None], sin[:, :, None, None], eps, is_neox)
-    _write_window(k_r, v, k_cache, v_cache, first_layer, slots, start, lens)
+    _write_window(k_r, v, k_cache, v_cache, page_table, first_layer, slots, start, lens)
 
 
 def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                                  slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
-                                  eps: float, is_neox: bool) -> torch.Tensor:
+                                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  page_table: torch.Tensor, layer: int, slots: torch.Tensor, start: torch.Tensor,
+                                  lens: torch.Tensor, eps: float, is_neox: bool) -> torch.Tensor:
     """The target attention's unfused path: ``RMSNorm`` of q and k per head (models/layers.py),
     RoPE in fp32 with one rounding, K and V written as :func:`kv_norm_rope_write_reference` does
     (q and k go through the same norm and rotation together, each head with its own weight)."""
@@ -370,7 +383,8 @@ def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor
     cos, sin = gather_cos_sin(cos_sin, window_positions(start, T))    # [B, T, hd/2]
     w = torch.cat([q_norm_weight.expand(n_q, hd), k_norm_weight.expand(n_kv, hd)])
     qk = _norm_rope(x[:, :, :n_q + n_kv], w, cos[:, :, None], sin[:, :, None], eps, is_neox)
-    _write_window(qk[:, :, None, n_q:], x[:, :, None, n_q + n_kv:], k_cache, v_cache, layer, slots, start, lens)
+    _write_window(qk[:, :, None, n_q:], x[:, :, None, n_q + n_kv:], k_cache, v_cache, page_table, layer, slots, start,
+                  lens)
     return qk[:, :, :n_q].to(qkv.dtype).contiguous()   # fp32: .to is a view; the op's fake is contiguous
 
 
@@ -379,57 +393,58 @@ def qkv_norm_rope_write_reference(qkv: torch.Tensor, q_norm_weight: torch.Tensor
 
 @torch.library.custom_op("lfmspark::kv_norm_rope_write", mutates_args=("k_cache", "v_cache"))
 def kv_norm_rope_write(kv: torch.Tensor, k_norm_weight: torch.Tensor, cos_sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, first_layer: int,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, first_layer: int,
                        slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
                        eps: float, is_neox: bool) -> None:
-    """``kv [B, T, n*2*KV]`` -> normed, rotated K and raw V in layers ``first_layer .. +n`` of
-    ``k_cache``/``v_cache [L, slots, S, n_kv, hd]``; ``k_norm_weight [L, hd]``, ``cos_sin [P, hd]`` fp32."""
+    """``kv [B, T, n*2*KV]`` -> normed, rotated K and raw V in layers ``first_layer .. +n`` of the paged
+    ``k_cache``/``v_cache [L, n_pages, page_size, n_kv, hd]`` through ``page_table [R, max_pages]`` (int32);
+    ``k_norm_weight [L, hd]``, ``cos_sin [P, hd]`` fp32."""
     if use_triton(kv):
-        kv_norm_rope_write_triton(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start, lens,
-                                  eps, is_neox)
+        kv_norm_rope_write_triton(kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, first_layer, slots,
+                                  start, lens, eps, is_neox)
     else:
-        kv_norm_rope_write_reference(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start,
-                                     lens, eps, is_neox)
+        kv_norm_rope_write_reference(kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, first_layer, slots,
+                                     start, lens, eps, is_neox)
 
 
 @kv_norm_rope_write.register_kernel("cuda")
-def _kv_norm_rope_write_cuda(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start, lens,
-                             eps, is_neox) -> None:
-    kv_norm_rope_write_triton(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start, lens,
-                              eps, is_neox)
+def _kv_norm_rope_write_cuda(kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, first_layer, slots, start,
+                             lens, eps, is_neox) -> None:
+    kv_norm_rope_write_triton(kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, first_layer, slots, start,
+                              lens, eps, is_neox)
 
 
 @kv_norm_rope_write.register_fake
-def _kv_norm_rope_write_fake(kv, k_norm_weight, cos_sin, k_cache, v_cache, first_layer, slots, start, lens,
-                             eps, is_neox) -> None:
+def _kv_norm_rope_write_fake(kv, k_norm_weight, cos_sin, k_cache, v_cache, page_table, first_layer, slots, start,
+                             lens, eps, is_neox) -> None:
     return None
 
 
 @torch.library.custom_op("lfmspark::qkv_norm_rope_write", mutates_args=("k_cache", "v_cache"))
 def qkv_norm_rope_write(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
-                        slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                        layer: int, slots: torch.Tensor, start: torch.Tensor, lens: torch.Tensor,
                         eps: float, is_neox: bool) -> torch.Tensor:
     """The target attention's step after its qkv projection, in one launch: ``qkv [B, T, (n_q + 2 n_kv)
     * hd]`` -> per-head RMSNorm (``q_norm_weight``/``k_norm_weight [hd]``) and RoPE of q and k, K and V
     of the first ``lens[b]`` tokens written to layer ``layer`` of ``k_cache``/``v_cache`` (as
     :func:`kv_norm_rope_write`), and the rotated queries returned ``[B, T, n_q, hd]``."""
     if use_triton(qkv):
-        return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer,
-                                          slots, start, lens, eps, is_neox)
-    return qkv_norm_rope_write_reference(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
-                                         start, lens, eps, is_neox)
+        return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, page_table,
+                                          layer, slots, start, lens, eps, is_neox)
+    return qkv_norm_rope_write_reference(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, page_table,
+                                         layer, slots, start, lens, eps, is_neox)
 
 
 @qkv_norm_rope_write.register_kernel("cuda")
-def _qkv_norm_rope_write_cuda(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
-                              lens, eps, is_neox) -> torch.Tensor:
-    return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots,
-                                      start, lens, eps, is_neox)
+def _qkv_norm_rope_write_cuda(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, page_table, layer, slots,
+                              start, lens, eps, is_neox) -> torch.Tensor:
+    return qkv_norm_rope_write_triton(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, page_table, layer,
+                                      slots, start, lens, eps, is_neox)
 
 
 @qkv_norm_rope_write.register_fake
-def _qkv_norm_rope_write_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, layer, slots, start,
-                              lens, eps, is_neox) -> torch.Tensor:
+def _qkv_norm_rope_write_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, k_cache, v_cache, page_table, layer, slots,
+                              start, lens, eps, is_neox) -> torch.Tensor:
     n_q, _, hd = _split_qkv(qkv, k_cache)
     return qkv.new_empty((qkv.shape[0], qkv.shape[1], n_q, hd))

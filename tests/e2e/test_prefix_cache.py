@@ -21,7 +21,7 @@ BLOCK = 8
 
 def engine(target, draft, cache_tokens: int | None, max_batch: int = 4, **kw) -> Engine:
     return Engine(target, draft, max_batch=max_batch, max_seq_len=192, prefix_cache_tokens=cache_tokens,
-                  prefix_block=BLOCK, **kw)
+                  prefix_block=BLOCK, page_size=4, **kw)   # two pages a block
 
 
 def params(i: int, n: int = 9) -> SamplingParams:

@@ -16,6 +16,7 @@ from lfmspark.models.config import ATTENTION, CONV, DraftConfig, TargetConfig
 from lfmspark.models.presets import random_draft, random_target
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.runtime.distributions import SamplingMode
+from engine_fixtures import map_slots
 from env_vars import set_env
 from spec_fixtures import TapsNeverReadyEarly
 
@@ -53,6 +54,7 @@ def prefill_rows(engine: Engine, n: int, mode: SamplingMode) -> list[int]:
     reqs = [r for i, p in enumerate(params) for r in engine.prepare([7 + i, 3, 9 + 2 * i, 11] * (i + 1), p)]
     engine.submit(reqs)
     engine.prefill_step()           # prefill only: the test runs the rounds itself
+    map_slots(engine, [r.slot for r in reqs])
     return [r.slot for r in reqs]
 
 
@@ -74,9 +76,11 @@ def same_rounds(a: Engine, b: Engine, a_slots: list[int], b_slots: list[int], mo
 def snapshot(engine: Engine, slots: list[int]) -> dict:
     st = engine.model_runner.state
     return {"seq_len": st.seq_len[slots].clone(), "anchor": st.anchor[slots].clone(),
-            "conv": engine.model_runner.tcache.conv_state[:, slots].clone(), "k": engine.model_runner.tcache.k[:, slots].clone(),
-            "v": engine.model_runner.tcache.v[:, slots].clone(), "dk": engine.model_runner.dcache.k[:, slots].clone(),
-            "dv": engine.model_runner.dcache.v[:, slots].clone()}
+            "conv": engine.model_runner.tcache.conv_state[:, slots].clone(),
+            **{f"{name}{slot}": t.clone() for slot in slots
+               for name, t in zip(("k", "v", "dk", "dv"),
+                                  (*engine.model_runner.tcache.gather(slot, engine.max_seq_len),
+                                   *engine.model_runner.dcache.gather(slot, engine.max_seq_len)))}}
 
 
 @pytest.mark.parametrize("mode", list(SamplingMode), ids=lambda m: m.value)

@@ -1,9 +1,10 @@
 """``lfmspark::kv_norm_rope_write``: Triton kernel (interpreter on CPU, native on CUDA) against the
 plain-PyTorch reference, op registration checks, torch.compile and CUDA-graph replay.
 
-Every run starts from caches filled with a sentinel and checks that exactly the expected
-``(layer, slot, position)`` rows were written (from an index walk independent of the
-reference's own) and that everything else is untouched.
+Every run starts from paged caches (shuffled page tables, a few physical pages mapped by no slot;
+tests/ops/test_cache_attention.py ``paged``) filled with a sentinel and checks that exactly the
+expected ``(layer, slot, position)`` rows were written (from an index walk independent of the
+reference's own) and that everything else, the unmapped pages included, is untouched.
 
 Exactness: on CUDA the kernel must equal the reference bit for bit (bf16, fp16 and fp32, head_dim
 <= 64): it performs the reference's fp32 operations one by one without FMA contraction, rounds where
@@ -22,6 +23,7 @@ import lfmspark.ops  # noqa: F401  (registers the ops)
 from lfmspark.ops.attention.kv_norm_rope_write import kv_norm_rope_write_reference, kv_norm_rope_write_triton
 from lfmspark.ops.attention.rope import rope_cos_sin_table
 from env_vars import interpret_triton
+from test_cache_attention import shuffled_table
 
 EPS = 1e-5
 THETA = 1e6
@@ -29,11 +31,14 @@ SENTINEL = -768.0  # exact in every float dtype, far outside what the op writes 
 
 
 class Case:
-    """Random inputs and sentinel-filled caches for one call (positions ``start[b] + t``)."""
+    """Random inputs and sentinel-filled paged caches for one call (positions ``start[b] + t``): pages
+    of ``page`` positions (default 4: windows cross pages), shuffled, or with ``page == S`` and
+    ``dense`` the dense layout (one page per slot, the identity table)."""
 
     def __init__(self, device: str, dtype: torch.dtype, B: int, T: int, n: int, first_layer: int, n_kv: int,
                  hd: int, S: int, slots: list[int], start: list[int], lens: list[int], is_neox: bool,
-                 seed: int = 0, n_layers: int | None = None, n_slots: int = 4, index_dtype=torch.int32):
+                 seed: int = 0, n_layers: int | None = None, n_slots: int = 4, index_dtype=torch.int32,
+                 page: int = 4, dense: bool = False):
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.n_layers = n_layers if n_layers is not None else first_layer + n + 1  # a layer after the window
         # per-head scales spread over ~two decades, so the RMS statistic matters; never zero
@@ -41,7 +46,14 @@ class Case:
         self.kv = (torch.randn(B, T, n, 2, n_kv, hd, generator=g) * scale).reshape(B, T, -1).to(device, dtype)
         self.weight = (1.0 + 0.5 * torch.randn(self.n_layers, hd, generator=g)).to(device, dtype)
         self.cos_sin = rope_cos_sin_table(S + 8, hd, THETA, device=device)
-        self.cache_shape = (self.n_layers, n_slots, S, n_kv, hd)
+        self.dense_shape = (self.n_layers, n_slots, S, n_kv, hd)
+        if dense:
+            assert page == S
+            self.table = torch.arange(n_slots, dtype=torch.int32, device=device)[:, None]
+        else:
+            self.table = shuffled_table(n_slots, S // page, seed).to(device)
+        n_pages = n_slots * (S // page) + (0 if dense else 2)
+        self.cache_shape = (self.n_layers, n_pages, page, n_kv, hd)
         self.dtype, self.device = dtype, device
         self.first_layer, self.n, self.T, self.S, self.is_neox = first_layer, n, T, S, is_neox
         self.slots_l, self.start_l, self.lens_l = slots, start, lens
@@ -53,8 +65,18 @@ class Case:
                 torch.full(self.cache_shape, SENTINEL, dtype=self.dtype, device=self.device))
 
     def args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-        return (self.kv, self.weight, self.cos_sin, k_cache, v_cache, self.first_layer, self.slots, self.start,
-                self.lens, EPS, self.is_neox)
+        return (self.kv, self.weight, self.cos_sin, k_cache, v_cache, self.table, self.first_layer, self.slots,
+                self.start, self.lens, EPS, self.is_neox)
+
+    def logical(self, cache: torch.Tensor) -> torch.Tensor:
+        """``cache`` in slot order, ``[L, n_slots, S, n_kv, hd]`` (the dense layout's view)."""
+        return cache[:, self.table.long()].flatten(2, 3)
+
+    def unmapped(self, cache: torch.Tensor) -> torch.Tensor:
+        """The physical pages no slot maps."""
+        free = torch.ones(cache.shape[1], dtype=torch.bool, device=cache.device)
+        free[self.table.flatten().long()] = False
+        return cache[:, free]
 
     def run(self, fn) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = self.caches()
@@ -63,7 +85,7 @@ class Case:
 
     def expected_mask(self) -> torch.Tensor:
         """``[L, n_slots, S]``: the rows the op must write, from a plain walk over the indices."""
-        mask = torch.zeros(self.cache_shape[:3], dtype=torch.bool)
+        mask = torch.zeros(self.dense_shape[:3], dtype=torch.bool)
         for slot, start, n_tok in zip(self.slots_l, self.start_l, self.lens_l):
             for t in range(min(n_tok, self.T)):
                 if slot >= 0 and start + t < self.S:
@@ -82,6 +104,9 @@ def _check(case: Case, exact: bool | None = None) -> None:
     exact = case.device == "cuda" if exact is None else exact
     k_ref, v_ref = case.run(kv_norm_rope_write_reference)
     k_out, v_out = case.run(kv_norm_rope_write_triton)
+    for cache in (k_ref, v_ref, k_out, v_out):   # pages no slot maps: untouched
+        assert bool((case.unmapped(cache) == SENTINEL).all())
+    k_ref, v_ref, k_out, v_out = (case.logical(c) for c in (k_ref, v_ref, k_out, v_out))
     mask = case.expected_mask()
     n_rows = int(mask.sum())
     # the reference writes exactly the expected rows (sanity of the oracle and of the walk)
@@ -145,11 +170,37 @@ def test_all_rows_skipped(triton_device: str) -> None:
     assert bool((k_out == SENTINEL).all()) and bool((v_out == SENTINEL).all())
 
 
+@pytest.mark.parametrize("page", [16, 4], ids=lambda n: f"page{n}")
+def test_paged_equals_dense_layout(triton_device: str, page: int) -> None:
+    """The same call on shuffled pages and on the dense layout (one page per slot, the identity
+    table), fp32: the same bits in every slot position. Pages of 16 split row 0's window (13-18), row
+    1's runs past the slot end, row 2 pads; pages of 4 split every window."""
+    shape = (torch.float32, 3, 6, 2, 0, 2, 16, 32, [1, 3, -1], [13, 28, 0], [6, 6, 6], True)
+    case = Case(triton_device, *shape, seed=5, page=page)
+    dense = Case(triton_device, *shape, seed=5, page=32, dense=True)
+    k_out, v_out = case.run(kv_norm_rope_write_triton)
+    k_want, v_want = dense.run(kv_norm_rope_write_triton)
+    assert torch.equal(case.logical(k_out), k_want) and torch.equal(case.logical(v_out), v_want)
+    _check(case)
+
+
 # ---------------------------------------------------------------------------------------------
 # op registration, torch.compile
 
 def _op_case(device: str = "cpu", is_neox: bool = False) -> Case:
     return Case(device, torch.float32, 2, 3, 2, 1, 2, 16, 8, [1, -1], [4, 0], [2, 3], is_neox, seed=11)
+
+
+def test_page_table_is_checked() -> None:
+    case = _op_case()
+    k_cache, v_cache = case.caches()
+    table = case.table
+    for bad, message in ((table.long(), "int32"), (table[0], "2-D"),
+                         (torch.stack([table, table], -1)[..., 0], r"stride\(1\) == 1"),
+                         (table.to("meta"), "page_table is on meta")):
+        case.table = bad
+        with pytest.raises(ValueError, match=message):
+            kv_norm_rope_write_triton(*case.args(k_cache, v_cache))
 
 
 def test_opcheck_reference() -> None:
@@ -168,16 +219,16 @@ def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch, triton_dev
     case = _op_case(triton_device, is_neox=True)
     first = case.first_layer
 
-    def write(kv, weight, cos_sin, k_cache, v_cache, slots, start, lens):
-        torch.ops.lfmspark.kv_norm_rope_write(kv, weight, cos_sin, k_cache, v_cache, first, slots, start, lens,
+    def write(kv, weight, cos_sin, k_cache, v_cache, table, slots, start, lens):
+        torch.ops.lfmspark.kv_norm_rope_write(kv, weight, cos_sin, k_cache, v_cache, table, first, slots, start, lens,
                                               EPS, True)
 
     torch._dynamo.reset()
     compiled = torch.compile(write, fullgraph=True)
     k_eager, v_eager = case.caches()
-    write(case.kv, case.weight, case.cos_sin, k_eager, v_eager, case.slots, case.start, case.lens)
+    write(case.kv, case.weight, case.cos_sin, k_eager, v_eager, case.table, case.slots, case.start, case.lens)
     k_comp, v_comp = case.caches()
-    compiled(case.kv, case.weight, case.cos_sin, k_comp, v_comp, case.slots, case.start, case.lens)
+    compiled(case.kv, case.weight, case.cos_sin, k_comp, v_comp, case.table, case.slots, case.start, case.lens)
     assert torch.equal(k_comp, k_eager) and torch.equal(v_comp, v_eager)
     # and the eager op ran the kernel: its result is the kernel's (the reference's only up to ulps on CPU)
     k_kernel, v_kernel = case.run(kv_norm_rope_write_triton)
@@ -198,7 +249,7 @@ def _draft_case(B: int, T: int, dtype: torch.dtype, is_neox: bool, seed: int, S:
     lens = torch.randint(0, T + 1, (B,), generator=g).tolist()
     lens[-1] = T
     return Case("cuda", dtype, B, T, 5, 0, 8, 64, S, slots, start, lens, is_neox, seed=seed, n_layers=5,
-                n_slots=n_slots)
+                n_slots=n_slots, page=16)
 
 
 @pytest.mark.gpu
@@ -252,5 +303,6 @@ def test_gpu_cuda_graph_follows_indices() -> None:
         torch.cuda.synchronize()
         k_ref, v_ref = case.run(kv_norm_rope_write_reference)
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-        mask = case.expected_mask()
-        assert bool((k_cache[mask] != SENTINEL).all()) and bool((k_cache[~mask] == SENTINEL).all())
+        mask, k_slots = case.expected_mask(), case.logical(k_cache)
+        assert bool((k_slots[mask] != SENTINEL).all()) and bool((k_slots[~mask] == SENTINEL).all())
+        assert bool((case.unmapped(k_cache) == SENTINEL).all())

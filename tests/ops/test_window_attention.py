@@ -1,9 +1,13 @@
 """``lfmspark::qkv_window_attention``: the window attention straight from the qkv projection (q/k
 norm + RoPE, the window's K/V write and the attention in one launch), against its reference (the
 two ops it fuses, with the window's keys past ``lens`` hidden), against the two Triton launches it
-replaces, its errors, op registration, torch.compile, and on CUDA the served shapes and graph replay."""
+replaces, its errors, op registration, torch.compile, and on CUDA the served shapes and graph replay.
+The caches are paged with shuffled page tables (tests/ops/test_cache_attention.py ``paged``), and the
+paged layout is checked against the dense one bit for bit."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from lfmspark.ops.attention.rope import rope_cos_sin_table
 from lfmspark.ops.attention.window_attention import qkv_window_attention_reference, qkv_window_attention_triton
 from lfmspark.ops.routing import window_attention
 from env_vars import interpret_triton
+from test_cache_attention import dense_layout, paged
 
 EPS = 1e-5
 LAYERS, SLOTS = 2, 4
@@ -22,9 +27,11 @@ LAYER = 1  # the last layer, so a wrong layer offset reads other random values
 
 
 def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, hd: int, S: int,
-          starts: list[int], slots: list[int], lens: list[int], seed: int = 0, n_slots: int = SLOTS):
-    """Random qkv (per-head scales), norm weights and a cache of random values everywhere (reads or
-    writes of wrong positions, slots, layers or heads change the result)."""
+          starts: list[int], slots: list[int], lens: list[int], seed: int = 0, n_slots: int = SLOTS,
+          page: int | None = None):
+    """Random qkv (per-head scales), norm weights and paged caches of random values everywhere (reads
+    or writes of wrong positions, pages, slots, layers or heads change the result); ``page``: default
+    the largest of 16, 8, ... that divides ``S``, ``page == 0`` the dense layout."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp(0.5 * torch.randn(B, T, n_q + 2 * n_kv, 1, generator=g))
     qkv = (torch.randn(B, T, n_q + 2 * n_kv, hd, generator=g) * scale).reshape(B, T, -1).to(device, dtype)
@@ -33,23 +40,29 @@ def _case(device: str, dtype: torch.dtype, B: int, T: int, n_q: int, n_kv: int, 
     cos_sin = rope_cos_sin_table(S + 8, hd, 1e6, device=device)
     k_cache = torch.randn(LAYERS, n_slots, S, n_kv, hd, generator=g).to(device, dtype)
     v_cache = torch.randn(LAYERS, n_slots, S, n_kv, hd, generator=g).to(device, dtype)
+    if page == 0:
+        k_cache, v_cache, table = dense_layout(k_cache, v_cache)
+    else:
+        k_cache, v_cache, table = paged(k_cache, v_cache, page or math.gcd(S, 16), seed=seed + 1)
     idx = [torch.tensor(x, dtype=torch.int64, device=device) for x in (slots, starts, lens)]
-    return qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx
+    return qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, idx
 
 
 def _run(fn, case, is_neox: bool, causal: bool, **kw):
-    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = case
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, (slots, start, lens) = case
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     hd = k_cache.shape[-1]
-    out = fn(qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start, lens, EPS, is_neox, causal, hd ** -0.5,
-             **kw)
+    out = fn(qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, LAYER, slots, start, lens, EPS, is_neox, causal,
+             hd ** -0.5, **kw)
     return out, k_cache, v_cache
 
 
-def _two_launches(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, is_neox, causal, scale,
-                  num_splits=None):
-    q = qkv_norm_rope_write_triton(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, is_neox)
-    return cache_attention_triton(q, k_cache, v_cache, layer, slots, start, causal, scale, num_splits=num_splits)
+def _two_launches(qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, layer, slots, start, lens, eps, is_neox, causal,
+                  scale, num_splits=None):
+    q = qkv_norm_rope_write_triton(qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, layer, slots, start, lens, eps,
+                                   is_neox)
+    return cache_attention_triton(q, k_cache, v_cache, table, layer, slots, start, causal, scale,
+                                  num_splits=num_splits)
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -148,18 +161,25 @@ def test_errors() -> None:
     case = _case("cpu", torch.float32, 1, 2, 8, 2, 8, 64, [0], [0], [2])
     with pytest.raises(ValueError, match="power of two >= 16"):
         _run(qkv_window_attention_triton, case, True, True)
-    qkv, q_w, k_w, cos_sin, k_cache, v_cache, idx = _case("cpu", torch.float32, 1, 2, 8, 2, 16, 64, [0], [0], [2])
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, idx = _case("cpu", torch.float32, 1, 2, 8, 2, 16, 64, [0], [0],
+                                                                  [2])
     with pytest.raises(ValueError, match="share a dtype"):
-        _run(qkv_window_attention_triton, (qkv, q_w, k_w, cos_sin, k_cache.half(), v_cache.half(), idx), True, True)
+        _run(qkv_window_attention_triton, (qkv, q_w, k_w, cos_sin, k_cache.half(), v_cache.half(), table, idx), True,
+             True)
+    for bad, message in ((table.long(), "int32"), (table[0], "2-D"),
+                         (torch.stack([table, table], -1)[..., 0], r"stride\(1\) == 1"),
+                         (table.to("meta"), "page_table is on meta")):
+        with pytest.raises(ValueError, match=message):
+            _run(qkv_window_attention_triton, (qkv, q_w, k_w, cos_sin, k_cache, v_cache, bad, idx), True, True)
 
 
 # ---------------------------------------------------------------------------------------------
 # op registration, torch.compile
 
 def _op_args() -> tuple:
-    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = _case(
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, (slots, start, lens) = _case(
         "cpu", torch.float32, 2, 3, 4, 2, 16, 32, [4, 29], [1, -1], [3, 2])
-    return (qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start, lens, EPS, True, True, 0.25)
+    return (qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, LAYER, slots, start, lens, EPS, True, True, 0.25)
 
 
 def test_opcheck_reference() -> None:
@@ -173,11 +193,11 @@ def test_opcheck_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_torch_compile_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     interpret_triton(monkeypatch)
-    qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start, lens, eps, neox, causal, scale = _op_args()
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, layer, slots, start, lens, eps, neox, causal, scale = _op_args()
 
     def attend(qkv, k_cache, v_cache):
-        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, layer, slots, start,
-                                                       lens, eps, neox, causal, scale)
+        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, layer, slots,
+                                                       start, lens, eps, neox, causal, scale)
 
     torch._dynamo.reset()
     k2, v2 = k_cache.clone(), v_cache.clone()
@@ -215,12 +235,12 @@ def test_gpu_batches(B: int) -> None:
 @pytest.mark.gpu
 def test_gpu_cuda_graph_follows_indices() -> None:
     case = _case("cuda", torch.bfloat16, 2, 10, 32, 8, 64, 8192, [100, 6000], [1, 2], [10, 10])
-    qkv, q_w, k_w, cos_sin, k_cache, v_cache, (slots, start, lens) = case
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, (slots, start, lens) = case
     k_base, v_base = k_cache.clone(), v_cache.clone()
 
     def attend():
-        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, LAYER, slots, start,
-                                                       lens, EPS, True, True, 0.125)
+        return torch.ops.lfmspark.qkv_window_attention(qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, LAYER, slots,
+                                                       start, lens, EPS, True, True, 0.125)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -231,18 +251,83 @@ def test_gpu_cuda_graph_follows_indices() -> None:
     with torch.cuda.graph(graph):
         out = attend()
 
-    for new_start, new_slots, new_lens in [([100, 6000], [1, 2], [10, 4]), ([8100, 3], [0, -1], [10, 10]),
-                                           ([0, 7777], [-1, 3], [0, 10])]:
+    pages = table.clone()
+    for i, (new_start, new_slots, new_lens) in enumerate([([100, 6000], [1, 2], [10, 4]),
+                                                          ([8100, 3], [0, -1], [10, 10]),
+                                                          ([0, 7777], [-1, 3], [0, 10])]):
         start.copy_(torch.tensor(new_start))
         slots.copy_(torch.tensor(new_slots))
         lens.copy_(torch.tensor(new_lens))
+        table.copy_(pages.roll(i, dims=0))   # the table is read at replay too: other pages for each slot
         k_cache.copy_(k_base)
         v_cache.copy_(v_base)
         graph.replay()
         torch.cuda.synchronize()
         k_ref, v_ref = k_base.clone(), v_base.clone()
-        ref = qkv_window_attention_reference(qkv, q_w, k_w, cos_sin, k_ref, v_ref, LAYER, slots, start, lens, EPS,
-                                             True, True, 0.125)
+        ref = qkv_window_attention_reference(qkv, q_w, k_w, cos_sin, k_ref, v_ref, table, LAYER, slots, start, lens,
+                                             EPS, True, True, 0.125)
         torch.testing.assert_close(out, ref, **_tol(torch.bfloat16))
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
         assert (out[slots < 0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the paged layout
+
+# (B, T, n_q, n_kv, hd, S, starts, slots, lens): row 0's window (13-17) crosses a page of 16, row 2's
+# prefix spans two 64-key blocks and its window runs past the slot end; row 1 pads, row 3 commits
+# nothing. At hd 32 in fp32 the unsplit launch takes 128-key blocks: 32 pages of 4 in one block.
+_PAGED = (4, 5, 4, 2, 32, 128, [13, 40, 123, 61], [2, -1, 3, 0], [5, 5, 5, 0])
+
+
+def _logical(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A paged cache in slot order, ``[L, R, S, n_kv, hd]`` (the dense layout's view)."""
+    return cache[:, table.long()].flatten(2, 3)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "splits3"])
+@pytest.mark.parametrize("page", [16, 4], ids=lambda n: f"page{n}")
+def test_paged_equals_dense_layout(triton_device: str, page: int, num_splits: int | None) -> None:
+    """The same call on shuffled pages and on the dense layout (one page per slot, the identity
+    table): the same output and cache bits, and physical pages no slot maps untouched."""
+    dense = _case(triton_device, torch.float32, *_PAGED, seed=7, page=0)
+    case = _case(triton_device, torch.float32, *_PAGED, seed=7, page=page)
+    table = case[6]
+    assert torch.equal(_logical(case[4], table), dense[4])   # the same cache contents
+    out, k_out, v_out = _run(qkv_window_attention_triton, case, True, True, num_splits=num_splits)
+    want, k_want, v_want = _run(qkv_window_attention_triton, dense, True, True, num_splits=num_splits)
+    assert torch.equal(out, want)
+    assert torch.equal(_logical(k_out, table), k_want) and torch.equal(_logical(v_out, table), v_want)
+    spare = torch.ones(k_out.shape[1], dtype=torch.bool)
+    spare[table.flatten().long()] = False
+    assert torch.equal(k_out[:, spare], case[4][:, spare]) and torch.equal(v_out[:, spare], case[5][:, spare])
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto", "splits3"])
+def test_writes_only_the_windows_positions(triton_device: str, num_splits: int | None) -> None:
+    """Caches of NaN but for each row's prefix: the output is finite and the reference's, and exactly
+    the window positions before ``lens`` (inside the slot) turn into numbers, in the table's pages."""
+    page = 16
+    qkv, q_w, k_w, cos_sin, k_cache, v_cache, table, (slots, start, lens) = _case(
+        triton_device, torch.float32, *_PAGED, seed=8, page=page)
+    T, S = _PAGED[1], _PAGED[5]
+    k_nan, v_nan = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    want = torch.zeros(k_cache.shape[:3], dtype=torch.bool, device=k_cache.device)   # [L, n_pages, page]
+    for slot, s0, n in zip(slots.tolist(), start.tolist(), lens.tolist()):
+        if slot < 0:
+            continue
+        for pos in range(min(s0 + min(n, T), S)):
+            cell = (LAYER, table[slot, pos // page], pos % page)
+            want[cell] = True
+            if pos < s0:
+                k_nan[cell], v_nan[cell] = k_cache[cell], v_cache[cell]
+    case = (qkv, q_w, k_w, cos_sin, k_nan, v_nan, table, (slots, start, lens))
+    out, k_out, v_out = _run(qkv_window_attention_triton, case, True, True, num_splits=num_splits)
+    ref, k_ref, v_ref = _run(qkv_window_attention_reference, case, True, True)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+    for got, exp in ((k_out, k_ref), (v_out, v_ref)):
+        assert torch.equal(~torch.isnan(got), want[..., None, None].expand_as(got))
+        assert torch.equal(~torch.isnan(exp), want[..., None, None].expand_as(exp))
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.equal(v_out.nan_to_num(), v_ref.nan_to_num())

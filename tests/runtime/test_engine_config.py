@@ -103,8 +103,9 @@ def test_every_command_takes_the_same_engine_flags_with_the_same_defaults():
 
 def test_help_shows_the_defaults():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    text = serve.format_help()
-    assert "(default: 8)" in text and "(default: 4096)" in text and "(default: 256)" in text
+    text = " ".join(serve.format_help().split())
+    assert "(default: 8)" in text and "(default: the model's context length" in text and "(default: 256)" in text
+    assert "--page-size" in text and "--kv-cache-memory" in text and "--gpu-memory-utilization" in text
     assert "--max-model-len" in text and "--max-num-seqs" in text
 
 

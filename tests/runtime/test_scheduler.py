@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from lfmspark.runtime.pages import PagePool, SlotPages
 from lfmspark.runtime.requests import Request, RequestError
 from lfmspark.runtime.sampling import SamplingParams
 from lfmspark.runtime.scheduler import Scheduler
@@ -23,8 +24,10 @@ def request(rid: str, prompt_len: int, group: str | None = None, sample: int = 0
                    group=group, sample=sample)
 
 
-def scheduler(max_batch: int = 4, chunk: int = 2048, budget: int = 256, alignment: int = 256) -> Scheduler:
-    return Scheduler(max_batch, chunk, budget, alignment)
+def scheduler(max_batch: int = 4, chunk: int = 2048, budget: int = 256, alignment: int = 256, n_pages: int = 4096,
+              page_size: int = 16, window: int = 4) -> Scheduler:
+    pages = SlotPages(PagePool(n_pages), max_batch, 1024, page_size, trash=n_pages)
+    return Scheduler(max_batch, chunk, budget, alignment, pages, window)
 
 
 def admit_all(s: Scheduler) -> list[list[Request]]:
@@ -229,3 +232,49 @@ def test_an_idle_scheduler_after_everything_finishes():
         for req in run_prefill(s):
             s.release(req)
     assert s.pool.n_free == 2 and not s.live and not s.running and not s.waiting
+
+
+def test_admission_waits_for_pages_and_prefill_takes_them_as_its_chunks_go():
+    """Pool of 8 pages of 16 tokens, window 4: a 60-token prompt needs ceil((60 + 8) / 16) = 5 pages
+    and the watermark 1, so a second such prompt waits for pages although a slot is free."""
+    s = scheduler(max_batch=4, chunk=32, alignment=32, n_pages=8, page_size=16, window=4)
+    a, b = request("a", 60), request("b", 60)
+    s.add([a, b])
+    assert [g[0] for g in admit_all(s)] == [a] and list(s.waiting) == [b]
+    plan = s.next_prefill()                  # one chunk of 32 tokens: 2 pages
+    assert plan.chunks == [a.prompt_ids[:32]] and len(s.pages.pages[a.slot]) == 2
+    s.prefilled(plan)
+    run_prefill(s)
+    assert s.running == [a] and len(s.pages.pages[a.slot]) == 4      # 60 tokens
+    s.release(a)
+    assert s.pages.pool.n_free == 8
+    assert [g[0] for g in admit_all(s)] == [b]
+
+
+def test_rounds_are_covered_oldest_first_and_the_newest_decoding_request_is_preempted():
+    """Pool of 6 pages of 4 tokens, window 2. Two requests decode with 8 prompt tokens (2 pages each);
+    a round with one in flight needs 8 + 2 * 2 = 12 positions, 3 pages each: 6 in all, which fit;
+    after 4 output tokens each needs 16 positions, 4 pages: the older one takes them and the newer
+    one is preempted, back at the head of the queue with its output to recompute."""
+    s = scheduler(max_batch=2, chunk=64, alignment=64, n_pages=6, page_size=4, window=2)
+    s.watermark = 0
+    old, new = request("old", 8), request("new", 8)
+    s.add([old])
+    admit_all(s)
+    run_prefill(s)
+    s.add([new])
+    admit_all(s)
+    run_prefill(s)
+    assert s.running == [old, new]
+    assert s.reserve_rounds(round_in_flight=True) == [] and s.pages.pool.n_free == 0
+    for req in (old, new):
+        req.output += [7, 7, 7, 7]
+    assert s.reserve_rounds(round_in_flight=True) == [new]
+    assert s.running == [old] and list(s.waiting) == [new] and new.slot is None and new.preemptions == 1
+    assert len(s.pages.pages[old.slot]) == 4 and s.preemptions == 1
+    assert new.context_ids == new.prompt_ids + [7, 7, 7, 7] and new.prefilled == 0
+    s.release(old)
+    assert s.pages.pool.n_free == 6
+    assert [g[0] for g in admit_all(s)] == [new]
+    plan = s.next_prefill()
+    assert plan.chunks == [new.prompt_ids + [7, 7, 7, 7]]     # the output is recomputed after the prompt

@@ -375,7 +375,7 @@ def test_a_request_can_turn_speculation_off_and_the_metrics_count_its_rounds_wit
 
 
 def test_prefix_cache_hits_show_in_usage_and_metrics_and_reset_drops_them(ckpt):
-    s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8), MODEL, warmup=False))
+    s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8, page_size=8), MODEL, warmup=False))
     try:
         c = s.client()
         prompt = " ".join(f"w{3 + i % 20}" for i in range(30))
@@ -441,7 +441,7 @@ def test_a_chats_next_turn_hits_the_previous_reply_with_cached_outputs(ckpt):
     an engine without the cache does."""
     replies, cached = {}, {}
     for name, kw in (("outputs", dict(prefix_cache_outputs=True)), ("off", dict(prefix_cache_tokens=0))):
-        s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8, **kw), MODEL, warmup=False))
+        s = Served(make_server_app(load(ckpt, max_batch=2, prefix_block=8, page_size=8, **kw), MODEL, warmup=False))
         try:
             c = s.client()
             chat = [{"role": "user", "content": " ".join(f"w{3 + i % 17}" for i in range(20))}]
