@@ -84,7 +84,7 @@ BAD_PROMPTS = {
     "text without tokenizer": ("hello there", "needs a tokenizer"),
     "texts without tokenizer": (["hello", "there"], "needs a tokenizer"),
     "chat without template": ([{"role": "user", "content": "hi"}], "chat template"),
-    "too long": ([list(range(1, 41))], "= 65 exceeds max_seq_len 64"),
+    "too long": ([list(range(1, 51))], "= 70 exceeds max_seq_len 64"),
 }
 
 
