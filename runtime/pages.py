@@ -127,11 +127,11 @@ class SlotPages:
             mine.append(p)
 
     def flush(self, table: torch.Tensor) -> None:
-        """Write the changed entries to the device table (queued on the stream, like the forwards that read it)."""
+        """Write the changed entries to the device table (queued on the stream, like the forwards that
+        read it): one copy of (slot, logical page, page) triples, one indexed store."""
         if not self._dirty:
             return
-        items = list(self._dirty.items())
+        items = [(s, j, p) for (s, j), p in self._dirty.items()]
         self._dirty.clear()
-        rows = to_device([s for (s, _), _ in items], table.device)
-        cols = to_device([j for (_, j), _ in items], table.device)
-        table[rows, cols] = to_device([p for _, p in items], table.device, torch.int32)
+        rows, cols, pages = to_device(items, table.device).unbind(1)
+        table[rows, cols] = pages.to(table.dtype)

@@ -14,10 +14,9 @@ which reads no table entry).
 own K/V are already in the cache (written by the KV-write ops before the call). Query ``t`` attends to
 positions ``[0, start[b] + t + 1)`` when ``causal`` (target prefill / decode / verify) and to
 ``[0, start[b] + T)`` otherwise (the DSpark draft block, non-causal inside the block), both clipped to
-``S``. Query head ``h`` reads KV head
-``h // (n_heads // n_kv)`` (``repeat_interleave`` order). Softmax in fp32, output in ``q``'s dtype;
-rows with slot ``-1`` produce zeros. Columns past a row's real tokens produce values that callers
-ignore.
+``S``. Query head ``h`` reads KV head ``h // (n_heads // n_kv)`` (``repeat_interleave`` order).
+Softmax in fp32, output in ``q``'s dtype; rows with slot ``-1`` produce zeros. Columns past a row's
+real tokens produce values that callers ignore.
 
 ``exact`` (exact mode): the launch plan follows the slot length ``S`` only, never the
 window, the batch or the SMs: 16-row query tiles, 64-key blocks, and key slices of a fixed span
