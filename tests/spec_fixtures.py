@@ -151,3 +151,11 @@ class TapsNeverReadyEarly:
 
     def __call__(self, *args, **kwargs):
         return self._target(*args, **kwargs)
+
+
+def slots_view(cache, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a cache's ``k`` or ``v``, ``[L, n_pages + 1, P, n_kv, hd]``) as ``[L, slots, positions, n_kv,
+    hd]``: the dense layout, for caches allocated without a pool (their table is the identity)."""
+    table = cache.page_table
+    assert torch.equal(table.flatten(), torch.arange(table.numel(), dtype=table.dtype)), "not the identity table"
+    return t[:, :-1].unflatten(1, tuple(table.shape)).flatten(2, 3)

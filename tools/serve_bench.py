@@ -548,5 +548,10 @@ def format_report(report: dict) -> str:
                 lines.append(f"{f'{name} {short} (ms):':<44}{r[key][stat]:.3f}")
         if r["peak_memory_gb"] is not None:
             lines.append(f"{'Peak GPU memory (GB):':<44}{r['peak_memory_gb']:.2f}")
+        kv = r.get("kv_cache")
+        if kv is not None:
+            lines.append(f"{'KV pages in use at most / pool:':<44}{kv['pages_in_use_peak']} / {kv['pages']} "
+                         f"({kv['page_size']} tokens, {kv['bytes'] / 2**30:.2f} GiB)")
+            lines.append(f"{'Preemptions:':<44}{kv['preemptions']}")
         lines.append("=" * 60)
     return "\n".join(lines)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from eager_ops import EagerOpRecorder
+from spec_fixtures import slots_view
 from lfmspark.ops import routing
 from lfmspark.models import dspark
 from lfmspark.models.cache import DraftCache
@@ -47,9 +48,9 @@ def _no_norm_carry(monkeypatch: pytest.MonkeyPatch) -> None:
     the two paths' outputs compare as tensors; tests/models/test_norm_carry.py covers the carry."""
     forward = dspark.DraftLayer.forward
 
-    def without_next_norm(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start, lens,
-                          next_norm=None):
-        return forward(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start, lens)
+    def without_next_norm(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, page_table, rope, slots, start,
+                          lens, next_norm=None):
+        return forward(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, page_table, rope, slots, start, lens)
 
     monkeypatch.setattr(dspark.DraftLayer, "forward", without_next_norm)
 
@@ -111,7 +112,7 @@ def _route_few_rows(m: pytest.MonkeyPatch) -> None:
 def _block(draft, cache: DraftCache, anchors, slots, start, fused: bool, monkeypatch: pytest.MonkeyPatch,
            route: bool = True):
     """The block's ``(x, delta)``, the draft cache after it (a copy), and the ops it dispatched."""
-    c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+    c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
     with monkeypatch.context() as m:
         if route:
             _route_few_rows(m)
@@ -166,9 +167,9 @@ def test_fused_path_is_the_unfused_path_on_the_references(monkeypatch: pytest.Mo
     assert torch.equal(k_f, k_u) and torch.equal(v_f, v_u)
     for b, (slot, s) in enumerate(zip(slots, lengths)):       # the block's own entries were written
         block = slice(s, s + cfg.block_size)
-        assert (k_f[:, slot, block] != cache.k[:, slot, block]).all(dim=-1).any()
-        assert (v_f[:, slot, block] != cache.v[:, slot, block]).all(dim=-1).any()
-    assert torch.equal(k_f[:, :, :min(lengths)], cache.k[:, :, :min(lengths)])   # the context untouched
+        assert (slots_view(cache, k_f)[:, slot, block] != slots_view(cache, cache.k)[:, slot, block]).all(dim=-1).any()
+        assert (slots_view(cache, v_f)[:, slot, block] != slots_view(cache, cache.v)[:, slot, block]).all(dim=-1).any()
+    assert torch.equal(slots_view(cache, k_f)[:, :, :min(lengths)], slots_view(cache, cache.k)[:, :, :min(lengths)])   # the context untouched
 
 
 def test_routing_decides_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,12 +225,12 @@ def test_fused_path_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     configure_compile(n_variants=4)
     torch._dynamo.reset()
     compiled = torch.compile(draft.block_hidden, **COMPILE_OPTIONS)
-    c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+    c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
     with monkeypatch.context() as m:
         _route_few_rows(m)
         with torch.no_grad():
             compiled(anchors, c, slots_t, start)                  # compiles (the recorder stays off)
-        c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+        c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
         recorder = EagerOpRecorder()
         with torch.no_grad(), recorder:
             x_c, d_c = compiled(anchors, c, slots_t, start)

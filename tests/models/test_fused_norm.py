@@ -53,7 +53,7 @@ def _model(moe: bool, dtype: torch.dtype):
 
 
 def _clone(c: TargetCache) -> TargetCache:
-    return TargetCache(k=c.k.clone(), v=c.v.clone(), conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
+    return TargetCache(k=c.k.clone(), v=c.v.clone(), page_table=c.page_table, conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
                        rope=c.rope)
 
 

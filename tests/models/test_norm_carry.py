@@ -162,7 +162,7 @@ def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> No
         if not on:
             _modules_route(monkeypatch)
         route.clear()
-        fresh = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+        fresh = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
         with torch.no_grad():
             x, pending = draft.block_hidden(anchor, fresh, slot, start)
             greedy = draft.head_and_walk(x, pending, anchor, greedy_pick)

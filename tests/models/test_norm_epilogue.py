@@ -52,9 +52,10 @@ def _withhold_next_norm(monkeypatch) -> None:
     def target_without_next_norm(self, h, delta, layer_cache, rows, mode, rope, next_norm=None):
         return target_forward(self, h, delta, layer_cache, rows, mode, rope)
 
-    def draft_without_next_norm(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start,
-                                lens, next_norm=None):
-        return draft_forward(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, rope, slots, start, lens)
+    def draft_without_next_norm(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, page_table, rope, slots,
+                                start, lens, next_norm=None):
+        return draft_forward(self, x, delta, kv_weight, k_norm_weight, k_cache, v_cache, page_table, rope, slots, start,
+                             lens)
 
     monkeypatch.setattr(lfm2.Lfm2DecoderLayer, "forward", target_without_next_norm)
     monkeypatch.setattr(dspark.DraftLayer, "forward", draft_without_next_norm)
@@ -93,7 +94,7 @@ def test_draft_block_matches_the_modules(monkeypatch, several_row_route) -> None
         if not on:
             _modules_route(monkeypatch)
         several_row_route.calls.clear()
-        c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), rope=cache.rope)
+        c = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
         with torch.no_grad():
             blocks[on] = draft.block_hidden(torch.tensor([7]), c, slot, start)
         assert len(several_row_route.calls) == (cfg.num_hidden_layers if on else 0)

@@ -46,7 +46,7 @@ def _reference(model, ids, cache, slots, start, lens, mode, logits_index=None):
 
 
 def _clone(c: TargetCache) -> TargetCache:
-    return TargetCache(k=c.k.clone(), v=c.v.clone(), conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
+    return TargetCache(k=c.k.clone(), v=c.v.clone(), page_table=c.page_table, conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
                        rope=c.rope)
 
 
@@ -113,6 +113,6 @@ def test_draft_block_matches_completed_layers_bit_for_bit():
         h = draft.embed_tokens(block)
         for i, layer in enumerate(draft.layers):
             mid, mlp = layer(h, None, draft.kv_proj[i], draft.k_norm[i:i + 1], cache.k[i:i + 1], cache.v[i:i + 1],
-                             cache.rope, slots, start, torch.full_like(start, G))
+                             cache.page_table, cache.rope, slots, start, torch.full_like(start, G))
             h = mid + mlp
     assert torch.equal(x + delta, h)

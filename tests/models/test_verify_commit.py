@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lfm_testing import pad_batch, rand_tokens
+from spec_fixtures import slots_view
 from lfmspark.models.cache import TargetCache
 from lfmspark.models.lfm2 import ForwardMode
 from lfmspark.models.loading import load_target
@@ -32,7 +33,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)     # same math, other GEMM shapes (measured: u
 
 
 def _clone(c: TargetCache) -> TargetCache:
-    return TargetCache(k=c.k.clone(), v=c.v.clone(), conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
+    return TargetCache(k=c.k.clone(), v=c.v.clone(), page_table=c.page_table, conv_state=c.conv_state.clone(), conv_tape=c.conv_tape.clone(),
                        rope=c.rope)
 
 
@@ -118,19 +119,20 @@ def test_commit_equals_sequential_decode(setup, round_):
             assert torch.equal(a.conv_state[layer, slot], window), f"conv layer {layer}, row {b}, accepted {acc}"
         torch.testing.assert_close(a.conv_state[:, slot], b_cache.conv_state[:, slot], **TOL)
         # K/V up to the new length; the committed prefix is untouched
-        assert torch.equal(a.k[:, slot, :start[b]], base.k[:, slot, :start[b]])
-        assert torch.equal(a.v[:, slot, :start[b]], base.v[:, slot, :start[b]])
-        torch.testing.assert_close(a.k[:, slot, :end], b_cache.k[:, slot, :end], **TOL)
-        torch.testing.assert_close(a.v[:, slot, :end], b_cache.v[:, slot, :end], **TOL)
+        assert torch.equal(slots_view(a, a.k)[:, slot, :start[b]], slots_view(base, base.k)[:, slot, :start[b]])
+        assert torch.equal(slots_view(a, a.v)[:, slot, :start[b]], slots_view(base, base.v)[:, slot, :start[b]])
+        torch.testing.assert_close(slots_view(a, a.k)[:, slot, :end], slots_view(b_cache, b_cache.k)[:, slot, :end], **TOL)
+        torch.testing.assert_close(slots_view(a, a.v)[:, slot, :end], slots_view(b_cache, b_cache.v)[:, slot, :end], **TOL)
         # the verify logits of accepted positions are the decode logits
         for j in range(acc):
             torch.testing.assert_close(vout.logits[b, j], dlogits[b, j], rtol=1e-5, atol=1e-4)
 
     # slots nobody uses: untouched, bit for bit (the padding row must not write through slot -1)
     for s in UNUSED:
-        for name in ("k", "v", "conv_state"):
-            assert torch.equal(getattr(a, name)[:, s], getattr(base, name)[:, s]), f"{name} of unused slot {s}"
-            assert torch.equal(getattr(b_cache, name)[:, s], getattr(base, name)[:, s]), f"{name} of unused slot {s}"
+        for name, view in (("k", slots_view), ("v", slots_view), ("conv_state", lambda c, t: t)):
+            for c in (a, b_cache):
+                assert torch.equal(view(c, getattr(c, name))[:, s], view(base, getattr(base, name))[:, s]), \
+                    f"{name} of unused slot {s}"
 
     # and both states continue identically
     nxt = torch.tensor(rand_tokens(len(SLOTS) + 1, cfg.vocab_size, gen))[:, None]
@@ -167,8 +169,8 @@ def test_two_rounds_with_permuted_rows(setup):
     for b, slot in enumerate(SLOTS):
         end = start2[b] + accepted2[b]
         torch.testing.assert_close(a.conv_state[:, slot], b_cache.conv_state[:, slot], **TOL)
-        torch.testing.assert_close(a.k[:, slot, :end], b_cache.k[:, slot, :end], **TOL)
-        torch.testing.assert_close(a.v[:, slot, :end], b_cache.v[:, slot, :end], **TOL)
+        torch.testing.assert_close(slots_view(a, a.k)[:, slot, :end], slots_view(b_cache, b_cache.k)[:, slot, :end], **TOL)
+        torch.testing.assert_close(slots_view(a, a.v)[:, slot, :end], slots_view(b_cache, b_cache.v)[:, slot, :end], **TOL)
     for s in UNUSED:
         assert torch.equal(a.conv_state[:, s], base.conv_state[:, s])
-        assert torch.equal(a.k[:, s], base.k[:, s])
+        assert torch.equal(slots_view(a, a.k)[:, s], slots_view(base, base.k)[:, s])

@@ -122,8 +122,9 @@ def test_the_dashboards_series_and_the_latency_split_after_a_few_requests(served
 
 
 def test_the_engines_state_is_read_at_the_scrape(served):
-    """A stream holding one slot of four shows as 0.25 KV-cache usage and one running request (the
-    engine held after the step that started it); once it has ended, nothing is running."""
+    """A stream holding one slot of four shows as one running request and the KV pages it holds (the
+    engine held after the step that started it); once it has ended, nothing is running and only the
+    prefix cache holds pages."""
     engine, gate = served.engine.engine, threading.Event()
     real_step = engine.step
 
@@ -142,20 +143,27 @@ def test_the_engines_state_is_read_at_the_scrape(served):
             while not next(lines).startswith("data: {"):
                 pass                                       # until its first token is out; the engine is held
             during = scrape(served.url)
+            held = served.engine.usage()
             gate.set()
             assert "data: [DONE]" in list(lines)           # the stream then runs to its end
     finally:
         gate.set()
         del engine.step
     assert during[("lfmspark:num_requests_running", ())] == 1
-    assert during[("lfmspark:kv_cache_usage_perc", ())] == pytest.approx(1 / MAX_BATCH)
+    assert held["kv_pages_in_use"] > 0
+    assert during[("lfmspark:kv_cache_usage_perc", ())] == pytest.approx(held["kv_pages_in_use"] / held["kv_pages"])
+    assert during[("lfmspark:num_preemptions_total", ())] == 0
     assert during[("lfmspark:num_requests_waiting", ())] == 0
     usage = served.engine.usage()
     assert during[("lfmspark:prefix_cache_queries_total", ())] == usage["prefix_cache_queries"]
     assert during[("lfmspark:prefix_cache_usage_perc", ())] == pytest.approx(
         usage["prefix_cache_blocks"] / usage["prefix_cache_capacity"] if usage["prefix_cache_capacity"] else 0.0)
     after = scrape(served.url)
-    assert after[("lfmspark:num_requests_running", ())] == 0 and after[("lfmspark:kv_cache_usage_perc", ())] == 0
+    cached = served.engine.engine.model_runner.prefix_cache
+    pages_per_block = cached.pages_per_block if cached is not None else 0
+    assert after[("lfmspark:num_requests_running", ())] == 0
+    assert after[("lfmspark:kv_cache_usage_perc", ())] == pytest.approx(
+        cached.cached_blocks * pages_per_block / held["kv_pages"] if cached is not None else 0.0)
 
 
 def test_the_guards_answers_are_counted(ckpt):

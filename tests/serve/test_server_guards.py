@@ -41,8 +41,8 @@ def served(ckpt):
 
 
 def context_of(s: Served) -> int:
-    """What a request can use: the engine's max_seq_len less its verify window."""
-    return s.engine.engine.max_seq_len - s.engine.engine.verify_width
+    """What a request can use: the engine's max_seq_len (prompt and output)."""
+    return s.engine.engine.max_seq_len
 
 
 # -- cancellation -------------------------------------------------------------------------------

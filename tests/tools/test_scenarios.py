@@ -94,7 +94,7 @@ def test_warmup_of_a_target_only_engine(tmp_path):
 
 def test_multiturn_compares_the_prefix_cache_on_and_off(tmp_path, capsys):
     report = run_scenario(tmp_path, "multiturn", "--chats", "2", "--turns", "3", "--system-len", "40", "--turn-len",
-                          "10", "--output-len", "5", "--prefix-block", "8")
+                          "10", "--output-len", "5", "--prefix-block", "8", "--page-size", "4")
     assert report["prefix_cache_tokens"] == 40 + 2 * 3 * (10 + 5)          # the whole trace
     on, off = report["turns"]["cache"], report["turns"]["no_cache"]
     assert len(on) == len(off) == 3

@@ -25,7 +25,8 @@ from lfmspark.tools.serve_bench import ServeBenchConfig, format_report, make_tra
 
 KEYS = {"successful_requests", "failed_requests", "errors", "duration_s", "total_input_tokens",
         "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms",
-        "tpot_ms", "itl_ms", "e2el_ms", "tau_mean", "cached_input_tokens", "peak_memory_gb", "warmup_s"}
+        "tpot_ms", "itl_ms", "e2el_ms", "tau_mean", "cached_input_tokens", "peak_memory_gb", "warmup_s", "kv_cache"}
+KV_KEYS = {"page_size", "pages", "pages_in_use", "pages_in_use_peak", "bytes", "max_seq_len", "preemptions"}
 
 
 def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
@@ -40,6 +41,7 @@ def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
     for kind, r in report["results"].items():
         assert set(r) == KEYS, kind
         assert r["successful_requests"] == 10 and r["failed_requests"] == 0
+        assert set(r["kv_cache"]) == KV_KEYS and 0 < r["kv_cache"]["pages_in_use_peak"] <= r["kv_cache"]["pages"]
         assert r["total_output_tokens"] == sum(trace.output_lens)      # ignore_eos: every length as drawn
         assert r["total_input_tokens"] == sum(len(p) for p in trace.prompts)
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
@@ -48,6 +50,7 @@ def test_both_engines_serve_the_same_trace_and_the_json_is_documented(tmp_path):
     assert report["results"]["speculative"]["tau_mean"] > 1.0 == report["results"]["target_only"]["tau_mean"]
     text = format_report(report)
     assert "Serving Benchmark Result: speculative" in text and "Median TTFT (ms):" in text
+    assert "KV pages in use at most / pool:" in text and "Preemptions:" in text
 
 
 def test_a_fraction_of_the_measured_capacity(tmp_path):
@@ -97,7 +100,7 @@ def test_the_command_line(tmp_path, capsys):
 
 # -- an OpenAI-compatible server over HTTP (--base-url) -----------------------------------------
 
-SERVER_KEYS = KEYS | {"token_counts"}
+SERVER_KEYS = KEYS - {"kv_cache"} | {"token_counts"}       # a client does not see the pool
 
 
 def free_port() -> int:
