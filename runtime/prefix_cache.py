@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from ..models.cache import TargetCache
 from .pages import SlotPages
@@ -95,6 +95,7 @@ class PrefixCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
+        self.held = np.zeros(self.pool.n_pages, dtype=bool)     # the pages cached blocks hold
         self.pool.reclaim, self.pool.reclaimable = self.reclaim, self.reclaimable
 
     @property
@@ -157,6 +158,7 @@ class PrefixCache:
         j = end // b - 1
         pages = self.slot_pages.pages[slot][j * self.pages_per_block:(j + 1) * self.pages_per_block]
         self.pool.retain(pages)
+        self.held[pages] = True
         self.conv[:, row] = self.tcache.conv_state[:, slot]
         node.children[key] = _Node(key, node, list(pages), row, last_used=now)
         self.stats.inserted += 1
@@ -172,6 +174,7 @@ class PrefixCache:
 
     def _evict(self, node: _Node) -> None:
         del node.parent.children[node.tokens]
+        self.held[node.pages] = False
         self.pool.release(node.pages)
         self._free.append(node.conv)
         self.stats.evicted += 1
@@ -192,12 +195,7 @@ class PrefixCache:
 
     def reclaimable(self) -> int:
         """Pages only the cache holds (what :meth:`reclaim` could free)."""
-        n, stack = 0, list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            n += int((self.pool.refs[node.pages] == 1).sum())
-        return n
+        return int((self.held & (self.pool.refs == 1)).sum())
 
     def reclaim(self, n: int) -> None:
         """Free at least ``n`` pages if the cache can: evict least recently used leaves whose pages
@@ -217,6 +215,7 @@ class PrefixCache:
             node = stack.pop()
             stack.extend(node.children.values())
             self.pool.release(node.pages)
+        self.held[:] = False
         self.root = _Node((), None, [], -1)
         self._free = list(range(self.capacity - 1, -1, -1))
         return n

@@ -131,7 +131,7 @@ class Scheduler:
         jobs, promised = [], self._promised() + self.watermark
         while self.cache_jobs and self.pool.n_free:
             need = self._need([self.cache_jobs[0]])
-            if promised + need > self.pages.pool.available():
+            if not self._room(promised + need):
                 break
             promised += need
             job = self.cache_jobs.popleft()
@@ -152,7 +152,7 @@ class Scheduler:
             head = self.waiting[0]
             members = [head] if head.group is None else [r for r in self.waiting if r.group == head.group]
             need = self._need(members)
-            if len(members) > self.pool.n_free or promised + need > self.pages.pool.available():
+            if len(members) > self.pool.n_free or not self._room(promised + need):
                 break                        # wait for enough slots and pages
             promised += need
             for req in members:
@@ -170,6 +170,11 @@ class Scheduler:
         mine = self.pages.pages_needed(lead.slot, length) if lead.slot is not None else \
             -(-length // self.pages.page_size)
         return mine + (len(members) - 1) * (-(-2 * self.window // self.pages.page_size) + 1)
+
+    def _room(self, pages: int) -> bool:
+        """Whether the pool has ``pages`` free, or could with what the prefix cache gives back."""
+        pool = self.pages.pool
+        return pages <= pool.n_free or pages <= pool.available()
 
     def _promised(self) -> int:
         """Pages the requests already admitted still need before they decode."""
