@@ -715,6 +715,11 @@ def table(report: dict) -> str:
                  + f", {r['prefill_tflops']:.1f} TFLOP/s"
                  + (f" ({r['prefill_over_matmul_peak']:.0%} of the measured bf16 matmul peak)"
                     if "prefill_over_matmul_peak" in r else ""))
+    for kind in ("target_only", "speculative"):
+        kv = res[kind][-1]["kv_cache"] if res.get(kind) else None
+        if kv is not None:
+            text += (f"\nKV cache {kind}: {kv['pages']} pages of {kv['page_size']} tokens ({kv['bytes'] / 2**30:.2f} GiB), "
+                     f"at most {kv['pages_in_use_peak']} in use; max_seq_len {kv['max_seq_len']}")
     for kind, w in report.get("warmup", {}).items():
         text += f"\nwarm-up {kind}: {w['seconds']:.1f} s ({w['mode']})"
     return text
