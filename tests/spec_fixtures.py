@@ -28,7 +28,7 @@ def tiny_target_config(moe: bool = False, vocab: int = V, head_dim: int = 8) -> 
     return TargetConfig(model_type="lfm2_moe" if moe else "lfm2", vocab_size=vocab, hidden_size=32,
                         num_hidden_layers=len(types), num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                         layer_types=types, intermediate_size=48, tie_word_embeddings=False, eos_token_ids=(),
-                        rope_theta=10_000.0, **extra)
+                        rope_theta=10_000.0, max_position_embeddings=4096, **extra)   # the tiny preset's context
 
 
 def tiny_draft_config(block: int = 4, vocab: int = V, rank: int = V, taps: tuple[int, ...] = (0, 2, 3),
