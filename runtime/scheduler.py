@@ -22,7 +22,9 @@ running requests to grow. When the pool runs dry anyway (the cache gives back wh
 the most recently admitted decoding request is **preempted** (vLLM's recompute policy): its pages
 and slot are freed and it goes back to the head of the queue with its output so far, which its
 next prefill recomputes after its prompt (``Request.context_ids``); its stream goes on where it
-stopped, no token lost or repeated.
+stopped, no token lost or repeated. With nothing decoding, a prompt that cannot get its pages
+because later prompts hold them preempts those (:meth:`Scheduler._unblock`), so prefills never
+wait on each other.
 
 **The prefill plan** (:meth:`Scheduler.next_prefill`): while requests decode, one forward of at most
 ``prefill_budget`` tokens a step, padding included, so an arrival delays the decoding streams by one
@@ -203,6 +205,8 @@ class Scheduler:
         budget = self.prefill_budget if self.running else None
         rows, chunks, width = [], [], 0
         for req in list(self.prefilling):
+            if req not in self.prefilling:
+                continue                     # preempted to make room for an earlier row
             context = req.context_ids
             take = self.chunk_len(req.prefilled, len(context))
             if budget is not None:
@@ -210,7 +214,8 @@ class Scheduler:
                 if width > cap or cap == 0:
                     break
                 take = min(take, cap)
-            if not self._cover(req, req.prefilled + take, others=rows):
+            if not self._cover(req, req.prefilled + take, others=rows) and not (
+                    not rows and not self.running and self._unblock(req, req.prefilled + take)):
                 break                        # the pool is dry: the rest waits for pages
             rows.append(req)
             chunks.append(context[req.prefilled:req.prefilled + take])
@@ -286,10 +291,34 @@ class Scheduler:
                 self.preempt(victim)
                 preempted.append(victim)
 
+    def _unblock(self, req: Request, length: int) -> bool:
+        """Nothing decodes and ``req``, the first prompt in line, cannot get its pages: requests admitted
+        after it hold them. Preempt those (newest first; not a prompt whose samples wait on it) until
+        ``req`` is covered; False if that is not enough."""
+        while True:
+            victims = [r for r in self.prefilling if r is not req and id(r) not in self._followers]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda r: r.admitted_at)
+            self.prefilling.remove(victim)
+            if victim.cache_only:
+                self.release_job(victim)           # only the cache misses out
+            else:
+                self._give_back(victim)
+            try:
+                self.pages.ensure(req.slot, length)
+                return True
+            except OutOfPagesError:
+                continue
+
     def preempt(self, req: Request) -> None:
         """Take a decoding request's pages and slot back; it waits at the head of the queue and resumes
         by prefilling its prompt and output so far (module doc)."""
         self.running.remove(req)
+        self._give_back(req)
+
+    def _give_back(self, req: Request) -> None:
+        """Free a request's pages and slot and queue it first again (a preemption)."""
         self.pages.release(req.slot)
         self.pool.release(req.slot)
         req.slot, req.prefilled, req.cached_tokens = None, 0, 0

@@ -278,3 +278,21 @@ def test_rounds_are_covered_oldest_first_and_the_newest_decoding_request_is_pree
     assert [g[0] for g in admit_all(s)] == [new]
     plan = s.next_prefill()
     assert plan.chunks == [new.prompt_ids + [7, 7, 7, 7]]     # the output is recomputed after the prompt
+
+
+def test_prompts_that_block_each_other_do_not_deadlock():
+    """Nothing decodes; two prompts prefill in 16-token chunks and each holds pages the other needs
+    (a pool the cache's pages had seemed to leave room in): the newer one is preempted, the older
+    one completes, and the newer one comes back after it."""
+    s = scheduler(max_batch=2, chunk=16, alignment=16, n_pages=16, page_size=4, window=2)
+    s.watermark = 0
+    a, b = request("a", 24), request("b", 24)
+    s.add([a, b])
+    assert len(admit_all(s)) == 2                  # 7 pages each (24 tokens and two windows)
+    s.prefilled(s.next_prefill())                  # both rows, 16 tokens each: 8 of the 16 pages
+    s.pages.pool.allocate(7)                       # pages taken elsewhere (cached pages a hit mapped)
+    assert s.pages.pool.n_free == 1
+    plan = s.next_prefill()                        # a needs 2 more pages: b gives its 4 back
+    assert plan.rows == [a] and list(s.waiting) == [b] and b.slot is None and b.preemptions == 1
+    s.prefilled(plan)
+    assert s.running == [] and a.prefilled == 24
