@@ -201,3 +201,16 @@ def map_slots(engine, slots) -> None:
         if slot >= 0:
             runner.pages.ensure(slot, runner.max_seq_len)
     runner.pages.flush(runner.tcache.page_table)
+
+
+def assert_no_page_leaked(engine) -> None:
+    """With no request live, the only KV pages in use are the prefix cache's, each referenced once."""
+    cache, held = engine.model_runner.prefix_cache, set()
+    stack = list(cache.root.children.values()) if cache is not None else []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        held.update(node.pages)
+    pool = engine.kv_pages
+    assert pool.in_use == len(held), (pool.in_use, len(held))
+    assert (pool.refs[sorted(held)] == 1).all() and (pool.refs >= 0).all()

@@ -15,8 +15,8 @@ import shutil
 import pytest
 import torch
 
-from engine_fixtures import (BOS, IM_END, IM_START, TOKEN_ID, VOCAB, byte_level_text, byte_tokenizer,
-                             draft_config_dict, draft_tensors, ids_to_text, save_tiny_draft, save_tiny_target,
+from engine_fixtures import (BOS, IM_END, IM_START, TOKEN_ID, VOCAB, assert_no_page_leaked, byte_level_text,
+                             byte_tokenizer, draft_config_dict, draft_tensors, ids_to_text, save_tiny_draft, save_tiny_target,
                              word_tokenizer, words_to_ids, write_generation_eos)
 from lfmspark.models.config import ConfigError, DraftConfig, TargetConfig
 from lfmspark.models.loading import load_draft
@@ -38,6 +38,7 @@ def greedy(n, **kw) -> SamplingParams:
 def assert_clean(e: Engine) -> None:
     assert e.scheduler.pool.in_use == 0 and e.scheduler.pool.n_free == e.max_batch
     assert e.idle
+    assert_no_page_leaked(e)
 
 
 def one_by_one(target, prompts, params) -> list[list[int]]:

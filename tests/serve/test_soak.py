@@ -15,6 +15,7 @@ import random
 import httpx
 import pytest
 
+from engine_fixtures import assert_no_page_leaked
 from lfmspark.runtime import SamplingParams
 from lfmspark.serve import make_server_app
 from server_fixtures import MODEL, Served, load
@@ -104,6 +105,7 @@ def test_a_thousand_requests_leave_nothing_behind(ckpt):
         ae = served.engine
         assert (ae.num_running, ae.num_waiting, ae.num_open_streams) == (0, 0, 0)
         assert engine.idle and not engine.scheduler.live and engine.scheduler.pool.n_free == 8
+        assert_no_page_leaked(engine)
         cache = engine.prefix_cache_stats
         assert 0 < cache["cached_blocks"] <= cache["capacity_blocks"] and cache["hits"] > 0
 
