@@ -55,6 +55,9 @@ def resolve_max_seq_len(config: EngineConfig, max_position_embeddings: int, pool
             raise ValueError(f"max_seq_len {config.max_seq_len} and the verify window ({window}) are more than the KV "
                              f"cache holds ({pool_tokens} tokens): lower max_seq_len (--max-model-len) or raise "
                              "kv_cache_memory / gpu_memory_utilization")
+        if config.max_seq_len > max_position_embeddings:
+            log.warning("max_seq_len %d is more than the model's context length (max_position_embeddings %d): "
+                        "positions past it were never trained", config.max_seq_len, max_position_embeddings)
         return config.max_seq_len
     fits = pool_tokens - window
     if fits < 1:

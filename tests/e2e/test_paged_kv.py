@@ -5,6 +5,7 @@ reference."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -187,3 +188,18 @@ def test_the_pool_and_the_context_length_are_checked():
     assert Engine(target, None, max_batch=2).max_seq_len == target.config.max_position_embeddings
     small = Engine(target, None, max_batch=2, page_size=4, kv_cache_memory=pool_pages(probe, 100))
     assert small.max_seq_len == 100 * 4 - small.verify_width
+
+
+def test_a_context_past_the_models_is_served_with_a_warning():
+    target = random_tiny_target(seed=3)
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("lfmspark")
+    logger.addHandler(handler)       # a handler of its own: pytest's caplog may be off (-p no:logging)
+    try:
+        engine = Engine(target, None, max_batch=1, max_seq_len=target.config.max_position_embeddings + 16)
+    finally:
+        logger.removeHandler(handler)
+    assert engine.max_seq_len == target.config.max_position_embeddings + 16
+    assert any("never trained" in m for m in messages), messages
