@@ -70,7 +70,7 @@ class EngineConfig:
     markov_walk: str = "jacobi"         # the draft's greedy Markov walk kernel
     logprobs_mode: str = "raw"          # what SamplingParams.logprobs are of: "raw" or "processed" logits
     verify_widths: tuple[int, ...] | None = None   # verify windows a round may take (None: 1 and the block)
-    prefix_cache_tokens: int | None = None   # the prefix cache's budget (None: half the slots' worth; 0: off)
+    prefix_cache_tokens: int | None = None   # the most tokens the prefix cache keeps (None: the KV pool's; 0: off)
     prefix_block: int = DEFAULT_BLOCK   # tokens per cached block; prefill chunks end at its multiples
     prefix_cache_outputs: bool = False  # also cache each finished request's output (a chat's next turn)
     routing_locality: int | None = None  # MoE benchmarks on random weights: experts per slot and layer
@@ -272,8 +272,9 @@ class EngineConfig:
         e.add_argument("--verify-widths", type=int_list, metavar="WIDTHS", help="verify widths the width "
                        "policy picks from each round (default: 1 and the whole block; the block size + 1 alone: "
                        "the whole block every round)")
-        e.add_argument("--prefix-cache-tokens", type=_int_from(0), default=None, help="the prefix cache's budget "
-                       "in tokens (default: half the slots' worth; 0: off)")
+        e.add_argument("--prefix-cache-tokens", type=_int_from(0), default=None, help="the most tokens the "
+                       "prefix cache keeps; its blocks live in the KV pool's pages (default: as many as the pool "
+                       "holds; 0: off)")
         e.add_argument("--prefix-block", type=_int_from(1), default=d.prefix_block,
                        help=f"tokens per prefix-cache block (default: {d.prefix_block})")
         e.add_argument("--prefix-cache-outputs", action="store_true", help="also keep each finished request's "
