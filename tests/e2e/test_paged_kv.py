@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,47 @@ def test_a_context_past_the_models_is_served_with_a_warning():
         logger.removeHandler(handler)
     assert engine.max_seq_len == target.config.max_position_embeddings + 16
     assert any("never trained" in m for m in messages), messages
+
+
+def check_page_counts(engine: Engine) -> None:
+    """Every page's reference count equals the slots and cached blocks that map it, the free pages are
+    the unreferenced ones, and every decoding request's pages cover its committed tokens."""
+    pages = engine.model_runner.pages
+    mapped = np.zeros(pages.pool.n_pages, dtype=np.int64)
+    for slot_pages in pages.pages:
+        np.add.at(mapped, slot_pages, 1)
+    cache = engine.model_runner.prefix_cache
+    stack = list(cache.root.children.values()) if cache is not None else []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        np.add.at(mapped, node.pages, 1)
+    assert np.array_equal(mapped, pages.pool.refs) and pages.pool.n_free == int((mapped == 0).sum())
+    for req in engine.scheduler.running:
+        assert pages.covered(req.slot) >= len(req.prompt_ids) + len(req.output)
+
+
+def test_page_counts_hold_at_every_step_of_a_random_load(models):
+    """Random arrivals (shared prefixes, n of 1-3, greedy and sampled), aborts, the prefix cache with
+    finished turns cached, a pool that preempts: the page bookkeeping is exact after every step."""
+    target, draft = models
+    probe = Engine(target, draft, max_batch=1, max_seq_len=96, page_size=4)
+    engine = Engine(target, draft, max_batch=6, max_seq_len=96, page_size=4, prefix_block=8,
+                    prefix_cache_outputs=True, kv_cache_memory=pool_pages(probe, 36))
+    rng = random.Random(11)
+    shared, ids = [rng.randrange(60) for _ in range(24)], []
+    for step in range(150):
+        if rng.random() < 0.3 and len(engine.scheduler.live) < 12:
+            prompt = shared[:rng.randrange(0, 24)] + [rng.randrange(60) for _ in range(rng.randrange(1, 16))]
+            params = SamplingParams(n=rng.choice([1, 1, 2, 3]), max_new_tokens=rng.randrange(4, 40), ignore_eos=True,
+                                    temperature=rng.choice([0.0, 0.8]), seed=step)
+            ids.append(engine.add_request(prompt, params))
+        if rng.random() < 0.05 and ids:
+            engine.abort(rng.choice(ids))
+        engine.step()
+        check_page_counts(engine)
+    while not engine.idle:
+        engine.step()
+        check_page_counts(engine)
+    assert engine.num_preemptions > 0
+    assert_no_page_leaked(engine)
