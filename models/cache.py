@@ -70,18 +70,9 @@ class _PagedKV:
         return self.k.shape[2]
 
     @property
-    def n_pages(self) -> int:
-        """Physical pages a pool may hand out (the trash page excluded)."""
-        return self.k.shape[1] - 1
-
-    @property
     def max_seq_len(self) -> int:
         """Positions a slot's table can map."""
         return self.page_table.shape[1] * self.page_size
-
-    def page_nbytes(self) -> int:
-        """Bytes of one page across every layer, K and V."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
 
     def gather(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v) [layers, length, n_kv, head_dim]``: slot ``slot``'s positions ``< length``."""
@@ -138,9 +129,6 @@ class TargetCache(_PagedKV):
                 n_conv += 1
         return out
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv_state, self.conv_tape))
-
 
 @dataclass
 class DraftCache(_PagedKV):
@@ -166,6 +154,3 @@ class DraftCache(_PagedKV):
     def layer_caches(self) -> list[LayerCache]:
         """Each layer's one-layer K/V slices ``[1, ...]`` and the page table (as :meth:`TargetCache.layer_caches`)."""
         return [(self.k[i:i + 1], self.v[i:i + 1], self.page_table) for i in range(self.k.shape[0])]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v))

@@ -102,10 +102,6 @@ class PrefixCache:
     def cached_blocks(self) -> int:
         return self.capacity - len(self._free)
 
-    def nbytes(self) -> int:
-        """The conv pool's bytes (the blocks' pages belong to the KV pool)."""
-        return self.conv.numel() * self.conv.element_size()
-
     # -- lookup -------------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> list[_Node]:
         """The cached blocks ``tokens`` starts with, leaving at least one token to run (a prefill must
