@@ -248,3 +248,25 @@ def test_page_counts_hold_at_every_step_of_a_random_load(models):
         check_page_counts(engine)
     assert engine.num_preemptions > 0
     assert_no_page_leaked(engine)
+
+
+def test_many_short_requests_run_at_once_in_a_pool_far_smaller_than_slots_times_context():
+    """32 slots of a 700-token context would reserve 22,400 positions; a pool of 1,200 holds 32 short
+    chats at once, all admitted together, none preempted, outputs as each alone."""
+    target = random_tiny_target(seed=3)
+    probe = Engine(target, None, max_batch=1, max_seq_len=700, page_size=4)
+    engine = Engine(target, None, max_batch=32, max_seq_len=700, page_size=4, prefix_cache_tokens=0,
+                    kv_cache_memory=pool_pages(probe, 300))
+    ps = prompts(32, seed=4)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for p in ps:
+        engine.add_request(p, params)
+    engine.step()
+    assert engine.num_running == 32 and engine.num_waiting == 0
+    outs = {}
+    while not engine.idle:
+        for event in engine.step():
+            if event.finished:
+                outs[event.request_id] = event.output.token_ids
+    assert engine.num_preemptions == 0 and engine.kv_pages.in_use == 0
+    assert [outs[f"req-{i}"] for i in range(32)] == [probe.generate(p, params)[0].token_ids for p in ps]
