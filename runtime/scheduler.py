@@ -277,17 +277,18 @@ class Scheduler:
 
     def _cover(self, req: Request, length: int, others: list[Request] = (),
                preempted: list[Request] | None = None) -> bool:
-        """Give ``req``'s slot pages up to ``length`` positions, preempting newer decoding requests
-        (not ``others``) while the pool cannot; False when nothing is left to preempt."""
+        """Give ``req``'s slot pages up to ``length`` positions; with ``preempted`` (a list the
+        preempted requests are added to), preempting decoding requests admitted after ``req`` (not
+        ``others``), newest first, while the pool cannot. False when that is not enough."""
         while True:
             try:
                 self.pages.ensure(req.slot, length)
                 return True
             except OutOfPagesError:
-                victims = [r for r in self.running if r is not req and r not in others]
-                if preempted is None or not victims:
+                newer = [r for r in self.running if r.admitted_at > req.admitted_at and r not in others]
+                if preempted is None or not newer:
                     return False
-                victim = max(victims, key=lambda r: r.admitted_at)
+                victim = max(newer, key=lambda r: r.admitted_at)
                 self.preempt(victim)
                 preempted.append(victim)
 

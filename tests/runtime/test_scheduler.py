@@ -296,3 +296,20 @@ def test_prompts_that_block_each_other_do_not_deadlock():
     assert plan.rows == [a] and list(s.waiting) == [b] and b.slot is None and b.preemptions == 1
     s.prefilled(plan)
     assert s.running == [] and a.prefilled == 24
+
+
+def test_a_newer_request_that_cannot_grow_is_preempted_itself_not_an_older_one():
+    """The older request fits its next round, the newer one does not: the newer one is preempted
+    (the older one keeps its pages), whichever of them is covered first."""
+    s = scheduler(max_batch=2, chunk=64, alignment=64, n_pages=7, page_size=4, window=2)
+    s.watermark = 0
+    old, new = request("old", 8), request("new", 8)
+    for req in (old, new):
+        s.add([req])
+        admit_all(s)
+        run_prefill(s)
+    assert s.reserve_rounds(round_in_flight=True) == [] and s.pages.pool.n_free == 1   # 3 pages each
+    old.output += [7] * 4        # needs 16 positions: 4 pages, the free one
+    new.output += [7] * 4        # needs 4 pages too: none left
+    assert s.reserve_rounds(round_in_flight=True) == [new]
+    assert s.running == [old] and len(s.pages.pages[old.slot]) == 4 and new.slot is None
