@@ -177,12 +177,9 @@ class ModelRunner:
     def _prefix_blocks(self, config: EngineConfig, n_pages: int) -> int:
         """The prefix cache's capacity in blocks (0: none): its budget of tokens, by default as many
         blocks as the pool's pages make (cached blocks live in the pool's pages)."""
-        size = config.page_size
-        if config.prefix_block % size:
-            raise ValueError(f"prefix_block {config.prefix_block} must be a multiple of page_size {size}")
         tokens = config.prefix_cache_tokens
         if tokens is None:
-            tokens = n_pages * size
+            tokens = n_pages * config.page_size
         if config.prefix_block > self.max_seq_len:
             return 0           # no prompt can fill a block
         return tokens // config.prefix_block
