@@ -214,7 +214,7 @@ class Scheduler:
                 if width > cap or cap == 0:
                     break
                 take = min(take, cap)
-            if not self._cover(req, req.prefilled + take, others=rows) and not (
+            if not self._cover(req, req.prefilled + take) and not (
                     not rows and not self.running and self._unblock(req, req.prefilled + take)):
                 break                        # the pool is dry: the rest waits for pages
             rows.append(req)
@@ -275,17 +275,16 @@ class Scheduler:
                 preempted.append(req)
         return preempted
 
-    def _cover(self, req: Request, length: int, others: list[Request] = (),
-               preempted: list[Request] | None = None) -> bool:
+    def _cover(self, req: Request, length: int, preempted: list[Request] | None = None) -> bool:
         """Give ``req``'s slot pages up to ``length`` positions; with ``preempted`` (a list the
-        preempted requests are added to), preempting decoding requests admitted after ``req`` (not
-        ``others``), newest first, while the pool cannot. False when that is not enough."""
+        preempted requests are added to), preempting decoding requests admitted after ``req``,
+        newest first, while the pool cannot. False when that is not enough."""
         while True:
             try:
                 self.pages.ensure(req.slot, length)
                 return True
             except OutOfPagesError:
-                newer = [r for r in self.running if r.admitted_at > req.admitted_at and r not in others]
+                newer = [r for r in self.running if r.admitted_at > req.admitted_at]
                 if preempted is None or not newer:
                     return False
                 victim = max(newer, key=lambda r: r.admitted_at)

@@ -203,14 +203,20 @@ def map_slots(engine, slots) -> None:
     runner.pages.flush(runner.tcache.page_table)
 
 
-def assert_no_page_leaked(engine) -> None:
-    """With no request live, the only KV pages in use are the prefix cache's, each referenced once."""
-    cache, held = engine.model_runner.prefix_cache, set()
+def cached_pages(engine) -> list[int]:
+    """The KV pages the prefix cache's blocks hold, one entry per block that holds it."""
+    cache, pages = engine.model_runner.prefix_cache, []
     stack = list(cache.root.children.values()) if cache is not None else []
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
-        held.update(node.pages)
+        pages += node.pages
+    return pages
+
+
+def assert_no_page_leaked(engine) -> None:
+    """With no request live, the only KV pages in use are the prefix cache's, each referenced once."""
+    held = set(cached_pages(engine))
     pool = engine.kv_pages
     assert pool.in_use == len(held), (pool.in_use, len(held))
     assert (pool.refs[sorted(held)] == 1).all() and (pool.refs >= 0).all()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lfmspark.runtime import Engine, SamplingParams
-from engine_fixtures import assert_no_page_leaked
+from engine_fixtures import assert_no_page_leaked, cached_pages
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
 GAMMA = 4
@@ -211,14 +211,8 @@ def check_page_counts(engine: Engine) -> None:
     the unreferenced ones, and every decoding request's pages cover its committed tokens."""
     pages = engine.model_runner.pages
     mapped = np.zeros(pages.pool.n_pages, dtype=np.int64)
-    for slot_pages in pages.pages:
-        np.add.at(mapped, slot_pages, 1)
-    cache = engine.model_runner.prefix_cache
-    stack = list(cache.root.children.values()) if cache is not None else []
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        np.add.at(mapped, node.pages, 1)
+    for held in (*pages.pages, cached_pages(engine)):
+        np.add.at(mapped, held, 1)
     assert np.array_equal(mapped, pages.pool.refs) and pages.pool.n_free == int((mapped == 0).sum())
     for req in engine.scheduler.running:
         assert pages.covered(req.slot) >= len(req.prompt_ids) + len(req.output)
