@@ -510,6 +510,8 @@ def _run_in_process(cfg: ServeBenchConfig) -> dict:
         report["results"][kind]["kv_cache"] = {**engine.kv_cache_info(), "preemptions": engine.num_preemptions}
         if rate is not None:
             report["results"][kind]["request_rate"] = rate
+        if cfg.json_path:       # each engine's figures as soon as they exist, should a later one fail
+            Path(cfg.json_path).write_text(json.dumps(report, indent=1))
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
