@@ -91,6 +91,13 @@ Norm epilogues (models/layers.py ``project_norm_feed_forward``, ``NormedCarry``)
 product of that ``s * g`` scales each row's fp32 sums by ``rsqrt(mean square + eps)`` before its one
 rounding: together, the product of ``RMSNorm(s)`` with no norm kernel between the two launches.
 
+FP8 weights (``W_SCALE``, ``lfmspark::skinny_linear_fp8`` in ops/linear/skinny_linear_fp8.py): the
+weight holds float8 e4m3fn values, half the bytes of a bf16 weight to stream. The ``tl.dot`` kernel
+upcasts each weight tile to ``x``'s dtype in registers (exact: every e4m3fn value is a bf16 value),
+the GEMV kernel to fp32 as it does every weight, and each output column's fp32 sum is multiplied by
+its per-channel scale once, after the K loop (a split's partial too: the scaling is linear). Plain
+and row-scaled products only; the tiles are the bf16 heuristics' (not tuned for fp8).
+
 Numerics: ``torch.nn.functional.linear`` (the reference), i.e. fp32 accumulation and one rounding
 to ``x``'s dtype; the summation order differs, so bf16 results may differ by an ulp. Static grids,
 no host sync: the launchers are CUDA-graph safe.
@@ -120,12 +127,12 @@ PAIR_ROWS_ALIGN = 16  # skinny_linear_pair's first weight: whole column tiles of
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, wb_ptr, out_ptr, ws_ptr, cnt_ptr,
-    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, n_ssq_in, inv_k, eps,
+    res_ptr, g_ptr, sg_ptr, ssq_out_ptr, ssq_in_ptr, n_ssq_in, inv_k, eps, w_scale_ptr,
     M, N, N_A, K, k_split,
     stride_xm, stride_wn, stride_om, stride_ws, stride_wsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, SWIGLU: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
-    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr,
+    ADD_NORM: tl.constexpr, ROW_NORM: tl.constexpr, SSQ_TILES: tl.constexpr, W_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (n block, k split): BLOCK_N output columns of all rows, summed over the K range
@@ -141,8 +148,12 @@ def _skinny_linear_kernel(
     # of s^2 to ssq_out [column tiles, M] (lfmspark::skinny_linear_add_norm). ROW_NORM: every row of
     # the product is scaled by rsqrt(mean square + eps), the mean square from the n_ssq_in partial
     # sums at ssq_in (inv_k = 1 / the norm's width): with x = s * g, the product of RMSNorm(s).
+    # W_SCALE (plain product, lfmspark::skinny_linear_fp8): w holds fp8 values, upcast in registers
+    # (_dot_block), and each column's fp32 sum is multiplied by its scale w_scale [N] after the K loop.
     tl.static_assert(not (TWO_WEIGHTS and SWIGLU), "skinny_linear_pair has no SwiGLU epilogue")
     tl.static_assert(not (ADD_NORM and (SWIGLU or TWO_WEIGHTS)), "ADD_NORM is the plain product's epilogue")
+    tl.static_assert(not (W_SCALE and (SWIGLU or TWO_WEIGHTS or ADD_NORM)),
+                     "W_SCALE is the plain (or row-scaled) product's")
     if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -171,6 +182,8 @@ def _skinny_linear_kernel(
         u_ptrs = w_ptr + (cols % N + N).to(tl.int64)[:, None] * stride_wn + ks[None, :]
         wu = _load_w_block(u_ptrs, k0, k_end, BLOCK_K, EVEN_K)
     out_offs, out_mask = _tile_offsets(rows, cols, row_ok, N, stride_om)
+    if W_SCALE:  # a parameter too: requested before the wait
+        w_scale = tl.load(w_scale_ptr + cols % N)
     if ADD_NORM:  # the norm weight is a parameter: requested before the wait, as the weights are
         g = tl.load(g_ptr + cols, mask=cols < N, other=0.0)
     if PDL:
@@ -197,6 +210,8 @@ def _skinny_linear_kernel(
             acc_u = _dot_block(a, wu, acc_u, DOT_PRECISION, UPCAST)
     if PDL == 2:  # the late trigger (ops/_dispatch.py): this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
+    if W_SCALE:  # the fp32 sums (or a split's partials: the scaling is linear)
+        acc = acc * w_scale[:, None]
     if ROW_NORM:  # the fp32 sums (or a split's partials: the scaling is linear)
         rstd = _row_rstd(ssq_part, row_ok, inv_k, eps)
         acc = acc * rstd[None, :]
@@ -246,6 +261,8 @@ def _dot_block(a, w, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # out^T += w @ x^T: the weight tile is the MMA's A operand (swap-AB, module doc)
     if UPCAST:  # the Triton 3.9 interpreter multiplies bf16 dot operands as raw integers
         a, w = a.to(tl.float32), w.to(tl.float32)
+    else:  # fp8 weights (W_SCALE) upcast to x's dtype in registers, exactly; a no-op otherwise
+        w = w.to(a.dtype)
     return tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
 
 
@@ -336,15 +353,17 @@ def _row_rstd(part, row_ok, inv_k, eps):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, w_scale_ptr,
     N, K, k_split,
     stride_wn, stride_ws,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     # the M = 1 case without tl.dot (whose 16-row minimum wastes 15/16 of its registers on padding):
     # program (n block, k split) keeps a [BLOCK_N, BLOCK_K] fp32 elementwise accumulator and reduces
     # it once at the end, so each K step is one wide weight load and a multiply-add. SPLIT: partials
-    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel
+    # to the workspace ws [splits, N], summed by the tile's last program, as in _skinny_linear_kernel.
+    # W_SCALE: fp8 weights (upcast as they are loaded), each column's sum times its scale w_scale [N]
     if PDL == 1:  # the next kernel's programs may launch now (ops/_dispatch.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -356,6 +375,8 @@ def _gemv_kernel(
     w_ptrs = w_ptr + (cols % N).to(tl.int64)[:, None] * stride_wn + (k0 + ks)[None, :]
     # first K block peeled: weights requested before the PDL wait, x (the predecessor's output) after
     w = _load_w_block(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    if W_SCALE:  # a parameter too: requested before the wait
+        w_scale = tl.load(w_scale_ptr + cols % N)
     if PDL:
         tl.extra.cuda.gdc_wait()
     acc = w.to(tl.float32) * _load_x_vector(x_ptr, k0, k_end, BLOCK_K, EVEN_K)[None, :]
@@ -366,6 +387,8 @@ def _gemv_kernel(
     if PDL == 2:  # the late trigger (ops/_dispatch.py): this program's weights are read
         tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
+    if W_SCALE:
+        out = out * w_scale
     col_ok = cols < N
     if SPLIT:
         tl.store(ws_ptr + split * stride_ws + cols, out, mask=col_ok)
@@ -569,14 +592,16 @@ class AddNorm:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, swiglu: bool,
             weight_b: torch.Tensor | None = None, add_norm: AddNorm | None = None,
-            row_ssq: torch.Tensor | None = None, eps: float = 0.0, side_stream: bool = False) -> None:
+            row_ssq: torch.Tensor | None = None, eps: float = 0.0, side_stream: bool = False,
+            weight_scale: torch.Tensor | None = None) -> None:
     """One launch of the GEMV kernel (one row, ``cfg.gemv``, plain product) or of the ``tl.dot``
     kernel computing ``out [M, N]`` (``N = F`` for SwiGLU, whose ``weight`` is ``w13 [2F, K]``; with
     ``weight_b``, the pair ``[weight; weight_b]``, always on the ``tl.dot`` kernel); with split-K,
     the fp32 workspace and the device's arrival counters. ``add_norm``: the ``ADD_NORM`` epilogue;
     ``row_ssq`` ``[tiles, M]``: every row scaled by ``rsqrt(row_ssq.sum(0) / K + eps)`` (``ROW_NORM``);
     both on the ``tl.dot`` kernel. ``side_stream``: the launch may run beside the main stream's, so
-    it takes the side stream's split-K counters (module doc)."""
+    it takes the side stream's split-K counters (module doc). ``weight_scale`` ``[N]`` (fp32): ``weight``
+    holds fp8 values, each output column scaled by its entry (``W_SCALE``; plain products only)."""
     (M, K), N = x.shape, out.shape[1]
     n_a = N
     if weight_b is not None:
@@ -595,11 +620,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
     else:  # not read: the kernels' split-K code is compiled out
         ws, counters, stride_ws, stride_wsm = out, out, 0, 0
     grid = (n_tiles, splits)
+    w_scale = out if weight_scale is None else weight_scale   # not read without W_SCALE
     if M == 1 and cfg.gemv and not swiglu and weight_b is None and add_norm is None and row_ssq is None:
         _gemv_kernel[grid](
-            x, weight, out, ws, counters, N, K, k_split, weight.stride(0), stride_ws,
+            x, weight, out, ws, counters, w_scale, N, K, k_split, weight.stride(0), stride_ws,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
+            W_SCALE=weight_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x, one_row_product=True),
         )
     else:
         norm = add_norm or AddNorm(out, out, out, out)  # not read without ADD_NORM
@@ -608,13 +634,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: Skinn
             x, weight, weight if weight_b is None else weight_b, out, ws, counters,
             norm.residual, norm.norm_weight, norm.scaled, norm.ssq, ssq_in,
             0 if row_ssq is None else row_ssq.shape[0],
-            1.0 / K, eps,
+            1.0 / K, eps, w_scale,
             M, N, n_a, K, k_split,
             x.stride(0), weight.stride(0), out.stride(0), stride_ws, stride_wsm,
             BLOCK_M=_block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
             SPLIT=splits > 1, SWIGLU=swiglu, TWO_WEIGHTS=weight_b is not None,
             ADD_NORM=add_norm is not None, ROW_NORM=row_ssq is not None,
             SSQ_TILES=2 if row_ssq is None else max(2, triton.next_power_of_2(row_ssq.shape[0])),
+            W_SCALE=weight_scale is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             UPCAST=x.device.type != "cuda" and x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
@@ -649,7 +676,7 @@ def _default_config(x: torch.Tensor, weight: torch.Tensor, n_out: int, swiglu: b
 
 def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyConfig | None, swiglu: bool,
              weight_b: torch.Tensor | None = None, row_ssq: torch.Tensor | None = None,
-             eps: float = 0.0, side_stream: bool = False) -> torch.Tensor:
+             eps: float = 0.0, side_stream: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out [M, n_out]`` of the ops on checked inputs: empty shapes and ``K = 0`` (a zero product;
     for SwiGLU ``silu(0) * 0``) handled on the host, else one :func:`_launch` with ``config`` or the
     default configuration (:func:`_default_config`)."""
@@ -662,7 +689,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, n_out: int, config: SkinnyCo
     x = x if x.stride(1) == 1 else x.contiguous()
     config = config or _default_config(x, weight, n_out, swiglu, weight_b, row_ssq, side_stream)
     _launch(x, weight, out, config, swiglu=swiglu, weight_b=weight_b, row_ssq=row_ssq, eps=eps,
-            side_stream=side_stream)
+            side_stream=side_stream, weight_scale=weight_scale)
     return out
 
 
