@@ -15,6 +15,13 @@ chain, on CUDA (CPU and other shapes run the modules):
   :class:`NormedCarry` that the next ``in_proj`` / ``qkv_proj`` / draft q + K/V pair or the LM head
   finishes. No norm kernel runs between the round's products.
 
+FP8 weights (models/quant.py): a projection stored in float8 is an :class:`Fp8Linear`, whose
+products all go through :func:`fp8_linear`: ``lfmspark::skinny_linear_fp8`` where the bf16 weight
+would take ``skinny_linear`` (the carry's row scale included), the dequantized weight elsewhere
+(``F.linear`` on more rows, ``exact_linear`` in exact mode). The fused kernels above read bf16
+weights only, so a norm before an fp8 projection runs as a module (the dtype checks below send
+it there) and a dense :class:`SwiGLU` with fp8 weights applies its activation after the product.
+
 Numerics: the sums ``s`` are the modules'; a normalised input is rounded once as ``s * weight``
 where the module rounds ``s * rstd`` and then its product with the weight, a difference within
 bf16 noise; the one-row decode rounds as the several-row path does, so target-only decoding and
@@ -32,6 +39,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.lfmspark.*)
 from ..ops.linear.skinny_linear import pair_problem
 from ..ops.routing import NormRoute, exact_mode, norm_route, pair_product, rows_of, skinny_product
+from .quant import Fp8Weight, quantize_fp8
 
 lfm = torch.ops.lfmspark
 
@@ -49,6 +57,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, side_stream: bool = False) -> 
         out = lfm.skinny_linear(x.reshape(rows, x.shape[-1]), weight, side_stream=side_stream)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, row_ssq: torch.Tensor | None = None, eps: float = 0.0,
+               side_stream: bool = False) -> torch.Tensor:
+    """``x @ dequantize(w).T`` for an fp8 weight (models/quant.py), in ``x``'s dtype: every product of
+    an :class:`Fp8Linear` runs here. Per-channel scales take ``lfmspark::skinny_linear_fp8`` where
+    :func:`linear` would take ``skinny_linear`` (1-16 rows on CUDA, and every product with a row
+    scale); K-grouped scales (block-scaled checkpoints), more rows and the CPU run the reference,
+    ``F.linear`` of the weight dequantized to ``x``'s dtype (until fp8 prefill kernels exist); exact
+    mode ``exact_linear`` of the dequantized weight (the dequantization is elementwise, so a row's
+    bits still do not depend on the launch). ``row_ssq``, ``eps``: the row scale of a
+    :class:`NormedCarry`'s product (``skinny_linear``'s)."""
+    rows, width, n_out = rows_of(x), x.shape[-1], w.weight.shape[0]
+    x2 = x.reshape(rows, width)
+    if exact_mode() and row_ssq is None:
+        out = lfm.exact_linear(x2, w.dequantize(x.dtype))
+    elif w.per_channel and (row_ssq is not None or skinny_product(x)):
+        out = lfm.skinny_linear_fp8(x2, w.weight, w.scale, row_ssq, eps, side_stream)
+    elif row_ssq is not None:
+        out = lfm.skinny_linear(x2, w.dequantize(x.dtype), row_ssq, eps, side_stream)
+    else:
+        return F.linear(x, w.dequantize(x.dtype))
+    return out.view(*x.shape[:-1], n_out)
+
+
+def _carried_product(carry: NormedCarry, proj: nn.Module, eps: float) -> torch.Tensor:
+    """The product of the norm a carry stands for and ``proj``'s weight (bf16 or fp8)."""
+    if isinstance(proj, Fp8Linear):
+        return fp8_linear(carry.scaled, proj.fp8, carry.ssq, eps)
+    return lfm.skinny_linear(carry.scaled, proj.weight, carry.ssq, eps)
 
 
 def linear_pair(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, carry: NormedCarry | None = None,
@@ -90,6 +128,7 @@ def completed(h: torch.Tensor, pending: Pending) -> torch.Tensor:
 
 
 def _one_dtype(*tensors: torch.Tensor) -> bool:
+    # also keeps fp8 weights (Fp8Linear) off the fused kernels, which read weights of x's dtype
     return len({t.dtype for t in tensors}) == 1
 
 
@@ -129,7 +168,7 @@ def norm_linear(h: torch.Tensor, delta: Pending, norm: RMSNorm, proj: nn.Linear,
     its row scale; on the one-row decode route (``decode``: the caller's decode step), one
     ``lfmspark::add_rmsnorm_gemv``; otherwise the modules (bit-identical to calling them)."""
     if isinstance(delta, NormedCarry):
-        y = lfm.skinny_linear(delta.scaled, proj.weight, delta.ssq, norm.eps)
+        y = _carried_product(delta, proj, norm.eps)
         return h, y.view(*h.shape[:-1], y.shape[-1])
     if norm_route(h, decode) is NormRoute.GEMV and _one_dtype(h, norm.weight, proj.weight):
         return _norm_gemv(h, delta, norm, proj.weight, swiglu=False)
@@ -203,6 +242,37 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer whose weight is float8 e4m3fn with fp32 scales (models/quant.py),
+    computed by :func:`fp8_linear`. ``weight [N, K]`` and ``weight_scale`` (``[N]``, or ``[N, G]`` per
+    ``group_size`` inputs) are parameters that never require grad (fp8 has no autograd)."""
+
+    def __init__(self, w: Fp8Weight):
+        super().__init__()
+        self.weight = nn.Parameter(w.weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(w.scale, requires_grad=False)
+        self.group_size = w.group_size
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
+        """The fp8 copy of a bias-free linear layer, scaled per output channel."""
+        return cls(quantize_fp8(linear.weight.detach()))
+
+    @property
+    def fp8(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale, self.group_size)
+
+    in_features = property(lambda self: self.weight.shape[1])
+    out_features = property(lambda self: self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.fp8)
+
+    def extra_repr(self) -> str:
+        scales = "per channel" if self.group_size == 0 else f"per channel and {self.group_size} inputs"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3fn, scales {scales}"
+
+
 class RMSNorm(nn.Module):
     """HF LFM2 / Qwen3 RMSNorm: fp32 statistics, cast to the input dtype, then ``weight *`` (no +1)."""
 
@@ -231,6 +301,11 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.w13, Fp8Linear):
+            # no fused fp8 gate/up kernel: the product (fp8_linear), then the activation, with the
+            # roundings of the fused ops (gate and up rounded, silu rounded, the product rounded)
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         if exact_mode():
             # ops/routing.py: the activation in the gate/up product's epilogue, with the unfused
             # module's roundings, the same bits in any launch

@@ -12,19 +12,30 @@ consecutive tokens share experts far more. :func:`impose_routing_locality` mimic
 for benchmarks: each slot (the sequence holding it) may choose only among a fixed random subset of
 experts per layer, imposed as a large negative selection bias on the others (the weights of the
 chosen experts are unchanged). It changes the model: outputs under it are not the checkpoint's.
+
+**FP8 weights** (:func:`quantize_target`, models/quant.py): the target's projections (attention
+``qkv_proj`` / ``out_proj``, ShortConv ``in_proj`` / ``out_proj``, the dense feed-forwards' ``w13`` /
+``w2``) become :class:`~lfmspark.models.layers.Fp8Linear` and the MoE experts :class:`Fp8MoeExperts`,
+each with per-output-channel scales. The embeddings (and so the tied LM head), the norms, the conv
+filters and the MoE router stay in the model dtype. The experts' kernels read weights of the
+activations' dtype, so an fp8 expert stack is dequantized for each call until they read fp8.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from ..ops.routing import exact_mode
 from .config import TargetConfig
-from .layers import Linear, SwiGLU
+from .layers import Fp8Linear, Linear, SwiGLU
 from .lfm2 import Lfm2ForCausalLM
+from .quant import Fp8Weight, quantize_fp8, relative_error
 
 lfm = torch.ops.lfmspark
+log = logging.getLogger("lfmspark")
 
 
 class Lfm2MoeExperts(nn.Module):
@@ -34,6 +45,39 @@ class Lfm2MoeExperts(nn.Module):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, ffn))
+
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` as ``lfmspark::moe_experts`` takes them."""
+        return self.w13, self.w2
+
+
+class Fp8MoeExperts(nn.Module):
+    """The stacked expert weights in fp8 (models/quant.py): ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``
+    float8 e4m3fn, with fp32 scales per expert and output channel (``w13_scale [E, 2I]``, ``w2_scale
+    [E, H]``, or ``[..., G]`` per ``group_size`` inputs)."""
+
+    def __init__(self, w13: Fp8Weight, w2: Fp8Weight):
+        super().__init__()
+        self.w13 = nn.Parameter(w13.weight, requires_grad=False)
+        self.w13_scale = nn.Parameter(w13.scale, requires_grad=False)
+        self.w2 = nn.Parameter(w2.weight, requires_grad=False)
+        self.w2_scale = nn.Parameter(w2.scale, requires_grad=False)
+        self.group_sizes = (w13.group_size, w2.group_size)
+
+    @classmethod
+    def quantize(cls, experts: Lfm2MoeExperts) -> Fp8MoeExperts:
+        return cls(quantize_fp8(experts.w13.detach()), quantize_fp8(experts.w2.detach()))
+
+    @property
+    def fp8(self) -> tuple[Fp8Weight, Fp8Weight]:
+        return (Fp8Weight(self.w13, self.w13_scale, self.group_sizes[0]),
+                Fp8Weight(self.w2, self.w2_scale, self.group_sizes[1]))
+
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` dequantized to ``dtype`` (the reference path: the expert kernels read
+        weights of the activations' dtype)."""
+        w13, w2 = self.fp8
+        return w13.dequantize(dtype), w2.dequantize(dtype)
 
 
 class Lfm2MoeBlock(nn.Module):
@@ -66,7 +110,8 @@ class Lfm2MoeBlock(nn.Module):
             per_row = self.routing_bias[slots.clamp(min=0)]                      # padding rows (-1): any subset
             bias = per_row[:, None, :].expand(-1, x.shape[0] // slots.shape[0], -1).reshape(x.shape[0], -1)
         ids, weights = self.route(x, bias)
-        return lfm.moe_experts(x, ids, weights, self.experts.w13, self.experts.w2, exact_mode()).view(shape)
+        w13, w2 = self.experts.stacks(x.dtype)
+        return lfm.moe_experts(x, ids, weights, w13, w2, exact_mode()).view(shape)
 
 
 # the selection bias of the experts outside a slot's subset: far below any sigmoid score plus expert bias
@@ -112,6 +157,52 @@ def moe_feed_forward(cfg: TargetConfig, layer: int) -> nn.Module:
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     def __init__(self, cfg: TargetConfig):
         super().__init__(cfg, make_feed_forward=moe_feed_forward)
+
+
+def target_projections(model: Lfm2ForCausalLM) -> dict[str, nn.Module]:
+    """The modules whose weights FP8 serving stores in fp8, by name: each decoder layer's mixer
+    projections, its dense feed-forward's ``w13`` / ``w2`` or its MoE experts (module doc)."""
+    out: dict[str, nn.Module] = {}
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        if layer.is_attention:
+            out[p + "self_attn.qkv_proj"], out[p + "self_attn.out_proj"] = layer.self_attn.qkv_proj, layer.self_attn.out_proj
+        else:
+            out[p + "conv.in_proj"], out[p + "conv.out_proj"] = layer.conv.in_proj, layer.conv.out_proj
+        ff = layer.feed_forward
+        if isinstance(ff, Lfm2MoeBlock):
+            out[p + "feed_forward.experts"] = ff.experts
+        else:
+            out[p + "feed_forward.w13"], out[p + "feed_forward.w2"] = ff.w13, ff.w2
+    return out
+
+
+@torch.no_grad()
+def quantize_target(model: Lfm2ForCausalLM) -> int:
+    """Store the target's projections in fp8 with per-output-channel scales, in place (module doc);
+    those already in fp8 are left as they are. Returns how many modules were quantized; logs the
+    bytes saved and the largest relative weight error (models/quant.py ``relative_error``)."""
+    done, before, after, worst = 0, 0, 0, (0.0, "")
+    for name, module in target_projections(model).items():
+        if isinstance(module, (Fp8Linear, Fp8MoeExperts)):
+            continue
+        if isinstance(module, Lfm2MoeExperts):
+            fp8 = Fp8MoeExperts.quantize(module)
+            pairs = [(module.w13, fp8.fp8[0]), (module.w2, fp8.fp8[1])]
+        else:
+            fp8 = Fp8Linear.quantize(module)
+            pairs = [(module.weight, fp8.fp8)]
+        for weight, q in pairs:
+            before += weight.numel() * weight.element_size()
+            after += q.weight.numel() + q.scale.numel() * q.scale.element_size()
+            err = relative_error(weight, q)
+            worst = max(worst, (err, name))
+        model.set_submodule(name, fp8)
+        done += 1
+    if done:
+        log.info("fp8 weights: %d target modules quantized per output channel (%.1f MiB -> %.1f MiB); largest "
+                 "relative weight error %.4f (%s)", done, before / 2**20, after / 2**20, *worst)
+    return done
 
 
 def build_target(cfg: TargetConfig) -> Lfm2ForCausalLM:

@@ -7,6 +7,28 @@ expected and the found shape. Weights are converted to the requested dtype excep
 ``expert_bias``, which stays fp32 (reference/lfm2.md §4.4). The on-disk names are HF's; a few are
 fused on load (q/k/v → ``qkv_proj``, w1/w3 → ``w13``, per-expert MoE tensors → stacked ``w13``/``w2``,
 ``conv.conv.weight [H, 1, K]`` → ``conv_weight [H, K]``).
+
+FP8 (models/quant.py): ``load_target(..., quantization="fp8")`` stores the target's projections in
+float8 with per-output-channel scales, quantized from the checkpoint's weights. A checkpoint
+exported in fp8 is read as such whatever ``quantization`` says (as vLLM does), from the formats of
+its ``config.json`` ``quantization_config`` (:func:`checkpoint_quantization`):
+
+- ``quant_method: "fp8"`` (transformers' FineGrainedFP8, vLLM's fp8): ``<name>.weight`` in
+  float8_e4m3fn beside ``<name>.weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]`` per block of
+  ``weight_block_size`` ``[bn, bk]``, or ``<name>.weight_scale`` per tensor (``[]``, ``[1]``) or
+  per output channel (``[N]``, ``[N, 1]``);
+- ``quant_method: "compressed-tensors"`` whose weights are 8-bit ``float`` (llm-compressor's FP8,
+  FP8_DYNAMIC and FP8_BLOCK schemes): ``<name>.weight_scale`` per tensor, channel, ``block``
+  (``block_structure``) or ``group`` (``group_size``).
+
+Every scale is the multiplier that dequantizes (``W = weight * scale``; ``weight_scale_inv`` is
+named for the inverse of the quantizing scale). Per-tensor and per-channel scales become
+per-channel ones exactly; block and group scales are kept per output channel and K group
+(models/quant.py), never requantized. Activation scales (``input_scale``) and KV-cache scales
+(``k_scale``, ``v_scale``) are not read: activations and the KV cache stay in the model dtype. The
+MoE router, the embeddings, the LM head and any other weight lfmspark keeps in the model dtype
+are dequantized to it if the checkpoint stores them in fp8. Any other ``quant_method`` is refused
+by name. DSpark drafts are read in the model dtype only.
 """
 
 from __future__ import annotations
@@ -14,13 +36,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from .config import ConfigError, DraftConfig, TargetConfig, read_json_object
+from .quant import FP8_DTYPE, QUANTIZATIONS, Fp8Weight, as_fp8, cat_fp8, stack_fp8
 
 log = logging.getLogger("lfmspark")
 
@@ -175,33 +200,212 @@ def check_tensors(expected: dict[str, Shape], found: dict[str, Shape], where: st
 
 
 # ---------------------------------------------------------------------------------------------
+# pre-quantized (fp8) checkpoints
+
+# tensors of fp8 exports that lfmspark does not read: activation scales (activations stay in the
+# model dtype) and KV-cache scales (so does the cache)
+UNREAD_SCALES = (".input_scale", ".k_scale", ".v_scale")
+READ_FORMATS = "quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights"
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """How an fp8 export stores its weights' scales (config.json's ``quantization_config``): per
+    ``block`` ``(bn, bk)`` of the weight, per output channel and ``group_size`` inputs, or (neither)
+    per tensor or output channel."""
+
+    quant_method: str
+    block: tuple[int, int] | None = None
+    group_size: int = 0
+
+
+def _positive_ints(value: Any, n: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == n
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value))
+
+
+def _compressed_tensors(qc: dict[str, Any], where: str) -> Fp8Checkpoint:
+    """The weight layout of a compressed-tensors ``quantization_config`` with 8-bit float weights."""
+    what = f"{where}: quantization_config (quant_method 'compressed-tensors')"
+    if qc.get("sparsity_config"):
+        raise CheckpointError(f"{what} has a sparsity_config: sparse checkpoints are not read ({READ_FORMATS})")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{what} has no config_groups naming its weights' scheme")
+    layouts = set()
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise CheckpointError(f"{what}: config group {name!r} quantizes no weights ({READ_FORMATS})")
+        kind, bits = weights.get("type"), weights.get("num_bits")
+        if kind != "float" or bits != 8:
+            raise CheckpointError(f"{what}: config group {name!r} has {kind} {bits}-bit weights: lfmspark reads "
+                                  f"8-bit float (fp8) weights only ({READ_FORMATS})")
+        if weights.get("symmetric") is False or weights.get("dynamic") is True:
+            raise CheckpointError(f"{what}: config group {name!r} has asymmetric or dynamic fp8 weights: lfmspark "
+                                  "reads symmetric weights with stored scales")
+        strategy = weights.get("strategy")
+        if strategy in ("tensor", "channel"):
+            layouts.add(Fp8Checkpoint("compressed-tensors"))
+        elif strategy == "block" and _positive_ints(weights.get("block_structure"), 2):
+            layouts.add(Fp8Checkpoint("compressed-tensors", block=tuple(weights["block_structure"])))
+        elif strategy == "group" and _positive_ints([weights.get("group_size")], 1):
+            layouts.add(Fp8Checkpoint("compressed-tensors", group_size=weights["group_size"]))
+        else:
+            raise CheckpointError(f"{what}: config group {name!r} has weight strategy {strategy!r} (with "
+                                  f"block_structure {weights.get('block_structure')!r}, group_size "
+                                  f"{weights.get('group_size')!r}): lfmspark reads tensor, channel, block and group "
+                                  "scales")
+    if len(layouts) > 1:
+        raise CheckpointError(f"{what}: its config groups scale weights differently ({sorted(map(str, layouts))}); "
+                              "lfmspark reads one layout per checkpoint")
+    return layouts.pop()
+
+
+def checkpoint_quantization(path: str | Path, where: str = "checkpoint") -> Fp8Checkpoint | None:
+    """The fp8 layout config.json's ``quantization_config`` declares (module doc), None for a checkpoint
+    without one; any other quantization is refused, naming its ``quant_method``."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    qc = read_json_object(config).get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: config.json's quantization_config is a {type(qc).__name__}, not an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is not None and not _positive_ints(block, 2):
+            raise CheckpointError(f"{where}: quantization_config weight_block_size {block!r}: expected two positive "
+                                  "integers [rows, columns]")
+        return Fp8Checkpoint("fp8", block=tuple(block) if block else None)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, where)
+    raise CheckpointError(f"{where}: config.json's quantization_config has quant_method {method!r}: lfmspark reads "
+                          f"fp8 exports ({READ_FORMATS}), or quantizes a bf16 checkpoint itself (quantization='fp8')")
+
+
+def _scale_of(weight: str, found: dict[str, Shape]) -> str | None:
+    for suffix in ("_scale_inv", "_scale"):
+        if weight + suffix in found:
+            return weight + suffix
+    return None
+
+
+def _expect_scales(fmt: Fp8Checkpoint | None, expected: dict[str, Shape], found: dict[str, Shape]) -> dict[str, str]:
+    """Add the scales of the fp8 weights in ``found`` to ``expected`` with the shapes ``fmt`` gives
+    them; returns weight name -> scale name."""
+    if fmt is None:
+        return {}
+    scales: dict[str, str] = {}
+    for name, shape in list(expected.items()):
+        scale = _scale_of(name, found) if len(shape) == 2 and name.endswith(".weight") else None
+        if scale is None:
+            continue
+        (N, K), got = shape, found[scale]
+        if fmt.block:
+            bn, bk = fmt.block
+            expected[scale] = (-(-N // bn), -(-K // bk))
+        elif fmt.group_size:
+            expected[scale] = (N, -(-K // fmt.group_size))
+        else:   # per tensor or per output channel
+            expected[scale] = got if got in ((), (1,), (N,), (N, 1)) else (N,)
+        scales[name] = scale
+    return scales
+
+
+def _fp8_weights(hf: dict[str, torch.Tensor], scales: dict[str, str], fmt: Fp8Checkpoint | None,
+                 where: str) -> dict[str, Fp8Weight]:
+    """Take each fp8 weight and its scale out of ``hf``, as :class:`Fp8Weight` with scales per output
+    channel, or per output channel and K group (block and group scales; exact either way)."""
+    out: dict[str, Fp8Weight] = {}
+    for name, scale_name in scales.items():
+        weight, scale = hf.pop(name), hf.pop(scale_name).float()
+        if weight.dtype != FP8_DTYPE:
+            raise CheckpointError(f"{where}: tensor '{name}' is {weight.dtype} beside its scale '{scale_name}': lfmspark "
+                                  f"reads {FP8_DTYPE} weights")
+        N, K = weight.shape
+        if fmt.block:
+            bn, bk = fmt.block
+            rows = scale.repeat_interleave(bn, dim=0)[:N]
+            w = Fp8Weight(weight, rows.contiguous(), bk)
+        elif fmt.group_size:
+            w = Fp8Weight(weight, scale.contiguous(), fmt.group_size)
+        else:
+            w = Fp8Weight(weight, scale.reshape(-1).expand(N).contiguous() if scale.numel() == 1 else scale.reshape(N))
+        if not w.per_channel and w.scale.shape[-1] == 1:   # one group spans the row: per channel
+            w = Fp8Weight(weight, w.scale[:, 0].contiguous())
+        out[name] = w
+    return out
+
+
+def _plain(t: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight lfmspark keeps in the model dtype (dequantized if the checkpoint holds it in fp8)."""
+    return t.dequantize(dtype) if isinstance(t, Fp8Weight) else t
+
+
+def _fused(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Weights fused along their output channels: fp8 if any part is (models/quant.py ``cat_fp8``)."""
+    return cat_fp8(parts) if any(isinstance(p, Fp8Weight) for p in parts) else torch.cat(parts)
+
+
+def _stacked(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    return stack_fp8(parts) if any(isinstance(p, Fp8Weight) for p in parts) else torch.stack(parts)
+
+
+def _install_fp8(model: nn.Module, state: dict[str, torch.Tensor | Fp8Weight]) -> int:
+    """Replace each projection of ``model`` (built on the meta device) whose state is fp8 by its fp8
+    module, and put that module's tensors in ``state`` (as :func:`_assign` expects them). Returns
+    how many were installed."""
+    from .layers import Fp8Linear
+    from .lfm2_moe import Fp8MoeExperts, Lfm2MoeExperts, target_projections
+
+    installed = 0
+    for name, module in target_projections(model).items():
+        keys = (f"{name}.w13", f"{name}.w2") if isinstance(module, Lfm2MoeExperts) else (f"{name}.weight",)
+        if not any(isinstance(state.get(k), Fp8Weight) for k in keys):
+            continue
+        parts = [as_fp8(state.pop(k)) for k in keys]
+        fp8 = Fp8MoeExperts(*parts) if isinstance(module, Lfm2MoeExperts) else Fp8Linear(*parts)
+        model.set_submodule(name, fp8)
+        state.update({f"{name}.{k}": v for k, v in fp8.named_parameters()})
+        installed += 1
+    return installed
+
+
+# ---------------------------------------------------------------------------------------------
 # HF names -> module state
 
-def _fuse_target(cfg: TargetConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Module state dict from HF tensors (already in the target dtype)."""
-    state: dict[str, torch.Tensor] = {}
+def _fuse_target(cfg: TargetConfig, hf: dict[str, torch.Tensor | Fp8Weight], dtype: torch.dtype
+                 ) -> dict[str, torch.Tensor | Fp8Weight]:
+    """Module state dict from HF tensors (already in the target dtype, but for fp8 weights: the
+    projections keep them, fused as fp8; any other weight is dequantized to ``dtype``)."""
+    state: dict[str, torch.Tensor | Fp8Weight] = {}
     for name in list(hf):
         if name.startswith("model.layers."):
             continue
-        state[name] = hf.pop(name)
+        state[name] = _plain(hf.pop(name), dtype)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         take = lambda key: hf.pop(p + key)  # noqa: E731
-        state[p + "operator_norm.weight"] = take("operator_norm.weight")
-        state[p + "ffn_norm.weight"] = take("ffn_norm.weight")
+        plain = lambda key: _plain(take(key), dtype)  # noqa: E731
+        state[p + "operator_norm.weight"] = plain("operator_norm.weight")
+        state[p + "ffn_norm.weight"] = plain("ffn_norm.weight")
         if i in cfg.attention_layers:
             a = "self_attn."
-            state[p + a + "qkv_proj.weight"] = torch.cat(
+            state[p + a + "qkv_proj.weight"] = _fused(
                 [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-            for key in ("out_proj.weight", "q_layernorm.weight", "k_layernorm.weight"):
-                state[p + a + key] = take(a + key)
+            state[p + a + "out_proj.weight"] = take(a + "out_proj.weight")
+            for key in ("q_layernorm.weight", "k_layernorm.weight"):
+                state[p + a + key] = plain(a + key)
         else:
             state[p + "conv.in_proj.weight"] = take("conv.in_proj.weight")
             state[p + "conv.out_proj.weight"] = take("conv.out_proj.weight")
-            state[p + "conv.conv_weight"] = take("conv.conv.weight").squeeze(1)
+            state[p + "conv.conv_weight"] = plain("conv.conv.weight").squeeze(1)
         f = "feed_forward."
         if cfg.is_moe_layer(i):
-            state[p + f + "gate.weight"] = take(f + "gate.weight")
+            state[p + f + "gate.weight"] = plain(f + "gate.weight")
             if cfg.use_expert_bias:
                 state[p + f + "expert_bias"] = take(f + "expert_bias")
             if p + f + "experts.gate_up_proj" in hf:
@@ -209,12 +413,12 @@ def _fuse_target(cfg: TargetConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
                 state[p + f + "experts.w2"] = take(f + "experts.down_proj")
             else:
                 E = cfg.num_experts
-                state[p + f + "experts.w13"] = torch.stack([
-                    torch.cat([take(f + f"experts.{j}.w1.weight"), take(f + f"experts.{j}.w3.weight")])
+                state[p + f + "experts.w13"] = _stacked([
+                    _fused([take(f + f"experts.{j}.w1.weight"), take(f + f"experts.{j}.w3.weight")])
                     for j in range(E)])
-                state[p + f + "experts.w2"] = torch.stack([take(f + f"experts.{j}.w2.weight") for j in range(E)])
+                state[p + f + "experts.w2"] = _stacked([take(f + f"experts.{j}.w2.weight") for j in range(E)])
         else:
-            state[p + f + "w13.weight"] = torch.cat([take(f + "w1.weight"), take(f + "w3.weight")])
+            state[p + f + "w13.weight"] = _fused([take(f + "w1.weight"), take(f + "w3.weight")])
             state[p + f + "w2.weight"] = take(f + "w2.weight")
     return state
 
@@ -227,6 +431,13 @@ def _convert(tensors: dict[str, torch.Tensor], dtype: torch.dtype, keep_fp32: Ca
     if bad:
         raise CheckpointError(f"tensor '{bad[0][0]}' is {bad[0][1]} ({len(bad)} non-float tensors): lfmspark serves "
                               "float (bf16 / fp16 / fp32) checkpoints; a quantized export cannot be loaded")
+    # 8-bit floats are quantized values: without their scale (read before this, with the
+    # quantization_config that declares them) casting them would serve wrong weights
+    fp8 = [(name, t.dtype) for name, t in tensors.items() if t.element_size() == 1]
+    if fp8:
+        raise CheckpointError(f"tensor '{fp8[0][0]}' is {fp8[0][1]} ({len(fp8)} 8-bit float tensors) with no scale "
+                              f"read beside it: lfmspark reads fp8 exports whose config.json declares a "
+                              f"quantization_config ({READ_FORMATS}), for the target only")
     for name, t in tensors.items():
         target = torch.float32 if keep_fp32(name) else dtype
         if t.dtype != target:
@@ -261,31 +472,47 @@ def _assign(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                cfg: TargetConfig | None = None):
-    """Build the target module for ``path`` and load its weights (``cfg`` defaults to its config.json)."""
-    from .lfm2_moe import build_target
+                cfg: TargetConfig | None = None, quantization: str | None = None):
+    """Build the target module for ``path`` and load its weights (``cfg`` defaults to its config.json).
+    ``quantization="fp8"``: the projections in fp8 (module doc); an fp8 export is read as fp8 anyway."""
+    from .lfm2_moe import build_target, quantize_target
 
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r}: use one of {', '.join(QUANTIZATIONS)}, or None (the "
+                         "checkpoint's own weights)")
     cfg = cfg or TargetConfig.from_pretrained(path)
-    check_kernel_shapes(cfg, device, f"target checkpoint {path}")
+    where = f"target checkpoint {path}"
+    check_kernel_shapes(cfg, device, where)
+    fmt = checkpoint_quantization(path, where)
     files = checkpoint_files(path)
     found = read_shapes(files)
     expected = target_tensor_shapes(cfg)
     _accept_packed_experts(cfg, expected, found)
+    scales = _expect_scales(fmt, expected, found)
     tied_head = lambda name: name == "lm_head.weight" and cfg.tie_word_embeddings  # noqa: E731
-    check_tensors(expected, found, f"target checkpoint {path}",
-                  ignorable=lambda n: tied_head(n) or n.endswith("rotary_emb.inv_freq"))
+    unread = lambda name: fmt is not None and name.endswith(UNREAD_SCALES)  # noqa: E731
+    check_tensors(expected, found, where,
+                  ignorable=lambda n: tied_head(n) or n.endswith("rotary_emb.inv_freq") or unread(n))
     if "lm_head.weight" in found and cfg.tie_word_embeddings and found["lm_head.weight"] != expected[
             "model.embed_tokens.weight"]:
         raise CheckpointError(f"target checkpoint {path}: 'lm_head.weight' has shape {list(found['lm_head.weight'])}"
                               f", expected {list(expected['model.embed_tokens.weight'])}")
 
     hf = read_tensors(files, expected, device)
+    fp8 = _fp8_weights(hf, scales, fmt, where)
     _convert(hf, dtype, keep_fp32=lambda n: n.endswith("expert_bias"))
     with torch.device("meta"):
         model = build_target(cfg)
-    _assign(model, _fuse_target(cfg, hf))
+    state = _fuse_target(cfg, {**hf, **fp8}, dtype)
+    if fp8:
+        installed = _install_fp8(model, state)
+        log.info("%s: fp8 export (quant_method %r): %d tensors in fp8, %d projections served in fp8", where,
+                 fmt.quant_method, len(fp8), installed)
+    _assign(model, state)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quantization == "fp8":
+        quantize_target(model)
     return model.eval()
 
 
@@ -355,6 +582,12 @@ def load_draft(path: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = 
     from .dspark import DSparkDraft, check_draft_fits_target
 
     cfg = cfg or DraftConfig.from_pretrained(path)
+    config = Path(path) / "config.json"
+    qc = read_json_object(config).get("quantization_config") if config.is_file() else None
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(f"draft checkpoint {path}: quantized (quant_method {method!r}): drafts are read in the "
+                              "model dtype; use the draft's bf16 export")
     if cfg.vocab_size is None:
         cfg = DraftConfig(**{**cfg.__dict__, "vocab_size": target_cfg.vocab_size})
     check_draft_fits_target(cfg, target_cfg)
@@ -401,5 +634,5 @@ def _assign_draft(draft: nn.Module, hf: dict[str, torch.Tensor]) -> None:
                               f"unexpected {result.unexpected_keys}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_target", "load_draft", "checkpoint_files",
-           "target_tensor_shapes", "draft_tensor_shapes"]
+__all__ = ["CheckpointError", "ConfigError", "Fp8Checkpoint", "load_target", "load_draft", "checkpoint_files",
+           "checkpoint_quantization", "target_tensor_shapes", "draft_tensor_shapes"]

@@ -39,6 +39,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
 
+QUANTIZATIONS = ("fp8",)   # what Engine(quantization=...) and --quantization take (None: the checkpoint's weights)
+
 
 class Fp8Weight(NamedTuple):
     """An fp8 weight ``[..., N, K]`` and its fp32 scales (module doc): ``scale [..., N]`` per output
@@ -129,5 +131,5 @@ def stack_fp8(parts: Sequence[torch.Tensor | Fp8Weight]) -> Fp8Weight:
                      parts[0].group_size)
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Weight", "quantize_fp8", "dequantize_fp8", "expand_scale", "relative_error",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "QUANTIZATIONS", "Fp8Weight", "quantize_fp8", "dequantize_fp8", "expand_scale", "relative_error",
            "cat_fp8", "stack_fp8", "as_fp8", "with_groups"]

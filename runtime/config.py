@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..models.presets import DRAFT_PRESETS, TARGET_PRESETS
+from ..models.quant import QUANTIZATIONS
 from ..ops.routing import WALKS
 from .logprobs import LOGPROBS_MODES
 from ..models.cache import DEFAULT_PAGE_SIZE
@@ -51,6 +52,7 @@ class EngineConfig:
     chat_template: str | None = None    # a chat template replacing the tokenizer's (a file, or the template)
     generation_config: str = "auto"     # sampling defaults: "auto" (the target's), "vllm" (none), or a directory
     dtype: str = "auto"                 # "auto": bfloat16 on a GPU, float32 on a CPU
+    quantization: str | None = None     # "fp8": the target's projections in float8 (None: the checkpoint's weights)
     device: str | None = None           # None: cuda when available, else cpu
     seed: int = 0                       # random weights' seed (presets)
     # -- the engine ------------------------------------------------------------------------
@@ -108,6 +110,9 @@ class EngineConfig:
             raise ValueError(f"{', '.join(named)} go with a checkpoint (target), not a preset of random weights")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}: use {', '.join(QUANTIZATIONS)}, or None "
+                             "(the checkpoint's own weights)")
         for name in ("max_batch", "max_seq_len", "prefill_chunk", "prefill_budget", "prefill_graph_tokens",
                      "prefix_block", "seed", "page_size"):
             value = getattr(self, name)
@@ -226,6 +231,10 @@ class EngineConfig:
                             "(default: auto)")
         models.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights' dtype (default: "
                             "auto, i.e. bfloat16 on a GPU, float32 on a CPU)")
+        models.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                            help="fp8: the target's linear weights in float8 e4m3fn with per-output-channel scales, "
+                            "quantized at load (an fp8 export is read as fp8 without it; the draft, embeddings and "
+                            "norms keep --dtype) (default: the checkpoint's weights)")
         models.add_argument("--device", help="cuda or cpu (default: cuda when available)")
         models.add_argument("--seed", type=int, default=d.seed, help="random seed: a preset's weights, generate's "
                             f"sampling, bench serve's trace (default: {d.seed})")
@@ -301,7 +310,7 @@ class EngineConfig:
             draft_preset=None if ns.draft_preset == "none" else ns.draft_preset,
             draft_rope_is_neox_style=ns.draft_rope_is_neox_style, revision=ns.revision, tokenizer=ns.tokenizer,
             chat_template=ns.chat_template, generation_config=ns.generation_config, dtype=ns.dtype, device=ns.device,
-            seed=ns.seed,
+            seed=ns.seed, quantization=ns.quantization,
             max_batch=d.max_batch if ns.max_batch is None else ns.max_batch,
             max_seq_len=d.max_seq_len if ns.max_seq_len is None else ns.max_seq_len,
             page_size=ns.page_size, kv_cache_memory=ns.kv_cache_memory, gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -24,6 +24,7 @@ from pathlib import Path
 from ..models.config import DraftConfig
 from ..models.dspark import DSparkDraft
 from ..models.lfm2 import Lfm2ForCausalLM
+from ..models.lfm2_moe import quantize_target
 from ..models.loading import load_draft, load_target
 from ..models.presets import DEFAULT_DRAFT, draft_preset, random_draft, random_target, target_preset
 from ..models.loading import CheckpointError
@@ -114,7 +115,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     device, dtype = config.torch_device(), config.torch_dtype()
     if config.target is not None:
         target_dir = resolve_checkpoint(config.target, config.revision)
-        target = load_target(target_dir, dtype=dtype, device=device)
+        target = load_target(target_dir, dtype=dtype, device=device, quantization=config.quantization)
         draft = None
         if config.draft is not None:
             draft_dir = resolve_checkpoint(config.draft, config.revision, "draft")
@@ -129,10 +130,13 @@ def load_models(config: EngineConfig) -> LoadedModels:
     name = preset_name(config)
     cfg = target_preset(name)
     target = random_target(cfg, dtype, device, config.seed)
+    if config.quantization == "fp8":
+        quantize_target(target)
     draft_name = draft_preset_name(config)
     draft = None
     if draft_name is not None:
         draft = random_draft(draft_preset(draft_name), cfg.hidden_size, dtype, device, config.seed + 1)
     tokenizer = byte_tokenizer() if name in BYTE_TOKENIZER_PRESETS else None
     return LoadedModels(target, draft, tokenizer, tuple(cfg.eos_token_ids), {},
-                        f"preset {name}" + (f" + {draft_name}" if draft_name else ""))
+                        f"preset {name}" + (f" + {draft_name}" if draft_name else "")
+                        + (f" ({config.quantization})" if config.quantization else ""))

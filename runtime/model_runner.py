@@ -34,7 +34,7 @@ from ..graphs.runner import EagerRunner, StepKind, StepRunner, WarmupReport
 from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
 from ..models.lfm2 import Lfm2ForCausalLM
-from ..models.lfm2_moe import impose_routing_locality, routing_locality
+from ..models.lfm2_moe import impose_routing_locality, quantize_target, routing_locality
 from ..ops.routing import exact_scope
 from .config import EngineConfig
 from .cpu_threads import set_cpu_threads
@@ -107,6 +107,8 @@ class ModelRunner:
         self.verify_width = self.block_size + 1
         if config.routing_locality is not None:
             impose_routing_locality(target, config.routing_locality, config.max_batch)
+        if config.quantization == "fp8":   # a target built in memory: quantized in place (loaded ones already are)
+            quantize_target(target)
         # inference only: parameters that require grad would make a compiled region traced outside
         # no_grad (e.g. by a user timing a phase) build a backward graph
         target.requires_grad_(False)

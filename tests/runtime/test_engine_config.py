@@ -31,6 +31,7 @@ from lfmspark.tools.cli import build_parser
     (dict(draft="dir"), "draft (a checkpoint directory) needs target"),
     (dict(draft_preset="mystery"), "unknown draft preset 'mystery'"),
     (dict(dtype="int8"), "unknown dtype 'int8'"),
+    (dict(quantization="int8"), "unknown quantization 'int8': use fp8, or None"),
 ])
 def test_a_bad_option_is_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -78,6 +79,8 @@ def test_flags_map_to_fields_with_the_vllm_names_too():
                                prefix_cache_tokens=0, exact=True, dtype="float16", device="cpu", seed=7,
                                logprobs_mode="processed", prefill_budget=64)
     assert parse("--max-batch", "3", "--max-seq-len", "64").max_batch == 3
+    assert parse("--quantization", "fp8").quantization == parse("-q", "fp8").quantization == "fp8"
+    assert parse().quantization is None
 
 
 def engine_flags(parser: argparse.ArgumentParser) -> dict[str, object]:
