@@ -1,12 +1,13 @@
 """``lfmspark bench sampling``: what sampling costs a speculative round.
 
-The LFM2.5 model card recommends temperature 0.1, top_k 50, top_p 0.1 and repetition_penalty 1.05:
-a sampled round whose filter takes the sort-free ``TOP_K`` path (runtime/distributions.py). This
-scenario measures the per-request TPOT of the speculative engine with those settings against
-greedy decoding and against OpenAI-style top-p sampling (temperature 0.7, top_p 0.9, no top_k: the
-``FULL`` path's sort), and the target-only engine with the same settings, on one set of weights, at
-each batch size. It tells how much of speculation's gain survives sampling, and whether the filter
-or the rest of the sampled round bounds it.
+The settings users run, from the model cards and the OpenAI clients: LFM2.5-1.2B-Instruct's
+(temperature 0.1, top_k 50, top_p 0.1, repetition_penalty 1.05), LFM2.5-8B-A1B's (temperature 0.2,
+top_k 80, repetition_penalty 1.05), the JP / Base / VL cards' min-p (temperature 0.3, min_p 0.15,
+repetition_penalty 1.05) and OpenAI-style top-p (temperature 0.7, top_p 0.9). This scenario measures
+the per-request TPOT of the speculative engine with each against greedy decoding, and the
+target-only engine with the same settings, on one set of weights, at each batch size. It tells how
+much of speculation's gain survives sampling, and whether the filter (runtime/distributions.py) or
+the rest of the sampled round bounds it.
 
 Each engine is warmed up in every sampling mode, then per batch size and setting: one untimed batch,
 then the median per-request TPOT (first to last token over the tokens after the first) of ``runs``
@@ -44,10 +45,13 @@ SUMMARY = "speculative TPOT with the model card's sampling settings against gree
 # the shared bench flags this scenario reads, with its defaults (None: no default)
 SHARED = {"batch_sizes": [1, 8], "prompt_len": 128, "output_len": 256, "runs": 2, "json": None, "profile_dir": None}
 
-# the settings compared: SamplingParams fields (the LFM2.5 model card's; OpenAI's usual top-p)
+# the settings compared: SamplingParams fields ("model-card": LFM2.5-1.2B-Instruct's, "moe-card":
+# LFM2.5-8B-A1B's, "min-p": the JP / Base / VL cards', "top-p": OpenAI clients' usual)
 SETTINGS: dict[str, dict] = {
     "greedy": {},
     "model-card": {"temperature": 0.1, "top_k": 50, "top_p": 0.1, "repetition_penalty": 1.05},
+    "moe-card": {"temperature": 0.2, "top_k": 80, "repetition_penalty": 1.05},
+    "min-p": {"temperature": 0.3, "min_p": 0.15, "repetition_penalty": 1.05},
     "top-p": {"temperature": 0.7, "top_p": 0.9},
 }
 
