@@ -10,11 +10,15 @@ __version__ = "0.1.0"
 import os as _os  # noqa: E402
 
 from .environment import cache_dir as _cache_dir  # noqa: E402
+from .environment import triton_cache_dir as _triton_cache_dir  # noqa: E402
 
 # Inductor fixes its cache directory the first time anything asks for one, and importing the rest of
 # the package can ask (torch._inductor modules do on some builds): so it is pointed at
-# LFMSPARK_CACHE_DIR first. An explicit TORCHINDUCTOR_CACHE_DIR wins.
+# LFMSPARK_CACHE_DIR first, and Triton's (the ops' kernels: environment.triton_cache_dir says why)
+# at its triton/ folder, before any kernel compiles. An explicit TORCHINDUCTOR_CACHE_DIR or
+# TRITON_CACHE_DIR wins.
 _os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_cache_dir()))
+_os.environ.setdefault("TRITON_CACHE_DIR", str(_triton_cache_dir()))
 
 from .runtime import (AsyncEngine, Engine, EngineConfig, EngineDeadError, GenerationOutput, RequestError,  # noqa: E402
                       RequestFailedError, RequestStats, SamplingMode, SamplingParams, StreamEvent)

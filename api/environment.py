@@ -27,8 +27,9 @@ TUNE = "LFMSPARK_TUNE"
 API_KEY = "LFMSPARK_API_KEY"
 
 VARIABLES: dict[str, str] = {
-    CACHE_DIR: "Inductor's on-disk caches (default ~/.cache/lfmspark/inductor; importing lfmspark points "
-               "TORCHINDUCTOR_CACHE_DIR there unless it is set)",
+    CACHE_DIR: "the compile caches (default ~/.cache/lfmspark/inductor): importing lfmspark points "
+               "TORCHINDUCTOR_CACHE_DIR there and TRITON_CACHE_DIR at its triton/ folder (the ops' Triton "
+               "binaries), each unless it is set",
     TRITON_ON_CPU: "1: CPU calls of the ops run their Triton kernels under Triton's interpreter (with "
                    "TRITON_INTERPRET=1; the test suite's way to check the kernels without a GPU)",
     PDL: "0: no programmatic dependent launch (a debugging kill switch; default 1, used on sm90+)",
@@ -55,6 +56,15 @@ def cache_dir() -> Path:
     """``LFMSPARK_CACHE_DIR``, read on its own: the package sets Inductor's cache directory at import,
     before anything else is parsed (a bad ``LFMSPARK_TUNE`` must not break ``import lfmspark``)."""
     return Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "lfmspark" / "inductor")
+
+
+def triton_cache_dir() -> Path:
+    """Where the package points Triton's cache at import (unless ``TRITON_CACHE_DIR`` is set): the
+    ``triton`` folder of :func:`cache_dir`. Inductor only sets ``TRITON_CACHE_DIR`` (to its own
+    folder) when it builds its first kernel, and the ops' kernels that compile before that (the
+    prefill warm-up runs them eagerly first) would otherwise land in ``~/.triton/cache``, so that a
+    restart carrying only ``LFMSPARK_CACHE_DIR`` compiled them again."""
+    return cache_dir() / "triton"
 
 
 def _flag(name: str, default: str, meaning: str) -> bool:

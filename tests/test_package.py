@@ -108,18 +108,21 @@ def test_arrows_point_one_way():
         ("lfmspark.runtime.scheduler", "lfmspark.runtime.model_runner", "lfmspark.runtime.requests"))]
 
 
-def test_importing_the_package_points_inductor_at_lfmspark_cache_dir(tmp_path):
+def test_importing_the_package_points_the_compile_caches_at_lfmspark_cache_dir(tmp_path):
     """``import lfmspark`` sets Inductor's cache directory before any of its imports can make Inductor
-    fix one (graphs/compile.py): a fresh interpreter, with only ``LFMSPARK_CACHE_DIR`` set."""
+    fix one (graphs/compile.py), and Triton's (the ops' kernels) at its ``triton`` folder: a fresh
+    interpreter, with only ``LFMSPARK_CACHE_DIR`` set."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["LFMSPARK_CACHE_DIR"] = str(tmp_path / "inductor")
     code = ("import lfmspark\n"
+            "import triton\n"
             "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
-            "print(cache_dir())")
+            "print(cache_dir())\n"
+            "print(triton.knobs.cache.dir)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(tmp_path / "inductor")
+    assert out.stdout.split() == [str(tmp_path / "inductor"), str(tmp_path / "inductor" / "triton")]
