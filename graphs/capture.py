@@ -1,11 +1,12 @@
 """CUDA graph capture of the step functions, one graph per batch size (DESIGN §5).
 
 Each step (``decode`` or the speculative ``round``, a variant per sampling mode: runtime/distributions.py) runs its regions
-compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor without its own
-cudagraphs; graphs/compile.py says which regions). It runs on a side stream to warm up
+compiled with ``torch.compile(fullgraph=True, dynamic=None)``, the batch dimension symbolic from
+batch 2 on (Inductor without its own cudagraphs; graphs/compile.py says which regions, and how one
+graph per region serves every size of two or more). It runs on a side stream to warm up
 (compilation, Triton autotuning, cuBLAS handles happen there, never during capture), then is
 captured into a ``torch.cuda.CUDAGraph``, largest batch first, into one shared memory pool (the
-smallest size is compiled before them: graphs/compile.py compiles one graph for every batch size). Warm-up
+smallest size is compiled before them, so that the symbolic graph is compiled at the largest). Warm-up
 and capture run with every row a padding row (slot ``-1``), so they change no state. At run time a
 batch is padded with ``-1`` rows up to the next captured size, the slots are copied into that
 size's static input buffer (only when they changed), and the graph replays: no allocation, no host
@@ -103,9 +104,9 @@ class CudaGraphRunner:
                modes: Sequence[SamplingMode] = tuple(SamplingMode)) -> WarmupReport:
         """Compile and capture each step kind in each sampling mode at every batch size (a round at
         each of its verify widths). The smallest size is compiled first and the largest captured next
-        (graphs/compile.py: the batch dimension turns symbolic at the second size compiled, with that
-        size as its hint), then the rest, largest first, so the smaller graphs reuse the shared
-        pool's memory. Then the rounds' replay times are measured (:meth:`profile_rounds`), when
+        (graphs/compile.py: the regions compile symbolic in the batch at the first size of two or
+        more, with that size as its hint), then the rest, largest first, so the smaller graphs reuse
+        the shared pool's memory. Then the rounds' replay times are measured (:meth:`profile_rounds`), when
         there is a choice of width for the width policy to make."""
         from torch._dynamo.utils import counters
 

@@ -34,30 +34,46 @@ code (Inductor's kernels, the lfmspark ops, extern GEMMs), so the chain of PDL k
 its own launched without PDL and cost its full launch latency. Each layer receives its one-layer
 cache slices as inputs (models/cache.py), so nothing in a compiled layer depends on which layer it is.
 
-Inductor's on-disk caches (FX graph cache, autotuning results, Triton binaries) live under
-``LFMSPARK_CACHE_DIR`` (lfmspark/environment.py; default ``~/.cache/lfmspark/inductor``) so a restarted service warms up
-from cache instead of recompiling (``import lfmspark`` sets it before anything else, so it also holds
-for other ``torch.compile`` calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins).
+Inductor's on-disk caches (FX graph cache, autotuning results) live under ``LFMSPARK_CACHE_DIR``
+(lfmspark/environment.py; default ``~/.cache/lfmspark/inductor``), and Triton's (the binaries of
+Inductor's kernels and of the lfmspark ops) in its ``triton`` folder, so a restarted service warms
+up from cache instead of recompiling (``import lfmspark`` sets both before anything else, so they
+also hold for other ``torch.compile`` calls in the process; an explicit ``TORCHINDUCTOR_CACHE_DIR``
+or ``TRITON_CACHE_DIR`` wins).
 
 **One compile for every batch size.** The batch dimension is dynamic: a region is compiled at
-the first batch size it sees, and at the second its batch dimension becomes symbolic (Dynamo's
-automatic dynamic shapes), so one graph then serves every larger size, as vLLM compiles once and
-captures a CUDA graph per size. Batch 1 keeps a graph of its own (Dynamo specialises sizes 0 and
-1; its products and norms take other kernels anyway, ops/routing.py), and where a kernel choice
-depends on the rows (1-16 rows on the weight-streaming products, the Markov walk's lanes) Dynamo
-guards on it and compiles once per side of the threshold. The warm-up therefore compiles batch 1
-first and then the largest size (graphs/capture.py), which gives the symbolic graph a large size
-as its hint. Everything else (weights, caches, vocabulary) stays static. The tails are compiled
-once per sampling mode too, so Dynamo's recompile limits are raised to cover these variants.
+batch 1 and once more, with its batch dimension symbolic, at the first larger size it sees, and
+that graph then serves every size of two or more, as vLLM compiles once and captures a CUDA graph
+per size. Batch 1 keeps a graph of its own (Dynamo specialises sizes 0 and 1; its products and
+norms take other kernels anyway, ops/routing.py), and where a kernel choice depends on the rows
+(1-16 rows on the weight-streaming products, the Markov walk's lanes) Dynamo guards on it and
+compiles once per side of the threshold.
+
+Dynamo's automatic dynamic shapes alone would not give this: they make a dimension symbolic once
+they have seen it change, and an input a region never saw before enters static. Some inputs only
+exist from batch 2 on: at batch 1 on CUDA the verify's and the draft's layers hand on a
+``NormedCarry`` (models/layers.py: the window and the block fit the few-row kernels), at larger
+sizes a plain pending tensor, so the first size of two or more
+would compile with the batch fixed (``x + delta`` guards it equal to the static input's) and the
+next size would compile again. So every compiled region is called through :class:`BatchDynamic`,
+which marks the batch dimension of the row-indexed inputs dynamic before each call from batch 2 on.
+
+The warm-up compiles batch 1 first and then the largest size (graphs/capture.py), which gives the
+symbolic graph a large size as its hint. Everything else (weights, caches, vocabulary) stays
+static. The tails are compiled once per sampling mode too, so Dynamo's recompile limits are raised
+to cover these variants.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -67,7 +83,8 @@ from ..environment import environment
 log = logging.getLogger(__name__)
 
 
-# dynamic=None: static until a dimension changes between calls, then symbolic (see the module doc)
+# dynamic=None: static until a dimension changes between calls (or is marked: BatchDynamic), then
+# symbolic (see the module doc)
 COMPILE_OPTIONS = dict(fullgraph=True, dynamic=None)
 
 
@@ -80,14 +97,94 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
     # ever be specialised, the warm-up gets slower (its report counts the graphs) but never falls back
     # to running a region uncompiled.
     configure_compile(n_variants=10 * n_batch_sizes)
+    lasting = lasting_storages(steps)
+    # the marks only serve the automatic policy; a caller that fixes dynamic (True or False) gets it as asked
+    mark = COMPILE_OPTIONS.get("dynamic", None) is None
 
     def compiled(fn):
-        return torch.compile(fn, **COMPILE_OPTIONS)
+        region = torch.compile(fn, **COMPILE_OPTIONS)
+        return BatchDynamic(region, fn, lasting) if mark else region
 
     for name in steps.region_names():
         setattr(steps, name, compiled(getattr(steps, name)))
     steps.later_target_layers = [compiled(layer) for layer in steps.later_target_layers]
     steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
+
+
+class BatchDynamic:
+    """A compiled region (``compiled``, of ``fn``) whose row-indexed inputs get their batch dimension
+    marked dynamic before each call of two rows or more (module doc), so that the region's first
+    compile there is already the symbolic one.
+
+    The batch is the length of the call's ``slots``: an argument of that name, or a field of one
+    (``RoundInputs.slots``, ``Rows.slots``); a call without one is passed through unmarked. The
+    marked tensors are those of the arguments (through tuples, lists, dicts and dataclasses) whose
+    first dimension has that length, except the weights and the caches (``lasting``, the storages of
+    :func:`lasting_storages`), whose first dimension may have it by coincidence (the slots of the
+    page table, a hidden size of 64) and must stay static. The marks are Dynamo's weak ones
+    (``maybe_mark_dynamic``): a region that does specialise the batch compiles per size, which the
+    warm-up report counts, instead of failing."""
+
+    def __init__(self, compiled: Callable, fn: Callable, lasting: frozenset[int]) -> None:
+        self.compiled, self.lasting = compiled, lasting
+        # a module's call is its forward's (the module's own signature is __call__'s *args, **kwargs)
+        self.signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        batch = batch_of(arguments)
+        if batch is not None and batch >= 2:
+            for value in arguments.values():
+                _mark_rows(value, batch, self.lasting)
+        return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # what callers read of a torch.compile wrapper (_torchdynamo_orig_callable, a module's attributes);
+        # not before __init__ has set it (a copy), which would recurse
+        if name == "compiled":
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+
+def batch_of(arguments: dict[str, Any]) -> int | None:
+    """The rows of a region call: the length of its ``slots`` argument, or of a ``slots`` field of one
+    of its arguments; None when it has neither."""
+    slots = arguments.get("slots")
+    if not isinstance(slots, torch.Tensor):
+        slots = next((v.slots for v in arguments.values() if isinstance(getattr(v, "slots", None), torch.Tensor)),
+                     None)
+    return None if slots is None or slots.dim() != 1 else slots.shape[0]
+
+
+def lasting_storages(steps) -> frozenset[int]:
+    """The storages (data pointers) of what a step's regions take as inputs and that outlives the step:
+    the models' parameters and buffers, and the caches' tensors (their one-layer slices and the page
+    table are region inputs)."""
+    tensors: list[torch.Tensor] = []
+    for model in (steps.target, steps.draft):
+        if model is not None:
+            tensors += [*model.parameters(), *model.buffers()]
+    for cache in (steps.tcache, steps.dcache):
+        if cache is not None:
+            tensors += [v for v in vars(cache).values() if isinstance(v, torch.Tensor)]
+    return frozenset(p for t in tensors if (p := t.untyped_storage().data_ptr()))
+
+
+def _mark_rows(value: Any, batch: int, lasting: frozenset[int], depth: int = 0) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.dim() and value.shape[0] == batch and value.untyped_storage().data_ptr() not in lasting:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+    elif depth >= 3:
+        return
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_rows(item, batch, lasting, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _mark_rows(item, batch, lasting, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _mark_rows(getattr(value, f.name), batch, lasting, depth + 1)
 
 
 def configure_compile(n_variants: int) -> None:
