@@ -53,11 +53,23 @@ class BaselineShape:
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """HF-named tensors (views of ``model``'s weights) for an lfmspark target module."""
+    """HF-named tensors (views of ``model``'s weights) for an lfmspark target module. An fp8 target's
+    projections are dequantized to the model dtype (copies): transformers then runs the same weight
+    values in the model dtype."""
+    from ..models.layers import Fp8Linear
+    from ..models.lfm2_moe import Fp8MoeExperts
+
     cfg = model.config
     hd, n_h, n_kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     ours = dict(model.named_parameters())
     ours.update(dict(model.named_buffers()))
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            del ours[name + ".weight_scale"]
+            ours[name + ".weight"] = module.fp8.dequantize(model.dtype)
+        elif isinstance(module, Fp8MoeExperts):
+            del ours[name + ".w13_scale"], ours[name + ".w2_scale"]
+            ours[name + ".w13"], ours[name + ".w2"] = module.stacks(model.dtype)
     out: dict[str, torch.Tensor] = {}
     for name, t in ours.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -30,6 +30,22 @@ def test_hf_model_shares_our_weights_and_matches_our_logits(moe):
     assert timing["tpot_ms"] > 0 and timing["ttft_ms"] > 0
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_an_fp8_target_runs_in_hf_with_its_dequantized_weights(moe):
+    from lfmspark.models.lfm2_moe import quantize_target
+
+    model = random_tiny_target(moe=moe, seed=2)
+    quantize_target(model)
+    hf = hf_model_like(model)
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    cache = TargetCache.allocate(model.config, 1, 32, 2, torch.float32, "cpu")
+    zero = torch.zeros(1, dtype=torch.int64)
+    with torch.no_grad():
+        ours = model(ids, cache, zero, zero, None, ForwardMode.PREFILL).logits
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_a_baseline_child_past_its_time_limit_is_reported_as_failed():
     import time
 
