@@ -63,16 +63,17 @@ class WarmupEntry:
 @dataclass
 class WarmupReport:
     entries: list[WarmupEntry] = field(default_factory=list)
-    total_s: float = 0.0
+    total_s: float = 0.0                  # the steps: compiled and captured at every size, mode and width
     mode: str = "eager"                   # "eager", "compiled" or "cuda-graphs"
     prefill_s: float = 0.0                # the engine's prefill warm-up (runtime/engine.py)
     graphs_compiled: int = 0              # Dynamo graphs compiled for the steps' regions (graphs/compile.py)
     cache_hits: int = 0                   # Inductor FX graph cache hits and misses of those compiles
     cache_misses: int = 0
     profile_s: float = 0.0                # measuring the round costs the width policy reads (graphs/capture.py)
+    seconds: float = 0.0                  # the whole Engine.warmup(): prefill, steps, profile
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "total_s": self.total_s, "prefill_s": self.prefill_s,
+        return {"mode": self.mode, "seconds": self.seconds, "total_s": self.total_s, "prefill_s": self.prefill_s,
                 "graphs_compiled": self.graphs_compiled, "cache_hits": self.cache_hits,
                 "cache_misses": self.cache_misses, "profile_s": self.profile_s,
                 "entries": [e.__dict__ for e in self.entries]}

@@ -60,16 +60,21 @@ class AsyncEngine:
 
     ``warmup=True`` runs ``engine.warmup()`` in the engine thread before it serves (``ready``
     tells when it is done; requests sent before then wait). ``observer``, if given, is called in
-    the engine thread with every event and after every step (the server's metrics).
+    the engine thread with every event and after every step (the server's metrics). ``on_ready``,
+    if given, is called in the engine thread once, warmed up, just before ``ready`` turns true (the
+    server's startup times: ``engine.startup``); an exception it raises is logged, and the engine
+    serves all the same.
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, warmup: bool = False,
-                 observer: Callable[[StreamEvent | None], None] | None = None):
+                 observer: Callable[[StreamEvent | None], None] | None = None,
+                 on_ready: Callable[[], None] | None = None):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
         self.engine = engine
         self.max_waiting = max_waiting
         self._observer = observer
+        self._on_ready = on_ready
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -288,6 +293,11 @@ class AsyncEngine:
         try:
             if warmup:
                 self.engine.warmup()
+            if self._on_ready is not None:
+                try:
+                    self._on_ready()
+                except Exception as e:       # a report of the start must not keep the engine from serving
+                    log.error("on_ready failed: %s", describe(e), exc_info=e)
             self._ready.set()
             while True:
                 self._wake.clear()

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,28 @@ from .structured import GrammarCache
 log = logging.getLogger("lfmspark")
 
 
+@dataclass
+class StartupTimes:
+    """How long this engine took to get ready, by phase (:attr:`Engine.startup`). None: the phase did
+    not run in this engine's life (an engine built from models already in memory loaded nothing, one
+    not warmed up has no warm-up)."""
+
+    load_s: float | None = None          # from_config: the weights and tokenizer (runtime/loader.py)
+    build_s: float | None = None         # Engine(...): caches, state, step functions, graph runner
+    warmup: WarmupReport | None = None   # the last warmup()'s report: seconds, prefill_s, total_s, profile_s
+
+    def phases(self) -> dict[str, float]:
+        """The phases that ran, in order, disjoint: ``load``, ``build``, ``warmup_prefill`` (prefill
+        kernels and bucket graphs), ``warmup_steps`` (the step regions compiled and captured: rounds,
+        or a target-only engine's decode steps) and ``warmup_profile`` (the captured rounds timed for
+        the width policy; 0 where there is one width)."""
+        phases = {"load": self.load_s, "build": self.build_s}
+        if self.warmup is not None:
+            phases |= {"warmup_prefill": self.warmup.prefill_s, "warmup_steps": self.warmup.total_s,
+                       "warmup_profile": self.warmup.profile_s}
+        return {name: s for name, s in phases.items() if s is not None}
+
+
 class Engine:
     """Serve one target (dense LFM2 or LFM2-MoE) with an optional DSpark draft.
 
@@ -61,6 +84,7 @@ class Engine:
     def __init__(self, target: Lfm2ForCausalLM, draft: DSparkDraft | None = None, config: EngineConfig | None = None,
                  *, tokenizer=None, stop_token_ids: Sequence[int] = (), sampling_defaults: dict | None = None,
                  **options):
+        started = time.perf_counter()
         environment()   # a bad LFMSPARK_* value fails here, naming the variable (lfmspark/environment.py)
         self.config = cfg = (config or EngineConfig()).replace(**options)
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -79,15 +103,20 @@ class Engine:
         # one scheduling step at a time: streams iterated from several threads take turns, each
         # step advancing every active request (their events go to their own streams)
         self._lock = threading.RLock()
+        self.startup = StartupTimes(build_s=time.perf_counter() - started)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig, models: LoadedModels | None = None) -> Engine:
         """The engine a config describes: its models loaded (runtime/loader.py), or ``models`` already
         loaded from it (engines sharing one set of weights)."""
-        models = models if models is not None else load_models(config)
-        return cls(models.target, models.draft, config, tokenizer=models.tokenizer,
-                   stop_token_ids=models.stop_token_ids, sampling_defaults=models.sampling_defaults)
+        t0 = time.perf_counter()
+        loaded = models if models is not None else load_models(config)
+        load_s = time.perf_counter() - t0
+        engine = cls(loaded.target, loaded.draft, config, tokenizer=loaded.tokenizer,
+                     stop_token_ids=loaded.stop_token_ids, sampling_defaults=loaded.sampling_defaults)
+        engine.startup.load_s = load_s if models is None else None
+        return engine
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *,
@@ -142,13 +171,19 @@ class Engine:
     def warmup(self, progress: bool = True, sampling: bool | Sequence[SamplingMode] = True) -> WarmupReport:
         """Compile and capture everything the engine will replay (ModelRunner.warmup), in every
         sampling mode, only greedy (``sampling=False``), or the modes ``sampling`` lists. Call once
-        before taking traffic; progress goes to the ``lfmspark`` logger."""
+        before taking traffic; progress goes to the ``lfmspark`` logger. The report's times
+        (``seconds``, ``prefill_s``, ``total_s`` for the steps, ``profile_s``) are kept in
+        :attr:`startup` too."""
         if not self.idle:
             raise RuntimeError("Engine.warmup() must run before the engine takes requests: it uses free "
                                "state slots as scratch; call it right after constructing the engine")
         modes = (tuple(SamplingMode) if sampling else (SamplingMode.GREEDY,)) if isinstance(sampling, bool) \
             else tuple(sampling)
-        return self.model_runner.warmup(progress, modes)
+        t0 = time.perf_counter()
+        report = self.model_runner.warmup(progress, modes)
+        report.seconds = time.perf_counter() - t0
+        self.startup.warmup = report
+        return report
 
     # -- the synchronous API -------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

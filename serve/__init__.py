@@ -6,6 +6,7 @@ Needs the ``serve`` extra: ``pip install 'lfmspark[serve]'``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Sequence
 
@@ -26,14 +27,24 @@ def make_server_app(engine: Engine, model_name: str, *, max_waiting: int = 256, 
                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, reasoning_parser: str | None = None,
                     tool_call_parser: str = "lfm2"):
     """An AsyncEngine over ``engine`` (warmed up in its thread when ``warmup``), its metrics, and the
-    FastAPI app serving them as ``model_name``. ``api_key`` None takes ``LFMSPARK_API_KEY`` (unset:
-    no key); the other options are :func:`~.app.build_app`'s (``reasoning_parser``: split
-    ``<think>`` reasoning into ``reasoning_content``; ``tool_call_parser``: ``lfm2``)."""
+    FastAPI app serving them as ``model_name``. Once the engine is ready, the time to healthy is
+    logged (:func:`ready_line`) and set in the ``lfmspark:startup_seconds`` gauge. ``api_key`` None
+    takes ``LFMSPARK_API_KEY`` (unset: no key); the other options are :func:`~.app.build_app`'s
+    (``reasoning_parser``: split ``<think>`` reasoning into ``reasoning_content``;
+    ``tool_call_parser``: ``lfm2``)."""
     from .app import build_app
     from .metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name, engine.block_size)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, warmup=warmup, observer=metrics.observe)
+
+    def ready() -> None:
+        age = process_age_s()
+        phases = startup_phases(engine, age)
+        metrics.set_startup(phases)
+        log.info("%s", ready_line(engine, phases, age))
+
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, warmup=warmup, observer=metrics.observe,
+                               on_ready=ready)
     key = api_key if api_key is not None else environment().api_key
     return build_app(async_engine, model_name, metrics, api_key=key, allowed_origins=allowed_origins,
                      max_request_bytes=max_request_bytes, reasoning_parser=reasoning_parser,
@@ -45,7 +56,8 @@ def run_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port
                allowed_origins: Sequence[str] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                reasoning_parser: str | None = None, tool_call_parser: str = "lfm2") -> None:
     """Serve until interrupted (uvicorn; Ctrl-C shuts the engine down, cancelling running requests).
-    Logs :func:`startup_line` first. A caller about to load an engine checks the port with
+    Logs :func:`startup_line` first, and :func:`ready_line` once the engine has warmed up, as
+    ``/health`` turns to 200. A caller about to load an engine checks the port with
     :func:`check_port_free` before, so that a busy port fails in a second, not after the load."""
     import uvicorn
 
@@ -93,4 +105,47 @@ def startup_line(engine: Engine, model_name: str, host: str, port: int, api_key:
             f"{engine.max_batch} slots, CUDA graphs {graphs}, API key {'required' if api_key else 'off'}")
 
 
-__all__ = ["PortInUseError", "check_port_free", "make_server_app", "run_server", "startup_line"]
+def process_age_s() -> float | None:
+    """Seconds since this process started, from ``/proc`` (Linux); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            # the fields after the command name (which may hold spaces) start at the third; starttime,
+            # the 22nd, is in clock ticks since boot, as /proc/uptime's seconds are
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def startup_phases(engine: Engine, age_s: float | None) -> dict[str, float]:
+    """Seconds per phase of the server's start: the engine's (``Engine.startup``: ``load``, ``build``,
+    ``warmup_prefill``, ``warmup_steps``, ``warmup_profile``, those that ran) and, with the process's
+    age ``age_s``, ``other``: the rest of it (the interpreter, imports, the server's set-up), so
+    that the phases sum to the time from the process's start to ready."""
+    phases = engine.startup.phases()
+    if age_s is not None:
+        phases["other"] = max(0.0, age_s - sum(phases.values()))
+    return phases
+
+
+def ready_line(engine: Engine, phases: dict[str, float], age_s: float | None) -> str:
+    """One line saying how long the server took to get ready, and where the time went."""
+    steps = "rounds" if engine.draft is not None else "decode steps"
+    parts = [f"{name} {phases[name]:.1f} s" for name in ("load", "build") if name in phases]
+    report = engine.startup.warmup
+    if "warmup_steps" in phases and report is not None:
+        warm = {"prefill": phases["warmup_prefill"], steps: phases["warmup_steps"], "profile": phases["warmup_profile"]}
+        parts.append(f"warm-up {report.seconds:.1f} s ("
+                     + ", ".join(f"{name} {s:.1f} s" for name, s in warm.items() if name != "profile" or s) + ")")
+    else:
+        parts.append("no warm-up")
+    if "other" in phases:
+        parts.append(f"other {phases['other']:.1f} s")
+    when = f"{age_s:.1f} s after the process started" if age_s is not None else "(the process's start is unknown here)"
+    return f"ready {when}: " + ", ".join(parts)
+
+
+__all__ = ["PortInUseError", "check_port_free", "make_server_app", "process_age_s", "ready_line", "run_server",
+           "startup_line", "startup_phases"]

@@ -9,7 +9,10 @@ Three sources feed them:
 - the engine's state, read when scraped (:class:`_EngineState`, from ``AsyncEngine.usage()``):
   running and waiting requests, KV-cache and prefix-cache usage, prefix-cache queries and hits;
 - the HTTP layer (:class:`CountResponses`, outermost in the app): every response by route
-  template and status, the guards' 401 / 413 included.
+  template and status, the guards' 401 / 413 included;
+- the server's start (:meth:`ServerMetrics.set_startup`, once the engine is ready): the seconds of
+  each phase from the process's start to ready, ``lfmspark:startup_seconds{phase}`` (vLLM exports
+  no such gauge; its ``vllm bench startup`` measures the same span from outside).
 
 Each ``ServerMetrics`` has its own registry, so several servers in one process (tests) do not
 collide. The exposition carries no ``*_created`` series (:class:`_WithoutCreated`): one more series
@@ -22,7 +25,7 @@ import time
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.routing import Match, Router
 
@@ -92,6 +95,11 @@ class ServerMetrics:
             .labels(**labels)
         self._accepted_per_pos = counter("lfmspark:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the block (0 = first).", ["position"])
+        self._startup = Gauge("lfmspark:startup_seconds",
+                              "Seconds of each phase of the server's start, set once the engine is ready: load, "
+                              "build, warmup_prefill, warmup_steps, warmup_profile (those that ran) and other (the "
+                              "rest since the process started); their sum is the time to healthy.",
+                              names + ["phase"], registry=r)
         self._http = counter("lfmspark:http_requests",
                              "HTTP responses by route template (`none`: no route serves the path) and status, "
                              "the API key's 401 and the body limit's 413 included.", ["route", "status"])
@@ -152,6 +160,11 @@ class ServerMetrics:
                 accepted = sum(1 for n in stats.accept_lengths if n - 1 > k)
                 if accepted:
                     self._accepted_per_pos.labels(position=str(k), **self._labels).inc(accepted)
+
+    def set_startup(self, phases: dict[str, float]) -> None:
+        """The server's startup phases, in seconds (serve/__init__.py ``startup_phases``)."""
+        for phase, seconds in phases.items():
+            self._startup.labels(phase=phase, **self._labels).set(seconds)
 
     def count_response(self, route: str, status: int) -> None:
         """One HTTP response (:class:`CountResponses`)."""

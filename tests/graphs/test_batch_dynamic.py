@@ -26,6 +26,7 @@ from lfmspark.runtime.distributions import SamplingMode
 from lfmspark.runtime.steps import Steps
 
 
+@pytest.mark.slow
 def test_regions_compile_once_for_every_size_above_one(monkeypatch):
     """Whole-block greedy rounds in the capture's order (graphs/capture.py: the smallest size, the
     largest, then the rest largest first): batch 1 and the largest size compile each region once

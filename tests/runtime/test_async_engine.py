@@ -257,3 +257,26 @@ def test_warmup_runs_in_the_engine_thread_before_serving(target):
         await ae.shutdown()
 
     run(main())
+
+
+def test_on_ready_runs_once_warmed_up_and_a_failure_in_it_leaves_the_engine_serving(target, caplog):
+    """``on_ready`` runs in the engine thread after the warm-up, before ``ready`` turns true; what it
+    raises is logged, and the engine serves all the same."""
+    engine, box, go = make(target), {}, threading.Event()
+
+    def on_ready():
+        go.wait(30)
+        box["seen"] = threading.current_thread().name, engine.startup.warmup is not None, box["engine"].ready
+        raise RuntimeError("a broken report")
+
+    async def main():
+        box["engine"] = ae = AsyncEngine(engine, warmup=True, on_ready=on_ready)
+        go.set()
+        await ae.wait_ready(60)
+        assert ae.ready and box["seen"] == ("lfmspark-engine", True, False)
+        tokens, out = await collect(ae, [1, 2], params(0, 3))
+        assert len(tokens) == 3
+        await ae.shutdown()
+
+    run(main())
+    assert "on_ready failed: RuntimeError: a broken report" in caplog.text

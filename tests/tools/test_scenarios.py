@@ -29,13 +29,15 @@ def run_scenario(tmp_path, name: str, *args: str) -> dict:
 def test_sampling_times_every_setting_for_both_engines(tmp_path, capsys):
     report = run_scenario(tmp_path, "sampling", "--batch-sizes", "1,2", *SHORT)
     assert report["models"] == "preset tiny + tiny-dspark"
-    assert set(report["settings"]) == {"greedy", "model-card", "top-p"}
+    assert set(report["settings"]) == {"greedy", "model-card", "moe-card", "min-p", "top-p"}
     assert report["settings"]["model-card"] == {"temperature": 0.1, "top_k": 50, "top_p": 0.1,
                                                 "repetition_penalty": 1.05}
+    assert report["settings"]["moe-card"] == {"temperature": 0.2, "top_k": 80, "repetition_penalty": 1.05}
+    assert report["settings"]["min-p"] == {"temperature": 0.3, "min_p": 0.15, "repetition_penalty": 1.05}
     assert set(report["warmup_s"]) == {"speculative", "target_only"}
     cells = [(r["engine"], r["batch"], r["setting"]) for r in report["results"]]
     assert cells == [(e, b, s) for e in ("speculative", "target_only") for b in (1, 2)
-                     for s in ("greedy", "model-card", "top-p")]
+                     for s in ("greedy", "model-card", "moe-card", "min-p", "top-p")]
     for r in report["results"]:
         assert r["tpot_ms_p50"] > 0
         if r["engine"] == "speculative":
@@ -72,10 +74,14 @@ def test_structured_times_constrained_unconstrained_and_mixed_batches(tmp_path, 
 def test_warmup_reports_the_warmup_and_the_tpot_per_batch_size(tmp_path):
     report = run_scenario(tmp_path, "warmup", "--batch-sizes", "1,2", "--imposed-acceptance", "0.5", *SHORT)
     assert report["engine"] == "speculative" and report["imposed_acceptance"] == [0.5]
-    assert set(report["compile_cache"]) == {"dir", "files_before", "files_after", "state"}
+    assert set(report["compile_cache"]) == {"dir", "files_before", "files_after", "triton_dir", "triton_files_before",
+                                            "triton_files_after", "state"}
     assert report["compile_cache"]["state"] == "unused (eager)"          # the CPU engine compiles nothing
-    assert {"seconds", "prefill_s", "steps_s", "mode", "step_graphs", "prefill_graphs", "sizes", "modes", "widths",
-            "graphs_compiled", "fx_cache_hits", "fx_cache_misses"} <= set(report["warmup"])
+    assert {"seconds", "prefill_s", "steps_s", "profile_s", "mode", "step_graphs", "prefill_graphs", "sizes", "modes",
+            "widths", "graphs_compiled", "fx_cache_hits", "fx_cache_misses"} <= set(report["warmup"])
+    start = report["startup"]
+    assert start["load_s"] > 0 and start["build_s"] > 0 and start["warmup_s"] == report["warmup"]["seconds"] > 0
+    assert start["total_s"] == pytest.approx(start["load_s"] + start["build_s"] + start["warmup_s"])
     assert report["warmup"]["widths"] == [1, 5]
     assert [r["batch"] for r in report["results"]] == [1, 2]
     for r in report["results"]:     # two widths: the scheduler's rounds and the whole block every round
@@ -83,6 +89,24 @@ def test_warmup_reports_the_warmup_and_the_tpot_per_batch_size(tmp_path):
         assert set(r["rounds_by_width"]) <= {"1", "5"} and sum(r["rounds_by_width"].values()) > 0
     # sized to the batches measured; the captured sizes are the engine's defaults
     assert report["engine_config"]["max_batch"] == 2 and report["engine_config"]["batch_sizes"] is None
+
+
+def test_warmup_reads_both_compile_caches(tmp_path):
+    """Warm needs Inductor's cache and Triton's (the ops' kernels) filled; the Triton folder inside
+    Inductor's (the default layout) is counted as Triton's only."""
+    from lfmspark.tools.scenarios.warmup import cache_state, count_files
+
+    inductor = tmp_path / "inductor"
+    (inductor / "triton" / "abc").mkdir(parents=True)
+    (inductor / "fxgraph").mkdir()
+    assert count_files(inductor, leave_out=inductor / "triton") == 0 and count_files(inductor / "triton") == 0
+    (inductor / "triton" / "abc" / "kernel.cubin").write_bytes(b"")
+    assert count_files(inductor, leave_out=inductor / "triton") == 0 and count_files(inductor / "triton") == 1
+    (inductor / "fxgraph" / "graph").write_bytes(b"")
+    assert count_files(inductor, leave_out=inductor / "triton") == 1 and count_files(inductor) == 2
+    assert [cache_state(1, 1), cache_state(0, 0)] == ["warm", "cold"]
+    assert cache_state(3, 0) == "partly warm (Inductor's cache only)"
+    assert cache_state(0, 2) == "partly warm (Triton's cache only)"
 
 
 def test_warmup_of_a_target_only_engine(tmp_path):

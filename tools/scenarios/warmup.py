@@ -3,9 +3,12 @@
 A server warms up before taking traffic (``Engine.warmup()``: the prefill kernels and bucket graphs,
 then the step compiled and captured at every captured batch size, in every sampling mode or greedy
 only). This scenario times that warm-up as a deployment runs it, at every default batch size up to
-``max_batch`` (or the ``--cuda-graph-sizes`` given), and says whether the compile cache was cold
-(empty) or warm (filled by an earlier process: run the command twice with the same
-``LFMSPARK_CACHE_DIR``), with what was compiled and captured. Then, at each batch size, the median
+``max_batch`` (or the ``--cuda-graph-sizes`` given), with the loading and the engine's construction
+before it, and says whether the compile caches were cold (empty) or warm (filled by an earlier
+process: run the command twice with the same ``LFMSPARK_CACHE_DIR``), with what was compiled and
+captured. The caches are two: Inductor's (``TORCHINDUCTOR_CACHE_DIR``: FX graphs, its generated
+kernels) and Triton's (``TRITON_CACHE_DIR``: the lfmspark ops' compiled kernels); a warm start needs
+both, and one without the other is reported as partly warm. Then, at each batch size, the median
 per-request greedy TPOT of ``runs`` batches of ``prompt_len``-token prompts and ``output_len`` new
 tokens: what the warmed engine delivers. For a speculative engine with several verify widths it
 also records the rounds the width policy ran at each width (runtime/speculation.py) and the TPOT
@@ -18,9 +21,13 @@ A target-only engine: ``--draft-preset none``. A random-weight draft runs an imp
 The report (``--json``): ``scenario``, ``environment`` (as the latency benchmark's: date, command,
 versions, device, commit), ``config`` (as given), ``engine_config`` (as fitted), ``models``,
 ``engine`` (``speculative`` / ``target_only``), ``imposed_acceptance``, ``compile_cache`` (``dir``,
-``files_before``, ``files_after``, ``state``: cold, warm, or unused by an eager engine), ``warmup``
-(``seconds``, ``prefill_s``, ``steps_s``, ``mode``, ``step_graphs``, ``prefill_graphs``, ``sizes``,
-``modes``, ``widths``, ``graphs_compiled``, ``fx_cache_hits``, ``fx_cache_misses``) and ``results``:
+``files_before``, ``files_after``: Inductor's, its Triton folder left out; ``triton_dir``,
+``triton_files_before``, ``triton_files_after``; ``state``: cold, warm, partly warm (naming the
+cache that was filled), or unused by an eager engine), ``startup`` (``load_s``, ``build_s``,
+``warmup_s``, ``total_s``: loading the models, building the engine, its warm-up, their sum),
+``warmup`` (``seconds``, ``prefill_s``, ``steps_s``, ``profile_s``, ``mode``, ``step_graphs``,
+``prefill_graphs``, ``sizes``, ``modes``, ``widths``, ``graphs_compiled``, ``fx_cache_hits``,
+``fx_cache_misses``) and ``results``:
 one row per batch size with ``batch``, ``tpot_ms_p50`` and, with several verify widths,
 ``rounds_by_width`` and ``tpot_ms_p50_whole_block``.
 """
@@ -34,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...environment import cache_dir
+from ...environment import cache_dir, triton_cache_dir
 from ...runtime.engine import Engine
 from ...runtime.loader import load_models
 from ...runtime.sampling import SamplingParams
@@ -79,12 +86,34 @@ def compile_cache() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir())
 
 
-def count_files(path: Path) -> int:
-    return sum(len(files) for _, _, files in os.walk(path)) if path.is_dir() else 0
+def triton_cache() -> Path:
+    """Where the ops' Triton kernels are cached: ``TRITON_CACHE_DIR``, which importing lfmspark points
+    at ``LFMSPARK_CACHE_DIR``'s ``triton`` folder unless it is set."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or triton_cache_dir())
+
+
+def count_files(path: Path, leave_out: Path | None = None) -> int:
+    """The files under ``path``, those under ``leave_out`` not counted (a cache inside another's folder)."""
+    if not path.is_dir():
+        return 0
+    left_out = leave_out.resolve() if leave_out is not None else None
+    return sum(len(files) for root, _, files in os.walk(path)
+               if left_out is None or not Path(root).resolve().is_relative_to(left_out))
+
+
+def cache_state(inductor_files: int, triton_files: int) -> str:
+    """cold, warm, or partly warm: which of the two caches held files before the warm-up."""
+    if inductor_files and triton_files:
+        return "warm"
+    if inductor_files or triton_files:
+        return f"partly warm ({'Inductor' if inductor_files else 'Triton'}'s cache only)"
+    return "cold"
 
 
 def run(cfg: WarmupConfig) -> dict:
+    t0 = time.perf_counter()
     models = load_models(cfg.engine)
+    load_s = time.perf_counter() - t0
     block = models.draft.config.block_size if models.draft is not None else 0
     engine_cfg = cfg.engine_config(max_batch=max(cfg.batch_sizes),
                                    max_seq_len=seq_len_for(cfg.prompt_len + cfg.output_len, block))
@@ -95,22 +124,27 @@ def run(cfg: WarmupConfig) -> dict:
     report["engine"] = kind
     report["imposed_acceptance"] = list(engine_cfg.imposed_acceptance) if engine_cfg.imposed_acceptance else None
     engine = Engine.from_config(engine_cfg, models)
-    cache = compile_cache()
-    files_before = count_files(cache)
-    t0 = time.perf_counter()
+    cache, triton = compile_cache(), triton_cache()
+    files_before, triton_before = count_files(cache, leave_out=triton), count_files(triton)
     warm = engine.warmup(progress=True, sampling=not cfg.greedy_only)
-    seconds = time.perf_counter() - t0
     steps = [e for e in warm.entries if e.mode != "any"]          # prefill buckets are "any"
-    report["compile_cache"] = {"dir": str(cache), "files_before": files_before, "files_after": count_files(cache),
-                               "state": "unused (eager)" if warm.mode == "eager" else "warm" if files_before else "cold"}
-    report["warmup"] = {"seconds": seconds, "prefill_s": warm.prefill_s, "steps_s": warm.total_s,
+    report["compile_cache"] = {"dir": str(cache), "files_before": files_before,
+                               "files_after": count_files(cache, leave_out=triton), "triton_dir": str(triton),
+                               "triton_files_before": triton_before, "triton_files_after": count_files(triton),
+                               "state": "unused (eager)" if warm.mode == "eager" else cache_state(files_before,
+                                                                                                 triton_before)}
+    build_s = engine.startup.build_s
+    report["startup"] = {"load_s": load_s, "build_s": build_s, "warmup_s": warm.seconds,
+                         "total_s": load_s + build_s + warm.seconds}
+    report["warmup"] = {"seconds": warm.seconds, "prefill_s": warm.prefill_s, "steps_s": warm.total_s,
+                        "profile_s": warm.profile_s,
                         "mode": warm.mode, "step_graphs": len(steps), "prefill_graphs": len(warm.entries) - len(steps),
                         "sizes": sorted({e.batch_size for e in steps}), "modes": sorted({e.mode for e in steps}),
                         "widths": list(engine.verify_widths) if kind == "speculative" else [],
                         "graphs_compiled": warm.graphs_compiled, "fx_cache_hits": warm.cache_hits,
                         "fx_cache_misses": warm.cache_misses}
-    log.info("warm-up %.1f s (prefill %.1f s, steps %.1f s): %d step graphs", seconds, warm.prefill_s, warm.total_s,
-             len(steps))
+    log.info("load %.1f s, build %.1f s, warm-up %.1f s (prefill %.1f s, steps %.1f s): %d step graphs", load_s,
+             build_s, warm.seconds, warm.prefill_s, warm.total_s, len(steps))
     report["results"] = []
     write_report(report, cfg.json_path)
     for batch in cfg.batch_sizes:
@@ -161,6 +195,10 @@ def table(report: dict) -> str:
              + (f", widths {w['widths']}" if w["widths"] else "")
              + f", {w['prefill_graphs']} prefill graphs, {w['graphs_compiled']} region graphs compiled"
              f" (FX cache {w['fx_cache_hits']} hits, {w['fx_cache_misses']} misses)")
-    text += (f"\ncompile cache {cache['state']}: {cache['files_before']} files in {cache['dir']} before, "
-             f"{cache['files_after']} after")
+    start = report["startup"]
+    text += (f"\nready in {start['total_s']:.1f} s: load {start['load_s']:.1f} s, build {start['build_s']:.1f} s, "
+             f"warm-up {start['warmup_s']:.1f} s")
+    text += (f"\ncompile cache {cache['state']}: Inductor's {cache['files_before']} files in {cache['dir']} before, "
+             f"{cache['files_after']} after; Triton's {cache['triton_files_before']} files in {cache['triton_dir']} "
+             f"before, {cache['triton_files_after']} after")
     return text
