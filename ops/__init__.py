@@ -10,7 +10,7 @@ runs; ``_dispatch.py`` how the kernels launch (Triton on CPU for tests, programm
 
 # importing the modules registers the ops
 from . import (argmax_rows, attention, exact_norm, linear, markov_walk, moe, moe_route, row_mass,  # noqa: F401
-               short_conv, threshold_filter, top_values)
+               short_conv, threshold_filter)
 from .attention.rope import apply_rope, gather_cos_sin, rope_cos_sin_table
 
 __all__ = ["apply_rope", "gather_cos_sin", "rope_cos_sin_table"]

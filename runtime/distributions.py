@@ -10,22 +10,24 @@ argmax (the first index among equal maxima).
 
 Two ways to the same threshold (:class:`SamplingMode`, chosen per batch on the host):
 
-- ``FULL``: sort each row (any parameters; cub's radix sort of the whole vocabulary).
-- ``TOP_K``: from each row's :data:`CANDIDATES` largest values (``lfmspark::top_values``, no sort),
-  when every sampled row of the batch has ``1 <= top_k <= CANDIDATES`` (the LFM2.5 model card's
-  50) or the vocabulary is no larger. Why it is the same threshold: the k-th largest value is a
-  candidate; top-p's kept prefix, in sorted order, ends either inside the candidates (whose
-  cumulative mass, over the exact top-k mass ``z_k`` summed across the whole row, decides where)
-  or at the k-th value, tied tokens beyond the candidates included; min-p compares with ``top``.
-  Every token above the k-th value is a candidate, so a kept set strictly above it has its mass
-  from the candidates alone.
-
-The whole-row sums (``z``, and ``z_k`` of the top-k path) run in ``lfmspark::row_mass``, not in
-Inductor: fused with the draft walk's other work, Inductor (torch 2.11) fails to generate them.
+- ``THRESHOLD``: ``lfmspark::threshold_filter`` (no sort): counts and masses at pivots bracket each
+  cut, which is then resolved among at most 256 gathered values (or by refining the bracket), in a
+  fixed number of launches. It takes any parameters exactly, ties kept whole; it is chosen when
+  every sampled row has top-k off or ``top_k <= MAX_THRESHOLD_TOP_K`` (128: the LFM2.5 cards' 50
+  and 80), or the vocabulary is no larger: the model cards, top-p alone, min-p alone and plain
+  temperature sampling. Beyond that top-k's cut sits among more values than one gather holds, and
+  the op would refine it over extra passes.
+- ``FULL``: sort each row (cub's radix sort of the whole vocabulary), for the rest. The kept mass
+  ``z`` is summed in ``lfmspark::row_mass``, not in Inductor: fused with the draft walk's other
+  work, Inductor (torch 2.11) fails to generate it. Its top-p walk is one fp32 cumulative sum over
+  the row: on a dense tail (``top_p = 0.999`` over 65536 tokens) its cut lands tens of tokens from
+  the float64 one, ``THRESHOLD``'s (shorter fp32 sums) a few tokens; elsewhere the two modes agree
+  wherever a cut is not within fp32 rounding of ``top_p``.
 
 Drawing: the exponential race ``argmax_i p_i / E_i`` over the whole vocabulary
-(runtime/randomness.py), with ``p`` written pointwise from ``x`` and the row's three numbers. The same uniforms at the same token ids as
-the sorted path, so both modes draw the same tokens (up to fp32 rounding of the kept mass).
+(runtime/randomness.py), with ``p`` written pointwise from ``x`` and the row's three numbers: the
+same uniforms at the same token ids in both modes, so both draw the same tokens (up to fp32
+rounding of the kept mass).
 """
 
 from __future__ import annotations
@@ -37,19 +39,19 @@ import torch
 
 from ..ops.argmax_rows import argmax_last
 from ..ops.row_mass import row_mass
-from ..ops.top_values import top_values
+from ..ops.threshold_filter import threshold_filter
 from .randomness import sample
 
-# the top-k path's candidates per row: top_k up to this many filters without a sort
-CANDIDATES = 64
+# the largest top_k the THRESHOLD mode takes: its top-k bracket is gathered in one pass (at most 256 values)
+MAX_THRESHOLD_TOP_K = 128
 
 
 class SamplingMode(enum.Enum):
     """How a step picks its tokens; one compiled and captured variant of each step per mode."""
 
-    GREEDY = "greedy"     # the argmax of the raw logits (no request transforms them)
-    TOP_K = "top-k"       # transformed, filtered distributions, thresholds from the top CANDIDATES values
-    FULL = "full"         # the same distributions, thresholds from a full sort (any top_k)
+    GREEDY = "greedy"           # the argmax of the raw logits (no request transforms them)
+    THRESHOLD = "threshold"     # transformed, filtered distributions, thresholds without a sort (top_k <= 128)
+    FULL = "full"               # the same distributions, thresholds from a full sort (any top_k)
 
     @property
     def sampling(self) -> bool:
@@ -107,11 +109,11 @@ def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                 min_p: torch.Tensor, mode: SamplingMode) -> Filtered:
     """The distributions of fp32 transformed ``logits [N, V]`` at per-row ``temperature`` (0: greedy)
     with ``top_k`` (0: off), ``top_p`` (1: off) and ``min_p`` (0: off), their thresholds found as
-    ``mode`` says (``TOP_K``: every sampled row has ``1 <= top_k <= CANDIDATES``, or ``V <= CANDIDATES``)."""
+    ``mode`` says (both modes take any parameters; the module doc says which is faster when)."""
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    if mode is SamplingMode.TOP_K:
-        threshold, top, z = _threshold_from_candidates(x, top_k, top_p, min_p)
+    if mode is SamplingMode.THRESHOLD:
+        threshold, top, z = threshold_filter(x, top_k, top_p, min_p)
     else:
         threshold, top = _threshold_from_sort(x, top_k, top_p, min_p)
         z = None
@@ -138,35 +140,6 @@ def _threshold_from_sort(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     top = sorted_x[:, 0]
     # min-p: p_i >= min_p * p_max, i.e. x_i >= top + log(min_p) (min_p 0: -inf)
     return torch.maximum(threshold, top + torch.log(min_p)), top
-
-
-def _threshold_from_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(threshold, top, z)`` of scaled ``x [N, V]`` from its ``min(CANDIDATES, V)`` largest values
-    (see the module doc); ``top_k`` is read as ``min(top_k or V, CANDIDATES)``."""
-    V = x.shape[-1]
-    m = min(CANDIDATES, V)
-    vals = top_values(x, m)                                                  # [N, m], largest first
-    top = vals[:, 0]
-    k = torch.where(top_k > 0, top_k, V).clamp(min=1, max=m)
-    kth = vals.gather(1, (k - 1)[:, None])[:, 0]
-    # the exact top-k mass: over the whole row, so tokens tied with the k-th value beyond the candidates count
-    z_k = row_mass(x, top, kth)
-    e = torch.exp(vals - top[:, None]) * (vals >= kth[:, None])
-    # the mass before each candidate as a masked sum over the candidates before it (64 x 64 products per
-    # row): it keeps every reduction Inductor generates here a plain sum; a scan fused into the sampling
-    # tail can fail its Triton codegen (see row_prefix_sums)
-    idx = torch.arange(m, device=x.device)
-    mass_before = (e[:, :, None] * (idx[:, None] < idx[None, :])).sum(dim=1) / z_k[:, None]
-    # the kept prefix's length; when all m candidates are kept the prefix ends at the k-th value (ties beyond
-    # the candidates) or below it, and vals[m - 1] <= kth makes the threshold kth either way
-    keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)
-    threshold = torch.maximum(vals.gather(1, (keep - 1)[:, None])[:, 0], kth)
-    threshold = torch.where(top_p >= 1.0, kth, threshold)
-    threshold = torch.maximum(threshold, top + torch.log(min_p))
-    # above the k-th value every token is a candidate
-    z = torch.where(threshold > kth, (e * (vals >= threshold[:, None])).sum(dim=-1), z_k)
-    return threshold, top, z
 
 
 def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -367,12 +367,13 @@ class SlotSampling:
 
 
 def sampling_mode(params: Iterable[SamplingParams], vocab: int) -> SamplingMode:
-    """The mode a batch of requests runs in: ``GREEDY`` when none needs a distribution, ``TOP_K``
-    when every sampled one has ``1 <= top_k <= CANDIDATES`` (or the vocabulary has no more
-    tokens than that), else ``FULL``."""
+    """The mode a batch of requests runs in: ``GREEDY`` when none needs a distribution, ``THRESHOLD``
+    when every sampled one has top-k off or ``top_k <= MAX_THRESHOLD_TOP_K`` (or the vocabulary has
+    no more tokens than that), else ``FULL``."""
     sampled = [p for p in params if p.needs_distribution]
     if not sampled:
         return SamplingMode.GREEDY
-    if vocab <= distributions.CANDIDATES or all(p.greedy or 1 <= p.top_k <= distributions.CANDIDATES for p in sampled):
-        return SamplingMode.TOP_K
+    limit = distributions.MAX_THRESHOLD_TOP_K
+    if vocab <= limit or all(p.greedy or p.top_k <= limit for p in sampled):
+        return SamplingMode.THRESHOLD
     return SamplingMode.FULL

@@ -84,13 +84,13 @@ def test_exact_seeded_sampling_does_not_depend_on_the_batch():
     """Seeded sampling with the model card's kind of settings (temperature, top-k, top-p; per-request
     seeds): each of 32 prompts gets the same tokens and log-probabilities alone, in batches of 8 and
     in one batch of 32, speculative and target-only (the dense preset: the sampled rounds' warm-up
-    is the longest of the file, so only the top-k mode is warmed; the MoE layers' exactness is the
+    is the longest of the file, so only the threshold mode is warmed; the MoE layers' exactness is the
     greedy tests')."""
     preset = "lfm2.5-1.2b"
     batch = prompts(32, 1000, seed=2)
     for draft in ("default", None):
         engine = Engine.from_preset(preset, draft, max_batch=32, max_seq_len=256, batch_sizes=[1, 8, 32], exact=True)
-        engine.warmup(progress=False, sampling=[SamplingMode.TOP_K])   # these requests' mode (top_k <= 64)
+        engine.warmup(progress=False, sampling=[SamplingMode.THRESHOLD])   # these requests' mode (top_k <= 128)
 
         def run(group: list[list[int]], first: int) -> list:
             params = [SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=0.3, top_k=50, top_p=0.9,

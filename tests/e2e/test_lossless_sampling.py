@@ -30,19 +30,20 @@ def sample_pairs(target, draft, params: SamplingParams, n: int) -> np.ndarray:
 
 PLAIN, FILTERED = dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)
 TOP_3 = dict(temperature=0.8, top_k=3, top_p=0.8)
-# (setting, CANDIDATES): the thresholds from the candidates (runtime/distributions.py) when the
-# whole 8-token vocabulary is candidates, from 4 candidates (top_k 3: the TOP_K mode proper), and
-# from the full sort (top_k 0 or 5 beyond 4 candidates)
-CASES = {"plain/top-k-mode": (PLAIN, 64), "filtered/top-k-mode": (FILTERED, 64), "top3/top-k-mode": (TOP_3, 4),
-         "plain/full-mode": (PLAIN, 4), "filtered/full-mode": (FILTERED, 4)}
+# (setting, MAX_THRESHOLD_TOP_K): the thresholds without a sort (runtime/distributions.py) for plain,
+# top-k + top-p and top-3 sampling, and from the full sort where the limit is lowered to 4 below the
+# setting's top_k (PLAIN's all-keeping top_k 8 is the plain distribution)
+CASES = {"plain/threshold-mode": (PLAIN, 128), "filtered/threshold-mode": (FILTERED, 128),
+         "top3/threshold-mode": (TOP_3, 128), "plain/full-mode": ({**PLAIN, "top_k": VOCAB}, 4),
+         "filtered/full-mode": (FILTERED, 4)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
 def test_sampled_tokens_follow_the_target_distribution(case, speculative, monkeypatch):
-    setting, candidates = CASES[case]
-    monkeypatch.setattr(distributions, "CANDIDATES", candidates)
-    want = SamplingMode.TOP_K if case.endswith("top-k-mode") else SamplingMode.FULL
+    setting, limit = CASES[case]
+    monkeypatch.setattr(distributions, "MAX_THRESHOLD_TOP_K", limit)
+    want = SamplingMode.THRESHOLD if case.endswith("threshold-mode") else SamplingMode.FULL
     assert sampling_mode([SamplingParams(**setting)], VOCAB) is want
     target = random_tiny_target(seed=3, vocab=VOCAB)
     draft = random_tiny_draft(block=3, seed=4, vocab=VOCAB) if speculative else None

@@ -41,7 +41,7 @@ def test_default_engine_warms_and_samples_at_every_batch_size(preset: str, specu
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("mode", [SamplingMode.TOP_K, SamplingMode.FULL], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [SamplingMode.THRESHOLD, SamplingMode.FULL], ids=lambda m: m.value)
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_compiled_sampling_tail_at_a_full_vocabulary_equals_eager(rows: int, mode: SamplingMode):
     """The sampling tail alone, compiled (module doc): LM head, filtering and the draw over 65536 entries."""

@@ -1,5 +1,6 @@
 """Device-side sampling pieces: counter-based uniforms, the exponential-race sampler, filtering in
-both threshold modes, and which mode a batch runs in."""
+both threshold modes (the THRESHOLD mode's op on its reference and on its Triton kernels), and
+which mode a batch runs in."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lfmspark.runtime import distributions
 from lfmspark.runtime.distributions import SamplingMode, filter_rows, filtered_probs, row_prefix_sums
 from lfmspark.runtime.sampling import sampling_mode
 from lfmspark.runtime.randomness import draw_key, sample, uniforms
+from env_vars import interpret_triton
 from sampling_oracles import filtered as reference_filtered
 
 
@@ -103,14 +105,15 @@ def _rows(n: int, v: int, seed: int, grid: float | None) -> torch.Tensor:
 
 
 CASES = [(1, 1.0, 0.0), (5, 1.0, 0.0), (20, 0.8, 0.0), (50, 0.1, 0.0), (64, 0.95, 0.05), (7, 1.0, 0.3),
-         (3, 0.5, 0.2), (64, 1.0, 0.0)]
+         (3, 0.5, 0.2), (64, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.15), (0, 1.0, 0.0), (128, 0.999, 0.0),
+         (80, 1.0, 0.0)]
 
 
-@pytest.mark.parametrize("mode", [SamplingMode.TOP_K, SamplingMode.FULL], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [SamplingMode.THRESHOLD, SamplingMode.FULL], ids=lambda m: m.value)
 @pytest.mark.parametrize("grid", [None, 0.5], ids=["continuous", "ties"])
 def test_both_threshold_modes_keep_what_the_reference_keeps(mode, grid):
-    """Every row of a 300-token vocabulary (CANDIDATES = 64 < V, so TOP_K works from candidates):
-    the kept set and the normalised probabilities equal the float64 reference, ties included."""
+    """Every row of a 300-token vocabulary: the kept set and the normalised probabilities equal the
+    float64 reference, ties included."""
     n = len(CASES)
     logits = _rows(n, 300, seed=2, grid=grid)
     temperature = torch.linspace(0.6, 1.4, n)
@@ -128,17 +131,17 @@ def test_both_threshold_modes_keep_what_the_reference_keeps(mode, grid):
 
 
 @pytest.mark.parametrize("grid", [None, 0.5, 2.0], ids=["continuous", "ties", "many-ties"])
-def test_top_k_mode_equals_the_sort_with_ties_beyond_the_candidates(monkeypatch, grid):
-    """With 4 candidates on a 40-token vocabulary (coarse grids put ties at the k-th value and past the
-    4th candidate), the candidate thresholds, masses and draws equal the full sort's."""
-    monkeypatch.setattr(distributions, "CANDIDATES", 4)
+def test_threshold_mode_on_its_kernels_equals_the_sort(monkeypatch, grid):
+    """The THRESHOLD mode on the op's Triton kernels (interpreted) against FULL on a 40-token vocabulary
+    (coarse grids put ties at every cut; top_k 60 is beyond it): the same thresholds, masses and draws."""
+    interpret_triton(monkeypatch)
     n = 24
     logits = _rows(n, 40, seed=5, grid=grid)
     temperature = torch.full((n,), 0.9)
-    top_k = torch.tensor([1, 2, 3, 4] * 6)
+    top_k = torch.tensor([1, 2, 3, 7, 0, 60] * 4)
     top_p = torch.tensor([1.0, 0.3, 0.6, 0.9, 0.99, 0.05] * 4)
     min_p = torch.tensor([0.0] * 12 + [0.1, 0.5] * 6)
-    a = filter_rows(logits, temperature, top_k, top_p, min_p, SamplingMode.TOP_K)
+    a = filter_rows(logits, temperature, top_k, top_p, min_p, SamplingMode.THRESHOLD)
     b = filter_rows(logits, temperature, top_k, top_p, min_p, SamplingMode.FULL)
     assert torch.equal(a.threshold, b.threshold) and torch.equal(a.top, b.top)
     torch.testing.assert_close(a.z, b.z, rtol=1e-6, atol=0)
@@ -163,12 +166,21 @@ def test_filtered_rows_agree_in_every_form():
     assert torch.equal(both.probs(), probs[[0, 2, 1, 3]])       # row b * G + g from part g
 
 
-def test_a_batch_runs_top_k_only_when_every_sampled_row_fits_the_candidates():
-    greedy, card = SamplingParams(), SamplingParams(temperature=0.1, top_k=50, top_p=0.1, repetition_penalty=1.05)
-    openai_style = SamplingParams(temperature=0.7, top_p=0.9)                  # top_k off
-    penalised_greedy = SamplingParams(repetition_penalty=1.2)                 # greedy: top_k is not read
+def test_the_model_cards_and_plain_sampling_run_without_a_sort():
+    """THRESHOLD for every sampled row with top-k off or at most 128: the LFM2.5 card (temperature 0.1,
+    top_k 50, top_p 0.1), the LFM2.5-8B-A1B card (temperature 0.2, top_k 80), min_p alone, top_p alone
+    and plain temperature sampling; FULL once a sampled row's top_k exceeds 128."""
+    greedy = SamplingParams()
+    card = SamplingParams(temperature=0.1, top_k=50, top_p=0.1, repetition_penalty=1.05)
+    card_8b = SamplingParams(temperature=0.2, top_k=80, repetition_penalty=1.05)
+    min_p_only = SamplingParams(temperature=0.2, min_p=0.15)
+    top_p_only = SamplingParams(temperature=0.7, top_p=0.9)
+    plain = SamplingParams(temperature=1.0)
+    penalised_greedy = SamplingParams(repetition_penalty=1.2, top_k=1000)     # greedy: top_k is not read
+    wide = SamplingParams(temperature=1.0, top_k=129)
     assert sampling_mode([greedy, greedy], 65536) is SamplingMode.GREEDY
-    assert sampling_mode([greedy, card, penalised_greedy], 65536) is SamplingMode.TOP_K
-    assert sampling_mode([card, openai_style], 65536) is SamplingMode.FULL
-    assert sampling_mode([SamplingParams(temperature=1.0, top_k=65)], 65536) is SamplingMode.FULL
-    assert sampling_mode([openai_style], 64) is SamplingMode.TOP_K             # the whole vocabulary is the candidates
+    for p in (card, card_8b, min_p_only, top_p_only, plain, SamplingParams(temperature=0.5, top_k=128)):
+        assert sampling_mode([greedy, p, penalised_greedy], 65536) is SamplingMode.THRESHOLD, p
+    assert sampling_mode([card, card_8b, min_p_only, top_p_only, plain], 65536) is SamplingMode.THRESHOLD
+    assert sampling_mode([card, wide], 65536) is SamplingMode.FULL
+    assert sampling_mode([wide], 128) is SamplingMode.THRESHOLD            # top_k covers the whole vocabulary

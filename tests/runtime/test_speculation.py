@@ -80,10 +80,10 @@ def test_scheduler_reads_the_greedy_costs_for_an_unmeasured_mode_and_new_request
     s = scheduler((1, 3, 5), 4)
     costs = {(SamplingMode.GREEDY, 2, w): c for w, c in ((1, 1.0), (3, 1.6), (5, 2.2))}
     # the optimistic prior (every draft survives): 2 * 5 / 2.2 beats 2 * 3 / 1.6 and 2 / 1
-    assert s.choose(SLOTS01, 2, SamplingMode.TOP_K, costs) == 5
+    assert s.choose(SLOTS01, 2, SamplingMode.THRESHOLD, costs) == 5
     for _ in range(500):                        # the engine-wide survival learns that drafts die (slot 7's rounds)
         s.observe(np.array([7]), 5, np.array([1]), np.array([[0.05] * 4]))
-    assert s.choose(SLOTS01, 2, SamplingMode.TOP_K, costs) == 1
+    assert s.choose(SLOTS01, 2, SamplingMode.THRESHOLD, costs) == 1
     assert s.choose(np.array([7]), 1, SamplingMode.GREEDY, {(SamplingMode.GREEDY, 1, w): c for w, c in
                                                            ((1, 1.0), (3, 1.6), (5, 2.2))}) == 1   # its own estimate
 
