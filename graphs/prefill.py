@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..models.lfm2 import ConvSnapshots
 from .runner import WarmupEntry
 
 log = logging.getLogger("lfmspark")
@@ -83,8 +84,11 @@ class PrefillRunner:
     bucket fits)."""
 
     def __init__(self, forward: PrefillForward, device: torch.device, buckets: Sequence[tuple[int, int]],
-                 max_seq_len: int):
+                 max_seq_len: int, snapshots: ConvSnapshots | None = None):
+        """``snapshots``: where the forward copies the prefix cache's conv snapshots (models/lfm2.py
+        ``ConvSnapshots``), whose index :meth:`run` fills for each chunk; None without a prefix cache."""
         self.forward, self.device, self.max_seq_len = forward, device, max_seq_len
+        self.snapshots = snapshots
         self.buckets = sorted(set(buckets), key=lambda b: (b[0] * b[1], b))   # smallest first
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -145,11 +149,30 @@ class PrefillRunner:
         inputs[3].fill_(shape[1])
         return flat, inputs
 
-    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
+    def set_snapshot_index(self, rows: int, width: int, snapshot_rows: Sequence[Sequence[int]] | None) -> None:
+        """Fill the part of the snapshot index a forward of ``rows x width`` reads: row ``i``'s entries
+        from ``snapshot_rows[i]`` (conv pool rows, models/lfm2.py ``ConvSnapshots``), the rest (padding
+        rows, multiples nothing stores) the scratch row. A fixed buffer, so a graph replays it."""
+        sink = self.snapshots
+        if sink is None:
+            return
+        per_row = sink.per_row(width)
+        host = torch.full((rows, per_row), sink.scratch, dtype=torch.int64)
+        for i, entries in enumerate(snapshot_rows or ()):
+            entries = list(entries)[:per_row]
+            host[i, :len(entries)] = torch.tensor(entries, dtype=torch.int64)
+        if self.device.type == "cuda":        # through pinned memory: queued, no wait for the stream (runtime/transfer.py)
+            host = host.pin_memory()
+        sink.index[:rows, :per_row].copy_(host.to(self.device, non_blocking=True))
+
+    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
+            snapshot_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """The logits ``[len(chunks), V]`` of each chunk's last token, after running the chunks (row
-        ``i``: ``chunks[i]`` at positions ``starts[i] ..`` of slot ``slots[i]``)."""
+        ``i``: ``chunks[i]`` at positions ``starts[i] ..`` of slot ``slots[i]``); ``snapshot_rows[i]``:
+        where row ``i``'s conv snapshots go (:meth:`set_snapshot_index`; None: nowhere)."""
         rows, width = len(chunks), max(len(c) for c in chunks)
         shape = self.bucket(rows, width, max(starts)) or (rows, width)
+        self.set_snapshot_index(*shape, snapshot_rows)
         flat = self._pack(chunks, slots, starts, shape)
         if shape in self._graphs:
             graph, logits = self._graphs[shape]

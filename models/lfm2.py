@@ -42,9 +42,10 @@ normalises the sum *after* its rounding to the activation dtype, as HF eager doe
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,33 @@ class Lfm2Attention(nn.Module):
         return o.reshape(B, T, self.n_heads * self.head_dim)
 
 
+@dataclass
+class ConvSnapshots:
+    """Where a PREFILL forward copies the conv state after each multiple of ``every`` its rows pass
+    (the prefix cache's snapshots, runtime/prefix_cache.py), beside the state after the chunk's last
+    token that the op keeps.
+
+    Row ``b`` of a forward at ``start[b]`` passes the multiples ``p_j = (start[b] // every + 1 + j) *
+    every`` for ``j = 0, 1, ...``; the state after ``p_j`` (the gated inputs ``Bx`` at positions ``p_j -
+    K + 1 .. p_j - 1``) goes to row ``index[b, j]`` of ``store``, the last row of which is scratch: the
+    destination of every snapshot nobody wants (a multiple past the row's end, a padding row, a
+    page already cached). ``index`` is a fixed buffer the runner fills before each forward, so a
+    captured prefill graph reads whatever it holds at replay."""
+
+    store: torch.Tensor     # [n_conv_layers, rows + 1, K - 1, H]; row ``rows``: scratch
+    index: torch.Tensor     # [max_rows, max_per_row] int64 (the widest forward passes at most max_per_row multiples)
+    every: int
+
+    @property
+    def scratch(self) -> int:
+        return self.store.shape[1] - 1
+
+    def per_row(self, width: int) -> int:
+        """The multiples a row of ``width`` tokens can pass (at most ``ceil(width / every)``), capped at
+        what ``index`` holds."""
+        return min(-(-width // self.every), self.index.shape[1])
+
+
 class Lfm2ShortConv(nn.Module):
     """Double-gated short convolution: ``out_proj(C * conv(B * x))`` with ``[B | C | x] = in_proj(h)``."""
 
@@ -146,6 +174,8 @@ class Lfm2ShortConv(nn.Module):
         self.in_proj = Linear(H, 3 * H)
         self.conv_weight = nn.Parameter(torch.empty(H, cfg.conv_L_cache))   # HF conv.conv.weight squeezed
         self.out_proj = Linear(H, H)
+        # (where PREFILL forwards copy snapshots of the state, this layer's index into its store) or None
+        self.snapshots: tuple[ConvSnapshots, int] | None = None
 
     def forward(self, x: torch.Tensor, state_tape: LayerCache, rows: Rows, mode: ForwardMode) -> torch.Tensor:
         """The block over the normalised input ``x [B, T, H]``: ``in_proj``, :meth:`mix`, ``out_proj``."""
@@ -161,8 +191,40 @@ class Lfm2ShortConv(nn.Module):
             # a block narrower than the allocated tape width records into its first W + K - 1 columns
             y = lfm.short_conv_verify(bcx, self.conv_weight, conv_state, conv_tape, 0, rows.slots)
         else:
+            if mode is ForwardMode.PREFILL and self.snapshots is not None:
+                self.snapshot(bcx, conv_state, rows)        # reads the state before the op replaces it
             y = lfm.short_conv_prefill(bcx, self.conv_weight, conv_state, 0, rows.slots, rows.start, rows.lens)
         return y
+
+    def snapshot(self, bcx: torch.Tensor, conv_state: torch.Tensor, rows: Rows) -> None:
+        """Copy the state after each multiple of ``snapshots.every`` inside the rows' chunks into the
+        snapshot store (:class:`ConvSnapshots`), from ``bcx`` and the state the chunk starts from
+        (``conv_state``, this layer's one-layer slice, read before the op overwrites it).
+
+        The state after position ``p`` is ``x_ext[p - start : p - start + K - 1]`` with ``x_ext = [state ;
+        Bx]``, as the op stores it after a chunk's last token; ``Bx = B * x`` is one multiply in
+        ``bcx``'s dtype, which is the op's rounding of its fp32 product (ops/short_conv.py), so a
+        snapshot at a chunk's end holds the bits the op writes. A few gathers and a multiply over
+        ``rows x multiples x (K - 1)`` tokens: no host sync, so a captured prefill graph holds them."""
+        sink, layer = self.snapshots
+        B, T, H3 = bcx.shape
+        S = sink.per_row(T)
+        if B * S == 0:
+            return
+        H, km1, every = H3 // 3, conv_state.shape[2], sink.every
+        dev = bcx.device
+        start = rows.start[:, None]
+        off = (start // every + 1 + torch.arange(S, device=dev)) * every - start       # [B, S] >= 1: p_j - start
+        col = off.clamp(max=T)[:, :, None] + torch.arange(-km1, 0, device=dev)        # [B, S, K-1]: bcx column
+        b = torch.arange(B, device=dev)[:, None, None]
+        tok = bcx[b, col.clamp(min=0)]                                                 # [B, S, K-1, 3H]
+        bx = tok[..., :H] * tok[..., 2 * H:]
+        init = conv_state[0, rows.slots.clamp(min=0)].to(bcx.dtype)                    # [B, K-1, H]
+        init = torch.where((rows.start > 0)[:, None, None], init, torch.zeros_like(init))   # the op's zero start
+        from_state = init[b, (col + km1).clamp(min=0, max=km1 - 1)]                    # columns before the chunk
+        snap = torch.where((col < 0)[..., None], from_state, bx)
+        store = sink.store[layer]
+        store.index_put_((sink.index[:B, :S].reshape(-1),), snap.reshape(B * S, km1, H).to(store.dtype))
 
 
 class Lfm2DecoderLayer(nn.Module):
@@ -346,6 +408,24 @@ class Lfm2ForCausalLM(nn.Module):
         are overwritten by the next window.
         """
         lfm.short_conv_commit(cache.conv_state, cache.conv_tape, slots, accepted)
+
+    @contextlib.contextmanager
+    def conv_snapshots(self, snapshots: ConvSnapshots | None) -> Iterator[None]:
+        """Inside, PREFILL forwards copy conv snapshots into ``snapshots`` (None: nowhere), each
+        ShortConv layer into its row of the store, in layer order. Scoped, not set once: engines may
+        share one target module, each with its own prefix cache (and a graph captured inside holds
+        the store and index it was captured with)."""
+        convs = [layer.conv for layer in self.model.layers if not layer.is_attention]
+        if snapshots is not None and snapshots.store.shape[0] != len(convs):
+            raise ValueError(f"a snapshot store of {snapshots.store.shape[0]} layers for {len(convs)} ShortConv layers")
+        before = [conv.snapshots for conv in convs]
+        for i, conv in enumerate(convs):
+            conv.snapshots = None if snapshots is None else (snapshots, i)
+        try:
+            yield
+        finally:
+            for conv, old in zip(convs, before):
+                conv.snapshots = old
 
     @property
     def device(self) -> torch.device:

@@ -33,7 +33,7 @@ from ..graphs.prefill import PrefillRunner, prefill_buckets
 from ..graphs.runner import EagerRunner, StepKind, StepRunner, WarmupReport
 from ..models.cache import DraftCache, TargetCache
 from ..models.dspark import DSparkDraft, check_draft_fits_target
-from ..models.lfm2 import Lfm2ForCausalLM
+from ..models.lfm2 import ConvSnapshots, Lfm2ForCausalLM
 from ..models.lfm2_moe import impose_routing_locality, quantize_target, routing_locality
 from ..ops.routing import exact_scope
 from .config import EngineConfig
@@ -127,7 +127,7 @@ class ModelRunner:
         self.prefill_runner = PrefillRunner(
             self.steps.prefill_logits, self.device,
             prefill_buckets(config.max_batch, min(config.prefill_chunk, self.max_seq_len),
-                            config.prefill_graph_tokens), self.tcache.max_seq_len)
+                            config.prefill_graph_tokens), self.tcache.max_seq_len, self.snapshots)
         self.step_kind = StepKind.ROUND if draft is not None else StepKind.DECODE
         self.in_flight: _InFlight | None = None
         self._host_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -143,7 +143,10 @@ class ModelRunner:
             check_draft_fits_target(self.draft.config, cfg)
             self.draft.attach_target(self.target.model.embed_tokens, self.target.lm_head)
         size = config.page_size
-        n_pages = kv_pool_pages(config, self.page_nbytes(size), self.device, cfg.max_position_embeddings,
+        # at the prefix cache's default budget every page may become a cached block, so each page is
+        # budgeted with room for one conv snapshot (runtime/prefix_cache.py "Memory")
+        snapshot = self.snapshot_nbytes() if config.prefix_cache_tokens is None else 0
+        n_pages = kv_pool_pages(config, self.page_nbytes(size) + snapshot, self.device, cfg.max_position_embeddings,
                                 cfg.vocab_size, self.verify_width)
         # a request's prompt and output fit max_seq_len; past its last token a round's window and the
         # draft's block are scratch, so a slot maps max_seq_len + verify_width positions
@@ -162,10 +165,19 @@ class ModelRunner:
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB), max_seq_len %d", n_pages, size,
                  n_pages * size, n_pages * self.page_nbytes(size) / 2**30, self.max_seq_len)
         blocks = self._prefix_blocks(config, n_pages)
-        self.prefix_cache = PrefixCache(self.tcache, self.pages, blocks, config.prefix_block) if blocks else None
+        self.prefix_cache = PrefixCache(self.tcache, self.pages, blocks) if blocks else None
+        self.snapshots: ConvSnapshots | None = None
+        if self.prefix_cache is not None:
+            # the widest prefill forward is a chunk (or bucket) of at most prefill_chunk tokens
+            widest = min(config.prefill_chunk, self.max_seq_len)
+            index = torch.full((config.max_batch, -(-widest // size)), self.prefix_cache.scratch, dtype=torch.int64,
+                               device=self.device)
+            self.snapshots = ConvSnapshots(self.prefix_cache.conv, index, size)
+            log.info("prefix cache: %d blocks of %d tokens, conv snapshots %.2f MiB", blocks, size,
+                     self.prefix_cache.conv.numel() * self.prefix_cache.conv.element_size() / 2**20)
         if config.prefix_cache_outputs and self.prefix_cache is None:
             raise ValueError("prefix_cache_outputs=True needs the prefix cache: leave prefix_cache_tokens at None "
-                             "or give it a budget of at least one prefix_block")
+                             "or give it a budget of at least one KV page")
 
     def page_nbytes(self, page_size: int) -> int:
         """Bytes of one KV page: every attention layer's K and V of the target and the draft."""
@@ -176,15 +188,21 @@ class ModelRunner:
             n += d.num_hidden_layers * d.num_key_value_heads * d.head_dim
         return 2 * n * page_size * self.dtype.itemsize
 
+    def snapshot_nbytes(self) -> int:
+        """Bytes of one prefix-cache block's conv snapshot: every ShortConv layer's last ``K - 1``
+        gated inputs (runtime/prefix_cache.py "Memory")."""
+        t = self.target.config
+        return len(t.conv_layers) * (t.conv_L_cache - 1) * t.hidden_size * self.dtype.itemsize
+
     def _prefix_blocks(self, config: EngineConfig, n_pages: int) -> int:
-        """The prefix cache's capacity in blocks (0: none): its budget of tokens, by default as many
-        blocks as the pool's pages make (cached blocks live in the pool's pages)."""
+        """The prefix cache's capacity in blocks of one page (0: none): its budget of tokens, by
+        default one block per page of the pool (cached blocks live in the pool's pages)."""
         tokens = config.prefix_cache_tokens
         if tokens is None:
             tokens = n_pages * config.page_size
-        if config.prefix_block > self.max_seq_len:
-            return 0           # no prompt can fill a block
-        return tokens // config.prefix_block
+        if config.page_size >= self.max_seq_len:
+            return 0           # no prompt can fill a page and leave a token to run
+        return tokens // config.page_size
 
     def _imposed(self, rates: Sequence[float] | None) -> torch.Tensor | None:
         """Imposed per-position rates as the tensor the rounds read: one rate applies to every draft slot."""
@@ -264,9 +282,13 @@ class ModelRunner:
         first because bucket graphs captured after the step graphs slowed every later decode step
         (docs/decisions.md), captured before them they cost nothing."""
         t0 = time.perf_counter()
-        self._warm_prefill(modes)
-        prefill_entries = self.prefill_runner.warmup(progress, capture=self.cuda_graphs,
-                                                     capture_stream=getattr(self.step_runner, "capture_stream", None))
+        if self.snapshots is not None:
+            self.snapshots.index.fill_(self.snapshots.scratch)   # warm-up's forwards store no snapshot
+        # the bucket graphs are captured with the snapshot copies in them (graphs/prefill.py)
+        with self.target.conv_snapshots(self.snapshots):
+            self._warm_prefill(modes)
+            prefill_entries = self.prefill_runner.warmup(
+                progress, capture=self.cuda_graphs, capture_stream=getattr(self.step_runner, "capture_stream", None))
         prefill_s = time.perf_counter() - t0
         if progress:
             log.info("prefill warm-up %.2fs (%d bucket graphs)", prefill_s, len(self.prefill_runner.captured))
@@ -338,32 +360,52 @@ class ModelRunner:
         no graph holds logits of every position), the others from the prefill runner's buckets."""
         rows = plan.rows
         self.pages.flush(self.tcache.page_table)
+        # the blocks this forward completes go into the prefix cache before it runs; the forward
+        # writes their conv snapshots (runtime/prefix_cache.py "Snapshots")
+        stored = None
+        if self.prefix_cache is not None:
+            stored = self.prefix_cache.insert(
+                [(r.context_ids, r.slot, s, e) for r, s, e in zip(rows, plan.starts, plan.ends)],
+                self.snapshots.index.shape[1])
+        try:
+            with self.target.conv_snapshots(self.snapshots):
+                return self._prefill_forwards(plan, stored.rows if stored is not None else None)
+        except BaseException:
+            if stored is not None:
+                self.prefix_cache.drop(stored)
+            raise
+
+    def _prefill_forwards(self, plan: PrefillPlan, snapshot_rows: list[list[int]] | None) -> torch.Tensor:
+        """The forwards of :meth:`prefill`; ``snapshot_rows[i]``: where row ``i``'s conv snapshots go
+        (None: nowhere)."""
+        rows = plan.rows
+        pick = lambda idx: [snapshot_rows[i] for i in idx] if snapshot_rows is not None else None  # noqa: E731
         # a request resuming after a preemption has its prompt logprobs already
         plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None or r.output]
         if len(plain) == len(rows):
-            logits = self.prefill_runner.run(plan.chunks, [r.slot for r in rows], plan.starts)
-        else:
-            out: list[torch.Tensor | None] = [None] * len(rows)
-            if plain:
-                part = self.prefill_runner.run([plan.chunks[i] for i in plain], [rows[i].slot for i in plain],
-                                               [plan.starts[i] for i in plain])
-                for j, i in enumerate(plain):
-                    out[i] = part[j]
-            for i, req in enumerate(rows):
-                if out[i] is None:
-                    out[i] = self._prefill_with_prompt_logprobs(req, plan.chunks[i], plan.starts[i])
-            logits = torch.stack(out)
-        if self.prefix_cache is not None:
-            self._cache_prefilled(rows, plan.ends)
-        return logits
+            return self.prefill_runner.run(plan.chunks, [r.slot for r in rows], plan.starts, snapshot_rows)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        if plain:
+            part = self.prefill_runner.run([plan.chunks[i] for i in plain], [rows[i].slot for i in plain],
+                                           [plan.starts[i] for i in plain], pick(plain))
+            for j, i in enumerate(plain):
+                out[i] = part[j]
+        for i, req in enumerate(rows):
+            if out[i] is None:
+                mine = snapshot_rows[i] if snapshot_rows is not None else None
+                out[i] = self._prefill_with_prompt_logprobs(req, plan.chunks[i], plan.starts[i], mine)
+        return torch.stack(out)
 
-    def _prefill_with_prompt_logprobs(self, req: Request, chunk: list[int], start: int) -> torch.Tensor:
+    def _prefill_with_prompt_logprobs(self, req: Request, chunk: list[int], start: int,
+                                      snapshot_rows: list[int] | None = None) -> torch.Tensor:
         """One chunk of ``req``'s prompt with the logits of every position: appends the raw logprobs of
         the prompt tokens they predict to ``req.prompt_logprobs`` (the first prompt token has none:
         ``None``); returns the chunk's last logits ``[V]``. Prompt logprobs are always of the raw
         logits: the logit transforms depend on an output history the prompt does not have."""
         ids = torch.tensor([chunk], dtype=torch.int64, device=self.device)
         one = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
+        if self.snapshots is not None:
+            self.prefill_runner.set_snapshot_index(1, len(chunk), [snapshot_rows] if snapshot_rows else None)
         logits = self.steps.prefill_logits(ids, one(req.slot), one(start), one(len(chunk)), every_position=True)[0]
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
@@ -375,14 +417,6 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).synchronize()
             req.prompt_logprobs += lp.records(following, 0, len(following), req.params.prompt_logprobs)
         return logits[len(chunk) - 1]
-
-    def _cache_prefilled(self, rows: list[Request], ends: list[int]) -> None:
-        """After a prefill forward: store the block each row's chunk completed, with the conv state
-        after it (runtime/prefix_cache.py)."""
-        block = self.prefix_cache.block
-        for req, end in zip(rows, ends):
-            if end % block == 0:
-                self.prefix_cache.insert(req.context_ids, req.slot, end)
 
     @_numerics
     def first_tokens(self, plan: PrefillPlan, logits: torch.Tensor, done: list[tuple[Request, list[Request]]]
@@ -646,12 +680,13 @@ class ModelRunner:
     # -- the prefix cache ----------------------------------------------------------------------
     def prefix_cache_stats(self) -> dict:
         """The prefix cache's counters (prompt tokens queried and found cached, blocks stored and
-        evicted, blocks held, its capacity); empty without a prefix cache."""
+        evicted, blocks held, its capacity, tokens per block: a KV page) and the prefill chunks'
+        alignment (``prefix_block``); empty without a prefix cache."""
         pc = self.prefix_cache
         if pc is None:
             return {}
         return {**pc.stats.as_dict(), "cached_blocks": pc.cached_blocks, "capacity_blocks": pc.capacity,
-                "block": pc.block}
+                "block": pc.block, "chunk_alignment": self.options.prefix_block}
 
     def speculation_stats(self) -> dict:
         """Engine-wide speculation counters (runtime/speculation.py ``SpeculationStats``); empty for a

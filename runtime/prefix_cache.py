@@ -45,13 +45,19 @@ recently used leaf too, never a block on the path being inserted.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..models.cache import TargetCache
 from .pages import SlotPages
+
+log = logging.getLogger("lfmspark")
 
 DEFAULT_BLOCK = 256
 
@@ -60,17 +66,18 @@ DEFAULT_BLOCK = 256
 class _Node:
     tokens: tuple[int, ...]
     parent: _Node | None
-    pages: list[int]                                # its KV pages (held: one reference each)
+    pages: list[int]                                # its KV page (held: one reference)
     conv: int                                       # its row in the conv pool (-1: the root)
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
+    cached: bool = True                             # False once evicted or dropped
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0        # prompt tokens looked up (requests that could take a hit)
     hits: int = 0           # of those, found cached
-    inserted: int = 0       # blocks stored
+    inserted: int = 0       # blocks (one KV page and its conv snapshot each) stored
     evicted: int = 0        # blocks dropped to make room
 
     def as_dict(self) -> dict:
@@ -78,32 +85,52 @@ class PrefixCacheStats:
                 "evicted_blocks": self.evicted}
 
 
-class PrefixCache:
-    """The trie of cached blocks, their pages by reference and their conv states (module doc)."""
+@dataclass
+class Insertion:
+    """The blocks one prefill forward stores (:meth:`PrefixCache.insert`): per row, the conv pool row
+    of each page multiple its chunk passes (the forward's snapshot index, models/lfm2.py
+    ``ConvSnapshots``), and the nodes made for them, which :meth:`PrefixCache.drop` takes back if the
+    forward fails."""
 
-    def __init__(self, tcache: TargetCache, slot_pages: SlotPages, capacity: int, block: int):
+    rows: list[list[int]]
+    nodes: list[_Node]
+
+
+class PrefixCache:
+    """The trie of cached blocks (one KV page each), their pages by reference and their conv
+    snapshots (module doc)."""
+
+    def __init__(self, tcache: TargetCache, slot_pages: SlotPages, capacity: int):
         if capacity < 1:
-            raise ValueError(f"a prefix cache needs room for at least one block of {block} tokens")
-        if block % slot_pages.page_size:
-            raise ValueError(f"prefix_block {block} is not a multiple of the KV page size {slot_pages.page_size}")
-        self.tcache, self.slot_pages, self.block, self.capacity = tcache, slot_pages, block, capacity
+            raise ValueError(f"a prefix cache needs room for at least one block of {slot_pages.page_size} tokens")
+        self.tcache, self.slot_pages, self.capacity = tcache, slot_pages, capacity
+        self.block = slot_pages.page_size
         self.pool = slot_pages.pool
-        self.pages_per_block = block // slot_pages.page_size
         s = tcache.conv_state
-        self.conv = s.new_zeros((s.shape[0], capacity, *s.shape[2:]))
+        # + one scratch row: where the prefill writes the snapshots nobody stores
+        self.conv = s.new_zeros((s.shape[0], capacity + 1, *s.shape[2:]))
+        self.scratch = capacity
         self.root = _Node((), None, [], -1)
         self._free = list(range(capacity - 1, -1, -1))
         self._clock = itertools.count(1)
+        self._seq = itertools.count()
+        self._leaves: list[tuple[int, int, _Node]] = []    # heap of (last_used, seq, node); stale entries skipped
         self.stats = PrefixCacheStats()
         self.held = np.zeros(self.pool.n_pages, dtype=bool)     # the pages cached blocks hold
         self.pool.reclaim, self.pool.reclaimable = self.reclaim, self.reclaimable
+
+    @staticmethod
+    def snapshot_nbytes(tcache: TargetCache) -> int:
+        """Bytes of one block's conv snapshot: every ShortConv layer's last ``K - 1`` gated inputs."""
+        s = tcache.conv_state
+        return s.shape[0] * s.shape[2] * s.shape[3] * s.element_size()
 
     @property
     def cached_blocks(self) -> int:
         return self.capacity - len(self._free)
 
     # -- lookup -------------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> list[_Node]:
+    def match(self, tokens: Sequence[int]) -> list[_Node]:
         """The cached blocks ``tokens`` starts with, leaving at least one token to run (a prefill must
         compute the last prompt token's logits)."""
         nodes, node, b = [], self.root, self.block
@@ -116,51 +143,88 @@ class PrefixCache:
 
     def load(self, nodes: list[_Node], slot: int) -> int:
         """Map the blocks ``nodes`` (a :meth:`match`) into ``slot``, which holds no page yet: their
-        pages by reference and the conv state at their end. Returns the tokens now in the slot."""
+        pages by reference and the conv snapshot at their end. Returns the tokens now in the slot."""
         if not nodes:
             return 0
         now = next(self._clock)
         for node in nodes:
             node.last_used = now
+        self._push_leaf(nodes[-1])
         self.slot_pages.share(slot, [p for node in nodes for p in node.pages])
         self.tcache.conv_state[:, slot] = self.conv[:, nodes[-1].conv]
         return len(nodes) * self.block
 
     # -- insertion ----------------------------------------------------------------------------
-    def insert(self, tokens: list[int], slot: int, end: int) -> bool:
-        """A prefill forward of ``slot`` ended at ``end``, a multiple of the block: store the block it
-        completed (``tokens[end - block:end]``: its pages and the slot's conv state, which is the
-        state after it) under its cached parent. Nothing happens when the parent path is not cached
-        (evicted meanwhile), the block is cached already, or the conv pool is full of blocks on this
-        path. Returns whether it was stored."""
-        b = self.block
-        if end % b or end < b or end > len(tokens):
-            raise ValueError(f"a block ends at a multiple of {b} within the tokens, not at {end}")
-        node, now = self.root, next(self._clock)
-        path = {id(self.root)}
-        for j in range(end // b - 1):
-            node = node.children.get(tuple(tokens[j * b:(j + 1) * b]))
-            if node is None:
-                return False
-            node.last_used = now
-            path.add(id(node))
-        key = tuple(tokens[end - b:end])
-        if key in node.children:
-            node.children[key].last_used = now
-            return False
-        row = self._allocate(path)
-        if row is None:
-            return False
-        j = end // b - 1
-        pages = self.slot_pages.pages[slot][j * self.pages_per_block:(j + 1) * self.pages_per_block]
-        self.pool.retain(pages)
-        self.held[pages] = True
-        self.conv[:, row] = self.tcache.conv_state[:, slot]
-        node.children[key] = _Node(key, node, list(pages), row, last_used=now)
-        self.stats.inserted += 1
-        return True
+    def insert(self, rows: Sequence[tuple[Sequence[int], int, int, int]], per_row: int) -> Insertion:
+        """Before a prefill forward: store the blocks its rows complete. ``rows``: ``(tokens, slot, start,
+        end)`` per row of the forward, the chunk ``tokens[start:end]`` of slot ``slot``; ``per_row``: the
+        page multiples a row's snapshot index holds. A row passes the multiples ``p = (start // block
+        + 1 + j) * block``; each ``p <= end`` whose earlier blocks are cached (or stored by this call)
+        and that is not cached yet becomes a node holding the slot's page ``p / block - 1`` and the
+        conv pool row the forward writes the state after ``p`` into. Returns those rows (the scratch
+        row where nothing is stored) and the new nodes. Nothing is stored past a block whose parent
+        is not cached (evicted meanwhile), nor once the conv pool is full of blocks this call stores or
+        the row extends.
+
+        The nodes exist before the forward computes their contents: nothing reads the cache until
+        the forward is queued, and the device runs it before any later read; a forward that fails
+        hands them to :meth:`drop`."""
+        b, now = self.block, next(self._clock)
+        created: set[int] = set()      # the nodes this forward fills: never evicted before it runs
+        out = Insertion([], [])
+        for tokens, slot, start, end in rows:
+            pinned = created | {id(self.root)}   # ... nor the path this row extends
+            index = [self.scratch] * per_row
+            out.rows.append(index)
+            first = start // b + 1                 # the first page multiple past start, in blocks
+            node, complete = self.root, True
+            for j in range(first - 1):             # the cached path to the page before it
+                child = node.children.get(tuple(tokens[j * b:(j + 1) * b]))
+                if child is None:
+                    complete = False
+                    break
+                node = child
+                node.last_used = now
+                pinned.add(id(node))
+            if not complete:
+                if node is not self.root:
+                    self._push_leaf(node)          # used now: its older entry went stale
+                continue
+            for k in range(min(per_row, end // b - first + 1)):
+                j = first + k - 1                  # the block ending at (first + k) * block
+                key = tuple(tokens[j * b:(j + 1) * b])
+                child = node.children.get(key)
+                if child is None:
+                    row = self._allocate(pinned)
+                    if row is None:
+                        break
+                    page = self.slot_pages.pages[slot][j]
+                    self.pool.retain([page])
+                    self.held[page] = True
+                    child = _Node(key, node, [page], row, last_used=now)
+                    node.children[key] = child
+                    out.nodes.append(child)
+                    created.add(id(child))
+                    index[k] = row
+                    self.stats.inserted += 1
+                child.last_used = now
+                pinned.add(id(child))
+                node = child
+            if node is not self.root:
+                self._push_leaf(node)
+        return out
+
+    def drop(self, insertion: Insertion) -> None:
+        """Take back the nodes of an :meth:`insert` whose forward failed (their contents were never
+        written), newest first: each is a leaf by then."""
+        for node in reversed(insertion.nodes):
+            if node.cached:
+                self._remove(node)
+                self.stats.inserted -= 1
 
     def _allocate(self, pinned: set[int]) -> int | None:
+        """A free conv pool row, evicting the least recently used leaf not in ``pinned`` (ids) if
+        none is free; None when every leaf is pinned."""
         if not self._free:
             victim = self._least_recent_leaf(lambda n: id(n) not in pinned)
             if victim is None:
@@ -168,22 +232,55 @@ class PrefixCache:
             self._evict(victim)
         return self._free.pop()
 
-    def _evict(self, node: _Node) -> None:
-        del node.parent.children[node.tokens]
+    def _remove(self, node: _Node) -> None:
+        parent = node.parent
+        del parent.children[node.tokens]
+        node.cached = False
         self.held[node.pages] = False
         self.pool.release(node.pages)
         self._free.append(node.conv)
+        if parent is not self.root and not parent.children:
+            self._push_leaf(parent)
+
+    def _evict(self, node: _Node) -> None:
+        self._remove(node)
         self.stats.evicted += 1
 
-    def _least_recent_leaf(self, eligible) -> _Node | None:
-        best, stack = None, list(self.root.children.values())
+    # -- least recently used leaves -------------------------------------------------------------
+    def _push_leaf(self, node: _Node) -> None:
+        """Record ``node`` (its ``last_used`` now) as a candidate leaf. Entries go stale when the node
+        is used again, gains a child or leaves the cache; :meth:`_least_recent_leaf` skips those."""
+        if node.children:
+            return
+        heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
+        if len(self._leaves) > 4 * self.cached_blocks + 64:
+            self._leaves = [(n.last_used, next(self._seq), n) for n in self._all_nodes() if not n.children]
+            heapq.heapify(self._leaves)
+
+    def _least_recent_leaf(self, eligible: Callable[[_Node], bool]) -> _Node | None:
+        """The least recently used leaf (a block no cached block extends) that is ``eligible``, taken
+        off the candidates, or None."""
+        skipped, found = [], None
+        while self._leaves:
+            entry = heapq.heappop(self._leaves)
+            last_used, _, node = entry
+            if not node.cached or node.children or node.last_used != last_used:
+                continue                           # stale
+            if eligible(node):
+                found = node
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(self._leaves, entry)
+        return found
+
+    def _all_nodes(self) -> list[_Node]:
+        nodes, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif eligible(node) and (best is None or node.last_used < best.last_used):
-                best = node
-        return best
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
 
     # -- giving pages back --------------------------------------------------------------------
     def _only_cached(self, node: _Node) -> bool:
@@ -206,12 +303,12 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Drop every cached block (requests keep the pages they map); returns how many there were."""
-        n, stack = self.cached_blocks, list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+        n = self.cached_blocks
+        for node in self._all_nodes():
+            node.cached = False
             self.pool.release(node.pages)
         self.held[:] = False
         self.root = _Node((), None, [], -1)
         self._free = list(range(self.capacity - 1, -1, -1))
+        self._leaves = []
         return n

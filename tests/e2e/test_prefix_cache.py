@@ -1,10 +1,12 @@
 """The prefix cache (runtime/prefix_cache.py): outputs with the cache equal outputs without it (the
-tokens, and the log-probabilities up to batching roundings), for multi-turn conversations and shared prefixes, dense and
-MoE targets, with and without a draft, greedy and seeded sampling, under eviction, and at the
-edges (a prefix shorter than a block, a prompt cached up to its last token, the previous turn's
-output inside the next prompt).
+tokens, and the log-probabilities up to batching roundings; bit for bit for a request run alone on
+a dense target, hits on the chunk grid and off it), for multi-turn conversations and shared
+prefixes, dense and MoE targets, with and without a draft, greedy and seeded sampling, under
+eviction, and at the edges (a prefix shorter than a page, a prompt cached up to its last token, the
+previous turn's output inside the next prompt).
 
-Blocks of 8 tokens keep the tiny models' prompts several blocks long.
+Pages (cached blocks) of 4 tokens and prefill chunks aligned to 8 (``prefix_block``) keep the tiny
+models' prompts several blocks long, with hits on the chunk grid (multiples of 8) and off it.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import random
 import pytest
 
 from lfmspark.runtime import Engine, SamplingParams
+from engine_fixtures import assert_no_page_leaked
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
-BLOCK = 8
+PAGE = 4        # tokens per cached block: a KV page
+ALIGN = 8       # prefix_block: prefill chunks never cross its multiples
 
 
 def engine(target, draft, cache_tokens: int | None, max_batch: int = 4, **kw) -> Engine:
     return Engine(target, draft, max_batch=max_batch, max_seq_len=192, prefix_cache_tokens=cache_tokens,
-                  prefix_block=BLOCK, page_size=4, **kw)   # two pages a block
+                  prefix_block=ALIGN, page_size=PAGE, **kw)
 
 
 def params(i: int, n: int = 9) -> SamplingParams:
@@ -69,32 +73,35 @@ def test_multi_turn_conversations_equal_the_uncached_engine(moe, speculative):
     without, none = conversations(engine(target, draft, 0), 3, 4, seed=1)
     assert_same(with_cache, without)
     assert all(c == 0 for c in none[0] + none[-1])
-    assert all(c > 0 and c % BLOCK == 0 for turn in cached[1:] for c in turn)   # every later turn hit
+    assert all(c > 0 and c % PAGE == 0 for turn in cached[1:] for c in turn)   # every later turn hit
+    assert any(c % ALIGN for turn in cached[1:] for c in turn)                 # some off the chunk grid
 
 
 def test_eviction_under_a_tiny_budget_keeps_the_outputs_and_evicts():
     target, draft = random_tiny_target(seed=5), random_tiny_draft(block=4, seed=6)
-    small = engine(target, draft, 3 * BLOCK)
+    small = engine(target, draft, 6 * PAGE)
     with_cache, _ = conversations(small, 3, 4, seed=2)
     without, _ = conversations(engine(target, draft, 0), 3, 4, seed=2)
     assert_same(with_cache, without)
     stats = small.prefix_cache_stats
-    assert stats["evicted_blocks"] > 0 and stats["cached_blocks"] <= 3
+    assert stats["capacity_blocks"] == 6 and stats["evicted_blocks"] > 0 and stats["cached_blocks"] <= 6
+    assert_no_page_leaked(small)
 
 
 def test_shared_prefix_batches_and_a_prompt_cached_to_its_last_token():
     target, draft = random_tiny_target(seed=7), random_tiny_draft(block=4, seed=8)
     rng = random.Random(3)
-    shared = [rng.randrange(60) for _ in range(4 * BLOCK)]
+    shared = [rng.randrange(60) for _ in range(8 * PAGE)]
     prompts = [shared + [rng.randrange(60) for _ in range(k)] for k in (1, 5, 13)]
-    prompts += [shared[:3 * BLOCK + 3], shared[:BLOCK - 2]]        # inside a block; shorter than a block
+    # inside a page (off the chunk grid), inside a page on it, one page and a bit, shorter than a page
+    prompts += [shared[:7 * PAGE + 3], shared[:6 * PAGE + 1], shared[:PAGE + 2], shared[:PAGE - 1]]
     on = engine(target, draft, None)
-    on.generate([shared + [7]], params(0))                         # caches the four shared blocks
+    on.generate([shared + [7]], params(0))                         # caches the eight shared pages
     outs = on.generate(prompts, [params(i) for i in range(len(prompts))])
     ref = engine(target, draft, 0).generate(prompts, [params(i) for i in range(len(prompts))])
     assert_same(outs, ref)
     cached = [o.stats.prompt_tokens_cached for o in outs]
-    assert cached == [4 * BLOCK, 4 * BLOCK, 4 * BLOCK, 3 * BLOCK, 0]   # the first: all but its last token
+    assert cached == [8 * PAGE, 8 * PAGE, 8 * PAGE, 7 * PAGE, 6 * PAGE, PAGE, 0]   # the first: all but its last token
 
 
 def test_outputs_are_cached_once_a_prompt_repeats_them():
@@ -106,10 +113,10 @@ def test_outputs_are_cached_once_a_prompt_repeats_them():
     first = on.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     second_prompt = prompt + first.token_ids + [5, 5]
     second = on.generate([second_prompt], params(1))[0]
-    assert second.stats.prompt_tokens_cached == 0                   # the first prompt filled no block
+    assert second.stats.prompt_tokens_cached == PAGE                # the first prompt's one full page
     third_prompt = second_prompt + second.token_ids + [7]
     third = on.generate([third_prompt], params(0))[0]
-    assert third.stats.prompt_tokens_cached == len(second_prompt) // BLOCK * BLOCK
+    assert third.stats.prompt_tokens_cached == len(second_prompt) // PAGE * PAGE
     assert_same([second, third], [off.generate([p], q)[0] for p, q in ((second_prompt, params(1)),
                                                                         (third_prompt, params(0)))])
 
@@ -118,7 +125,7 @@ def test_outputs_are_cached_once_a_prompt_repeats_them():
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
 def test_finished_turns_are_cached_and_change_no_output(moe, speculative):
     """``prefix_cache_outputs=True``: each turn finds the previous turn's prompt and output cached up
-    to their last full block (the output re-prefilled as it finished), and every output equals the
+    to their last full page (the output re-prefilled as it finished), and every output equals the
     uncached engine's."""
     target = random_tiny_target(moe=moe, seed=3)
     draft = random_tiny_draft(block=4, seed=4) if speculative else None
@@ -128,14 +135,14 @@ def test_finished_turns_are_cached_and_change_no_output(moe, speculative):
     assert_same(with_cache, without)
     for turn in range(1, 4):
         previous = with_cache[(turn - 1) * n_conv:turn * n_conv]
-        want = [(len(o.prompt_token_ids) + len(o.token_ids)) // BLOCK * BLOCK for o in previous]
+        want = [(len(o.prompt_token_ids) + len(o.token_ids)) // PAGE * PAGE for o in previous]
         assert cached[turn] == want
-        assert any(w > len(o.prompt_token_ids) // BLOCK * BLOCK for w, o in zip(want, previous))
+        assert any(w > len(o.prompt_token_ids) // PAGE * PAGE for w, o in zip(want, previous))
 
 
 def test_cached_outputs_survive_eviction_and_need_the_cache():
     target, draft = random_tiny_target(seed=5), random_tiny_draft(block=4, seed=6)
-    small = engine(target, draft, 3 * BLOCK, prefix_cache_outputs=True)
+    small = engine(target, draft, 6 * PAGE, prefix_cache_outputs=True)
     with_cache, _ = conversations(small, 3, 4, seed=2)
     without, _ = conversations(engine(target, draft, 0), 3, 4, seed=2)
     assert_same(with_cache, without)
@@ -156,7 +163,7 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
     rng = random.Random(5)
     long = [rng.randrange(60) for _ in range(5)]
-    shorts = [[rng.randrange(60) for _ in range(2 * BLOCK - 3)] for _ in range(4)]   # + 9 tokens: 2 full blocks
+    shorts = [[rng.randrange(60) for _ in range(4 * PAGE - 3)] for _ in range(4)]   # + 9 tokens: 5 full pages
     forwards: list[tuple[int, int]] = []    # (cache-job rows, decoding requests) of each prefill forward
     real = eng.model_runner.prefill
 
@@ -173,7 +180,8 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     assert any(jobs for jobs, _ in forwards) and not any(jobs and decoding for jobs, decoding in forwards)
     follow_ups = [p + o.token_ids + [1, 2, 3] for p, o in zip([long] + shorts, outs)]
     cached = [o.stats.prompt_tokens_cached for o in eng.generate(follow_ups, SamplingParams(max_new_tokens=1))]
-    assert cached == [9 * BLOCK, BLOCK, BLOCK, BLOCK, 2 * BLOCK]     # kept: the long one's and the last short's
+    # kept: the long one's and the last short's turn; the others only their prompt's three pages
+    assert cached == [18 * PAGE, 3 * PAGE, 3 * PAGE, 3 * PAGE, 5 * PAGE]
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["target-only", "speculative"])
@@ -193,11 +201,11 @@ def test_a_next_turn_added_as_the_last_one_finishes_finds_its_output_cached(with
                 if event.finished:
                     return event.output
 
-    prompt = list(range(1, 2 * BLOCK - 2))                      # 13 tokens: one full block
+    prompt = list(range(1, 4 * PAGE - 2))                       # 13 tokens: three full pages
     first = run(prompt, 12, "first")
     assert eng.scheduler.cache_jobs                                      # its job waits (and, speculative, a round is out)
-    second = run(prompt + first.token_ids + [5, 6, 7], 2, "second")   # the output completes 3 blocks
-    assert second.stats.prompt_tokens_cached == 3 * BLOCK
+    second = run(prompt + first.token_ids + [5, 6, 7], 2, "second")   # the output completes 6 pages
+    assert second.stats.prompt_tokens_cached == 6 * PAGE
 
 
 def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
@@ -205,7 +213,7 @@ def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
     queued behind it run and answer as an engine without output caching does."""
     target = random_tiny_target(seed=17)
     eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
-    prompt = list(range(1, 2 * BLOCK - 2))
+    prompt = list(range(1, 4 * PAGE - 2))
     eng.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert not eng.idle                                   # its cache job waits
     real = eng.model_runner.prefill
@@ -229,20 +237,20 @@ def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
 
 
 def test_requests_reading_an_entry_that_gets_evicted_stay_correct():
-    """Room for two blocks: two requests admitted together hit the same two-block entry, and a third
+    """Room for four blocks: two requests admitted together hit the same four-block entry, and a third
     one admitted with them, with another prompt, evicts that entry to store its own blocks while the
     two still run; every output equals the uncached engine's."""
     target, draft = random_tiny_target(seed=12), random_tiny_draft(block=4, seed=13)
     rng = random.Random(4)
-    shared = [rng.randrange(60) for _ in range(2 * BLOCK + 1)]
-    on = engine(target, draft, 2 * BLOCK)
+    shared = [rng.randrange(60) for _ in range(4 * PAGE + 1)]
+    on = engine(target, draft, 4 * PAGE)
     on.generate([shared], params(0))
-    prompts = [shared[:-1] + [rng.randrange(60) for _ in range(2 * BLOCK)] for _ in range(2)]
-    prompts.append([rng.randrange(60) for _ in range(3 * BLOCK)])
+    prompts = [shared[:-1] + [rng.randrange(60) for _ in range(4 * PAGE)] for _ in range(2)]
+    prompts.append([rng.randrange(60) for _ in range(6 * PAGE)])
     outs = on.generate(prompts, [params(i, 20) for i in range(3)])
     ref = engine(target, draft, 0).generate(prompts, [params(i, 20) for i in range(3)])
     assert_same(outs, ref)
-    assert [o.stats.prompt_tokens_cached for o in outs] == [2 * BLOCK, 2 * BLOCK, 0]
+    assert [o.stats.prompt_tokens_cached for o in outs] == [4 * PAGE, 4 * PAGE, 0]
     assert on.prefix_cache_stats["evicted_blocks"] > 0
 
 
@@ -264,7 +272,11 @@ def test_chunks_end_at_block_boundaries_and_prompt_logprobs_never_hit():
     out = eng.generate([prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0]
     assert out.stats.prompt_tokens_cached == 0 and forwards[0][0] == [0]
     again = eng.generate([prompt], SamplingParams(max_new_tokens=2))[0]
-    assert again.stats.prompt_tokens_cached == 3 * BLOCK
+    assert again.stats.prompt_tokens_cached == 7 * PAGE
+    forwards.clear()
+    longer = eng.generate([prompt + [40, 41]], SamplingParams(max_new_tokens=2))[0]
+    assert longer.stats.prompt_tokens_cached == 7 * PAGE
+    assert forwards == [([28], [3])]         # a hit off the chunk grid runs to the next multiple of 8 or the end
 
 
 def test_stats_clear_and_configuration_errors():
@@ -274,11 +286,14 @@ def test_stats_clear_and_configuration_errors():
     eng.generate([prompt, prompt], SamplingParams(max_new_tokens=2))
     eng.generate([prompt], SamplingParams(max_new_tokens=2))
     stats = eng.prefix_cache_stats
-    assert stats["queries"] == 3 * len(prompt) and stats["hits"] == 2 * BLOCK and stats["block"] == BLOCK
+    assert stats["queries"] == 3 * len(prompt) and stats["hits"] == 4 * PAGE
+    assert stats["block"] == PAGE and stats["chunk_alignment"] == ALIGN
     assert eng.clear_prefix_cache() == stats["cached_blocks"] > 0
     assert eng.generate([prompt], SamplingParams(max_new_tokens=2))[0].stats.prompt_tokens_cached == 0
     assert engine(target, None, 0).prefix_cache_stats == {}
-    assert Engine(target, None, max_batch=1, max_seq_len=64).model_runner.prefix_cache is None   # a 256-token block never fills
+    default = Engine(target, None, max_batch=1, max_seq_len=64).prefix_cache_stats   # blocks of a page, chunks on 256
+    assert default["block"] == 16 and default["chunk_alignment"] == 256
+    assert Engine(target, None, max_batch=1, max_seq_len=16).model_runner.prefix_cache is None   # no page fills
     for bad in (dict(prefix_cache_tokens=-1), dict(prefix_cache_tokens=1.5), dict(prefix_block=0)):
         with pytest.raises(ValueError, match="prefix_"):
             Engine(target, None, max_batch=1, max_seq_len=64, **bad)
