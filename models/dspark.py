@@ -214,9 +214,10 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor            # [B, gamma] int64: x_1 .. x_gamma
-    logits: torch.Tensor | None      # [B, gamma, V] fp32 Markov-corrected logits (q = softmax(logits / T))
-    confidence: torch.Tensor | None  # [B, gamma] conditional acceptance estimates c_k (None: no confidence head)
+    # G: the slots walked, the whole block (gamma) or its first slots (DSparkDraft.block_prefix)
+    tokens: torch.Tensor            # [B, G] int64: x_1 .. x_G
+    logits: torch.Tensor | None      # [B, G, V] fp32 Markov-corrected logits (q = softmax(logits / T))
+    confidence: torch.Tensor | None  # [B, G] conditional acceptance estimates c_k (None: no confidence head)
     # the fused greedy walk (pick = greedy_pick, see DSparkDraft.walk) gives no logits
 
 
@@ -309,11 +310,33 @@ class DSparkDraft(nn.Module):
         x, delta = self.block_hidden(anchor, cache, slots, start)
         return self.head_and_walk(x, delta, anchor, pick)
 
+    @staticmethod
+    def block_prefix(x: torch.Tensor, delta: Pending, g: int) -> tuple[torch.Tensor, Pending]:
+        """The first ``g`` slots of the block's last-layer output ``x [B, G, H]`` plus its pending part
+        (see :meth:`block_hidden`), for a round that verifies only ``g`` drafts: the final norm, the
+        LM head, the walk and the confidences then run over those slots alone. The layers ran the
+        whole block (its attention is bidirectional), so these states are the whole block's.
+
+        A ``NormedCarry``'s rows are the block's flattened ``b * G + k``: its scaled rows and its
+        per-tile sums of squares are gathered per block row (contiguous, as the row-scaled
+        products read them), each row's sums unchanged, so the LM head computes the rows' norms as
+        it would over the whole block."""
+        B, G, H = x.shape
+        if g == G:
+            return x, delta
+        if isinstance(delta, NormedCarry):
+            tiles = delta.ssq.shape[0]
+            delta = NormedCarry(delta.scaled.view(B, G, H)[:, :g].reshape(B * g, H),
+                                delta.ssq.view(tiles, B, G)[:, :, :g].reshape(tiles, B * g).contiguous())
+        elif isinstance(delta, torch.Tensor):
+            delta = delta[:, :g]
+        return x[:, :g], delta
+
     def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker,
                       walk: str = "jacobi", count_passes: bool = False, confidence: bool = True) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
-        :meth:`block_hidden`), then the Markov walk (``walk``, ``count_passes``: :meth:`walk`), then
-        the confidences of the drafted tokens (:meth:`confidences`; with ``confidence`` and a head).
+        :meth:`block_hidden`; or its first slots, :meth:`block_prefix`), then the Markov walk
+        (``walk``, ``count_passes``: :meth:`walk`), then the confidences of the drafted tokens (:meth:`confidences`; with ``confidence`` and a head).
         With a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
         takes the LM head's product of the carry; every other walk runs the norm on ``x``, as it
         also reads the normed states."""

@@ -21,8 +21,9 @@ region output is materialised even where no later region reads it). Between regi
 only slices the caches per layer (views: no kernels). The verify hands its aux taps to the commit
 region unjoined, which concatenates them for the draft's context injection.
 
-One speculative round (DESIGN §1), per row with committed length ``s`` and anchor ``x0``:
-draft ``gamma`` tokens → verify ``[x0, d_1..d_gamma]`` at ``s..s+gamma`` → accept ``a`` drafts →
+One speculative round (DESIGN §1) of width ``W``, per row with committed length ``s`` and anchor
+``x0``: draft ``g = W - 1`` tokens (the draft's layers over its whole block, its head and walk over
+the first ``g`` slots) → verify ``[x0, d_1..d_g]`` at ``s..s+g`` → accept ``a`` drafts →
 commit ``a + 1`` tokens (conv state from the tape, draft context K/V from the verify's aux hidden
 states) → the correction/bonus token becomes the next anchor.
 """
@@ -90,9 +91,13 @@ class RowState:
 
 @dataclass
 class Drafted:
-    tokens: torch.Tensor | None   # [B, gamma] d_1..d_gamma (None: a round of width 1 drafts nothing)
-    q: Filtered | None            # B * gamma rows (row b * gamma + k): the q each was drawn from (sampling rounds)
-    confidence: torch.Tensor | None = None   # [B, gamma] fp32 c_k (the head's, or the imposed rates), if wanted
+    """A round's proposals: the first ``g = width - 1`` slots of the draft's block (the slots the round
+    verifies; the draft's layers ran the whole block, its head and walk these slots only)."""
+
+    tokens: torch.Tensor | None   # [B, g] d_1..d_g (None: a round of width 1 drafts nothing)
+    q: Filtered | None            # B * g rows (row b * g + k): the q each was drawn from (sampling rounds)
+    # [B, gamma] fp32 c_k (the head's, NaN past slot g; or the imposed rates, all known), if wanted
+    confidence: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,7 +118,8 @@ class StepOutput:
     # tensor the step holds anyway, so returning it costs nothing
     scores: torch.Tensor
     # [B, gamma] fp32: a round's confidences c_k, for the width policy (runtime/speculation.py) of later rounds;
-    # NaN where none were computed (no confidence head, a round of width 1); [B, 0] for a decode step
+    # NaN where none were computed (no confidence head, a round of width 1, the slots past a narrower
+    # round's drafts); [B, 0] for a decode step
     confidence: torch.Tensor
 
 
@@ -260,8 +266,10 @@ class Steps:
         return RoundInputs(slots, mode, width)
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
-        """gamma proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
-        distribution q, the exact one its token was drawn from. A round of width 1 drafts nothing."""
+        """``width - 1`` proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
+        distribution q, the exact one its token was drawn from. A round of width 1 drafts nothing.
+        The draft's layers run the whole block at every width (its attention is bidirectional, so a
+        slot's state depends on every slot), its head and walk the verified slots only (:meth:`finish_draft`)."""
         if inp.width == 1:
             return Drafted(None, None)
         draft, cache = self.draft, self.dcache
@@ -286,7 +294,12 @@ class Steps:
 
     @region(draft=True)
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
-        """Final norm, LM head and the Markov walk over the block's hidden states ``x + delta``."""
+        """Final norm, LM head, the Markov walk and the confidences over the first ``g = width - 1`` of
+        the block's hidden states ``x + delta`` (models/dspark.py ``block_prefix``): what the round
+        verifies. The walk is left to right, so its first ``g`` tokens are the whole block's first ``g``
+        (the sampled walk's draws too: each slot's key is its position's)."""
+        g = inp.width - 1
+        x, delta = self.draft.block_prefix(x, delta, g)
         row = self.read_rows(inp.slots, inp.mode.sampling, grammar=False)
         rows, s = row.rows, row.s
         draft_q: list[Filtered] = []
@@ -304,6 +317,8 @@ class Steps:
         proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
                                             self.count_walk_passes, self.want_confidence and self.imposed is None)
         confidence = proposal.confidence
+        if confidence is not None:       # [B, g]: the slots past g have none
+            confidence = torch.nn.functional.pad(confidence, (0, self.gamma - g), value=float("nan"))
         if self.want_confidence and self.imposed is not None:   # imposed rates impose the confidences too
             confidence = self.imposed[None, :].expand(proposal.tokens.shape[0], -1)
         return Drafted(proposal.tokens, Filtered.interleave(draft_q) if draft_q else None, confidence)
@@ -418,7 +433,7 @@ class Steps:
         row = self.read_rows(inp.slots, inp.mode.sampling)
         rows, s = row.rows, row.s
         B, W = inp.slots.shape[0], g + 1
-        d = drafted.tokens[:, :g] if g else s.new_zeros(B, 0)
+        d = drafted.tokens if g else s.new_zeros(B, 0)
         d_ext = torch.cat([d, row.x0[:, None]], dim=1)                         # a token id for the bonus column too
         positions = s[:, None] + torch.arange(1, g + 1, device=s.device)[None, :]   # of d_1..d_g
         if rows is None:   # [B, W], no fp32 copy
@@ -432,9 +447,9 @@ class Steps:
             scores = p.scores().view(B, W, -1) if self.logprobs_mode == "processed" else logits
             accepted = torch.zeros_like(d, dtype=torch.bool)
             if g:
-                q = drafted.q                                                  # B * gamma rows
+                q = drafted.q                                                  # B * g rows
                 p_d = p.prob(d_ext.reshape(-1, 1)).view(B, W)[:, :g]
-                q_d = q.prob(drafted.tokens.reshape(-1, 1)).view(B, gamma)[:, :g]
+                q_d = q.prob(d.reshape(-1, 1)).view(B, g)
                 u = uniform(draw_key(rows.seed[:, None], positions, STREAM_ACCEPT))
                 accepted = u * q_d < p_d                                       # u < min(1, p/q)
         if self.imposed is not None:      # benchmark mode: accept lengths from the imposed rates
@@ -452,7 +467,7 @@ class Steps:
             residual = p_a.probs()
             if g:
                 offered = (a < limit)[:, None]                                 # d_{a+1} was offered and rejected
-                q_a = drafted.q.rows(b * gamma + a.clamp(max=gamma - 1)).probs() * offered
+                q_a = drafted.q.rows(b * g + a.clamp(max=g - 1)).probs() * offered
                 residual = (residual - q_a).clamp(min=0)
                 # where q covers p (within rounding), the residual is p itself
                 residual = torch.where(residual.sum(-1, keepdim=True) > 1e-8, residual, p_a.probs())

@@ -60,6 +60,23 @@ def test_greedy_speculation_equals_target_only(moe, draft_kind, batch):
         assert 1.0 < sum(taus) / len(taus) < gamma + 1
 
 
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_greedy_speculation_at_every_narrow_width_equals_target_only(width):
+    """Every round at one narrow width (its draft walks and scores the first ``width - 1`` slots only:
+    runtime/steps.py ``finish_draft``) gives target-only decoding's output, with drafts accepted."""
+    perm = permutation(7)
+    target = bigram_target(perm, leak=0.05, seed=7)
+    draft = oracle_draft(mix_permutations(perm, derangement_of(perm), 0.8, 7))
+    prompts = PROMPTS[:4]
+    reference = run(target, None, prompts)
+    engine = Engine(target, draft, max_batch=4, max_seq_len=128, verify_widths=[width])
+    spec = engine.generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [o.token_ids for o in spec] == [r.token_ids for r in reference]
+    assert set(engine.speculation_stats["rounds_by_width"]) == {width}
+    assert 0 < sum(o.stats.draft_tokens_accepted for o in spec)
+    assert max(max(o.stats.drafts_verified) for o in spec) == width - 1
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_greedy_lossless_on_random_models(moe):
     target = random_tiny_target(moe=moe, seed=5)
