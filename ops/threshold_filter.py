@@ -83,19 +83,19 @@ _RANK_CHUNK = 32      # gathered values ranked at a time (against all of them)
 
 # per-row state between launches: _NSF fp32 and _NSI int32 columns
 _NSF, _NSI = 8, 8
-F_LO: tl.constexpr = 0      # the bracket [lo, hi) holding the phase's cut
-F_HI: tl.constexpr = 1
-F_MHI: tl.constexpr = 2     # the mass of the values >= hi
-F_KTH: tl.constexpr = 3     # top-k's cut, once known
-F_ZK: tl.constexpr = 4      # the mass of the values >= kth
-I_PHASE: tl.constexpr = 0
-I_N: tl.constexpr = 1       # the values in the bracket
-I_CHI: tl.constexpr = 2     # the values >= hi
-I_CKTH: tl.constexpr = 3    # the values >= kth
-I_CNT: tl.constexpr = 4     # the next gather's slot counter
-PH_K: tl.constexpr = 0      # resolving top-k's kth
-PH_P: tl.constexpr = 1      # resolving top-p's t (kth and z_k known)
-PH_DONE: tl.constexpr = 2
+F_LO = tl.constexpr(0)      # the bracket [lo, hi) holding the phase's cut
+F_HI = tl.constexpr(1)
+F_MHI = tl.constexpr(2)     # the mass of the values >= hi
+F_KTH = tl.constexpr(3)     # top-k's cut, once known
+F_ZK = tl.constexpr(4)      # the mass of the values >= kth
+I_PHASE = tl.constexpr(0)
+I_N = tl.constexpr(1)       # the values in the bracket
+I_CHI = tl.constexpr(2)     # the values >= hi
+I_CKTH = tl.constexpr(3)    # the values >= kth
+I_CNT = tl.constexpr(4)     # the next gather's slot counter
+PH_K = tl.constexpr(0)      # resolving top-k's kth
+PH_P = tl.constexpr(1)      # resolving top-p's t (kth and z_k known)
+PH_DONE = tl.constexpr(2)
 
 
 # ---------------------------------------------------------------------------------------------

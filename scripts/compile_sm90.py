@@ -1,5 +1,6 @@
-"""Compile the weight-streaming (exact mode's too) and Markov-walk kernels for sm_90 (Hopper) with the installed
-Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the round uses.
+"""Compile the weight-streaming (exact mode's too), Markov-walk and sampling-threshold kernels for sm_90 (Hopper)
+with the installed Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the
+round uses.
 
 Why: the interpreter runs none of Triton's compiler passes, and the device's Triton (3.6) rejects
 code that a newer one accepts (3.6's layout pass crashes on a 16 x 16 lane select in a while loop;
@@ -24,6 +25,7 @@ from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
 from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
+from lfmspark.ops import threshold_filter as tf
 
 # pointer parameters by name (every other pointer: bf16)
 INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr": "*i64",
@@ -31,13 +33,16 @@ INT_PTRS = {"cnt_ptr": "*i32", "pi_ptr": "*i32", "sync_ptr": "*i32", "anchor_ptr
 F32_PTRS = {"ws_ptr", "pv_ptr", "ssq_out_ptr", "ssq_in_ptr"}
 
 
-def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) -> None:
-    """Compile ``kernel`` with the constexprs ``const``; its other parameters typed by name."""
+def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2, types: dict[str, str] | None = None
+                ) -> None:
+    """Compile ``kernel`` with the constexprs ``const``; its other parameters typed by ``types``, else by name."""
     sig = {}
     for n in inspect.signature(kernel.fn).parameters:
         if n in const:
             continue
-        if n.endswith("_ptr"):
+        if types and n in types:
+            sig[n] = types[n]
+        elif n.endswith("_ptr"):
             sig[n] = INT_PTRS.get(n, "*fp32" if n in F32_PTRS else "*bf16")
         elif n in ("eps", "inv_k"):
             sig[n] = "fp32"
@@ -60,7 +65,7 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2) ->
 def main() -> None:
     print(f"Triton {triton.__version__}, target sm_90")
     for split in (False, True):
-        compile_one(_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, SPLIT=split, PDL=2))
+        compile_one(_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, SPLIT=split, W_SCALE=False, PDL=2))
     for swiglu in (False, True):
         compile_one(_add_rmsnorm_gemv_kernel, dict(HAS_DELTA=True, SWIGLU=swiglu, SCALE_LAST=True, BLOCK_N=4, BLOCK_K=2048,
                                                    EVEN_K=True, PDL=2))
@@ -68,13 +73,14 @@ def main() -> None:
         for sw in (False, True):
             compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=split,
                                                     SWIGLU=sw, TWO_WEIGHTS=False, ADD_NORM=False, ROW_NORM=True, SSQ_TILES=32,
-                                                    DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=4)
+                                                    W_SCALE=False, DOT_PRECISION="tf32", UPCAST=False, PDL=1),
+                        num_stages=4)
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=True, ADD_NORM=False, ROW_NORM=False, SSQ_TILES=2,
-                                            DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+                                            W_SCALE=False, DOT_PRECISION="tf32", UPCAST=False, PDL=1))
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
-                                            DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+                                            W_SCALE=False, DOT_PRECISION="tf32", UPCAST=False, PDL=1))
     for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
         compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90
@@ -95,6 +101,23 @@ def main() -> None:
     compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
                                                      STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
                                                      UPCAST=False, POLL_ASM=True, PDL=True), num_warps=8)
+    # the sampling thresholds (ops/threshold_filter.py) at V = 65536, one row: fp32 pointers but the counts'
+    threshold_types = {n: "*fp32" for k in (tf._stats_kernel, tf._pivot_pass_kernel, tf._pivot_step_kernel,
+                                            tf._round_pass_kernel, tf._round_step_kernel)
+                       for n in inspect.signature(k.fn).parameters if n.endswith("_ptr")}
+    threshold_types.update(pc_ptr="*i32", tc_ptr="*i32", si_ptr="*i32", rc_ptr="*i32", topk_ptr="*i64")
+    npiv, pp = tf._NPIV, tf._PP
+    compile_one(tf._stats_kernel, dict(BLOCK_V=1024, SB=512, PDL=1), types=threshold_types)
+    compile_one(tf._pivot_pass_kernel, dict(BLOCK_V=1024, TILE=16, NBP=64, NBM=tf._NBM, NVAL=tf._NVAL, PP=pp,
+                                            DELTA=tf._DELTA, PDL=1), types=threshold_types)
+    compile_one(tf._pivot_step_kernel, dict(NBP=64, NBM=tf._NBM, NVAL=tf._NVAL, PP=pp, DELTA=tf._DELTA, NBC=tf._NBC,
+                                            CAP=tf._CAP, NSF=tf._NSF, NSI=tf._NSI, PDL=1), types=threshold_types)
+    compile_one(tf._round_pass_kernel, dict(BLOCK_V=1024, TILE=32, NPIV=npiv, CAP=tf._CAP, NSF=tf._NSF, NSI=tf._NSI,
+                                            PDL=1), types=threshold_types)
+    for final in (False, True):
+        compile_one(tf._round_step_kernel, dict(PP=pp, NPIV=npiv, CAP=tf._CAP, NBC=tf._NBC, NBP=64, CH=tf._RANK_CHUNK,
+                                                FINAL=final, FALLBACK=tf._fallback_rounds(npiv), FTILE=128,
+                                                NSF=tf._NSF, NSI=tf._NSI, PDL=1), types=threshold_types)
 
 
 if __name__ == "__main__":
