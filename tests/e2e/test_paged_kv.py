@@ -38,9 +38,11 @@ def greedy_and_seeded(n: int, max_new: int = 24) -> list[SamplingParams]:
 
 
 def pool_pages(engine: Engine, pages: int) -> int:
-    """``kv_cache_memory`` that buys ``pages`` pages."""
+    """``kv_cache_memory`` that buys ``pages`` pages (at the prefix cache's default budget each page
+    is budgeted with one conv snapshot) for an engine configured as ``engine``."""
     runner = engine.model_runner
-    return pages * runner.page_nbytes(runner.pages.page_size)
+    snapshot = runner.snapshot_nbytes() if runner.options.prefix_cache_tokens is None else 0
+    return pages * (runner.page_nbytes(runner.pages.page_size) + snapshot)
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
@@ -52,12 +54,14 @@ def test_the_page_layout_changes_no_output(models, speculative):
     draft = draft if speculative else None
     ps, params = prompts(6), greedy_and_seeded(6)
     # 128 positions a slot either way (the prefill's bucket shapes follow the table's span), and
-    # pages for twice the slots (admission never waits for pages: both batch the same rows)
+    # pages for twice the slots (admission never waits for pages: both batch the same rows); no
+    # prefix cache (its snapshots are budgeted per page, whatever the page's size)
     length = 128 - (GAMMA + 1 if speculative else 1)
-    probe = Engine(target, draft, max_batch=1, max_seq_len=length, page_size=4)
+    kw = dict(max_seq_len=length, prefix_cache_tokens=0)
+    probe = Engine(target, draft, max_batch=1, page_size=4, **kw)
     memory = pool_pages(probe, 2 * 4 * 128 // 4)
-    paged = Engine(target, draft, max_batch=4, max_seq_len=length, page_size=4, kv_cache_memory=memory)
-    dense = Engine(target, draft, max_batch=4, max_seq_len=length, page_size=128, kv_cache_memory=memory)
+    paged = Engine(target, draft, max_batch=4, page_size=4, kv_cache_memory=memory, **kw)
+    dense = Engine(target, draft, max_batch=4, page_size=128, kv_cache_memory=memory, **kw)
     assert dense.kv_pages.n_pages == 8
     paged, dense = paged.generate(ps, params), dense.generate(ps, params)
     for a, b in zip(paged, dense):
@@ -132,26 +136,27 @@ def test_a_soak_with_aborts_preemption_and_the_prefix_cache_leaks_no_page(models
 
 
 def test_a_shared_prefix_is_mapped_by_reference_and_never_written():
-    """A 40-token system prompt with 16-token blocks: the second request finds 32 tokens cached,
-    and its page table maps the same physical pages as the first's (each referenced by both slots
-    and the cache); once both have decoded, those pages hold what the first prefill wrote."""
+    """A 40-token system prompt with the defaults (16-token pages, chunks aligned to 256): the second
+    request finds 32 tokens cached, and its page table maps the same physical pages as the first's
+    (each referenced by both slots and the cache); once both have decoded, those pages hold what the
+    first prefill wrote."""
     target, draft = random_tiny_target(seed=3), random_tiny_draft(block=GAMMA, seed=4)
-    engine = Engine(target, draft, max_batch=2, max_seq_len=96, page_size=8, prefix_block=16)
+    engine = Engine(target, draft, max_batch=2, max_seq_len=96)
     system = list(range(1, 41))
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     engine.add_request(system + [50, 51], params, request_id="a")
-    engine.step()                                      # a's prefill (its blocks go into the cache)
+    engine.step()                                      # a's prefill (its pages go into the cache)
     runner = engine.model_runner
     slot_a = engine.scheduler.live["a"].slot
-    shared = runner.pages.pages[slot_a][:4]            # the pages of the 32 cached tokens
+    shared = runner.pages.pages[slot_a][:2]            # the pages of the 32 cached tokens
     before = [t.clone() for t in (runner.tcache.k[:, shared], runner.tcache.v[:, shared],
                                   runner.dcache.k[:, shared], runner.dcache.v[:, shared])]
     engine.add_request(system + [52, 53, 54], params, request_id="b")
     engine.step()
     b = engine.scheduler.live["b"]
     assert b.cached_tokens == 32
-    assert runner.pages.pages[b.slot][:4] == shared and (runner.pages.pool.refs[shared] == 3).all()
-    assert runner.pages.pages[b.slot][4] not in runner.pages.pages[slot_a]    # its own page after the prefix
+    assert runner.pages.pages[b.slot][:2] == shared and (runner.pages.pool.refs[shared] == 3).all()
+    assert runner.pages.pages[b.slot][2] not in runner.pages.pages[slot_a]    # its own page after the prefix
     while not engine.idle:
         engine.step()
     after = (runner.tcache.k[:, shared], runner.tcache.v[:, shared], runner.dcache.k[:, shared],

@@ -297,3 +297,50 @@ def test_stats_clear_and_configuration_errors():
     for bad in (dict(prefix_cache_tokens=-1), dict(prefix_cache_tokens=1.5), dict(prefix_block=0)):
         with pytest.raises(ValueError, match="prefix_"):
             Engine(target, None, max_batch=1, max_seq_len=64, **bad)
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
+def test_a_request_alone_gets_the_bits_a_miss_computes_on_and_off_the_chunk_grid(speculative):
+    """One request at a time on a dense target: a hit at any page multiple, on the chunk grid (a
+    multiple of 8) or off it (the prefill then runs a chunk a miss never runs, to the next multiple
+    of 8), and chunks cut by ``prefill_chunk`` too, give the tokens and log-probabilities of the
+    uncached engine bit for bit, greedy and seeded sampling. On CPU every per-row product of the
+    bucketed prefill rounds a row alike whatever the other rows; an MoE target's expert products
+    do not (a forward's tokens are grouped by expert), which the conversation tests above bound."""
+    target = random_tiny_target(seed=3)
+    draft = random_tiny_draft(block=4, seed=4) if speculative else None
+    rng = random.Random(1)
+    shared = [rng.randrange(60) for _ in range(45)]
+    for chunk in (2048, 6):
+        on, off = (Engine(target, draft, max_batch=1, max_seq_len=192, prefix_cache_tokens=t, prefix_block=ALIGN,
+                          page_size=PAGE, prefill_chunk=chunk) for t in (None, 0))
+        on.generate([shared + [1]], params(0, 1))
+        hits = []
+        for i, n in enumerate((8, 12, 20, 33, 44)):
+            prompt = shared[:n] + [rng.randrange(60) for _ in range(rng.randrange(1, 20))]
+            got, want = on.generate([prompt], params(i))[0], off.generate([prompt], params(i))[0]
+            assert got.token_ids == want.token_ids
+            assert [t.logprob for t in got.logprobs] == [t.logprob for t in want.logprobs]
+            hits.append(got.stats.prompt_tokens_cached)
+        assert hits == [8, 12, 20, 32, 44]
+        assert_no_page_leaked(on)
+
+
+def test_a_system_prompt_of_a_few_dozen_tokens_hits_with_the_defaults():
+    """Pages of 16 tokens and chunks aligned to 256 (the defaults): a 40-token system prompt is found
+    cached up to its last full page, every output equal to the uncached engine's, the stats count
+    what was stored and found, and no page or conv row is left behind once the cache is cleared."""
+    target, draft = random_tiny_target(seed=3), random_tiny_draft(block=4, seed=4)
+    system = [(7 * i) % 60 for i in range(40)]
+    prompts = [system + list(range(k, k + 5)) for k in (1, 9, 17)]
+    on, off = (Engine(target, draft, max_batch=2, max_seq_len=128, prefix_cache_tokens=t) for t in (None, 0))
+    first = on.generate([prompts[0]], params(0))
+    rest = on.generate(prompts[1:], [params(1), params(2)])
+    assert_same(first + rest, off.generate([prompts[0]], params(0)) + off.generate(prompts[1:], [params(1), params(2)]))
+    assert [o.stats.prompt_tokens_cached for o in first + rest] == [0, 32, 32]
+    stats = on.prefix_cache_stats
+    assert stats["block"] == 16 and stats["chunk_alignment"] == 256
+    assert stats["hits"] == 64 and stats["inserted_blocks"] == stats["cached_blocks"] == 2
+    assert_no_page_leaked(on)
+    cache = on.model_runner.prefix_cache
+    assert on.clear_prefix_cache() == 2 and on.kv_pages.in_use == 0 and cache.cached_blocks == 0
