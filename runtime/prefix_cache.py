@@ -7,40 +7,66 @@ any cache, and the draft reads a context K/V built from the target's hidden stat
 reusable only where all three were kept: the target K/V and the draft's context K/V of its
 positions, and the conv state at its end.
 
-**Blocks.** Prefixes are kept in blocks of ``block`` tokens (256 by default, a multiple of the
-KV page size) in a trie keyed by each block's token ids (exact tuples: no hash collision can match
-wrong tokens). A node holds its block's KV pages (target and draft context: one page table maps
-both, models/cache.py) **by reference**, and the conv state after its last token in a small pool
-of its own. The conv states come from the prefill: its chunks never cross a multiple of ``block``
-(runtime/scheduler.py ``chunk_len``), so the state after every full block of a prompt is the state
-after some chunk, which the runner inserts, with the block's pages, after each prefill forward.
+**Blocks of one page.** Prefixes are kept in blocks of one KV page (``block`` = the page size, 16
+tokens by default) in a trie keyed by each block's token ids (exact tuples: no hash collision can
+match wrong tokens). A node holds its block's KV page (target and draft context: one page table
+maps both, models/cache.py) **by reference**, and a snapshot of the conv state after its last token
+in a pool of its own. A prompt of a few dozen tokens (a short system prompt) is found up to its
+last full page.
 
-**Exactness, and how outputs are kept.** A hit of ``n`` tokens (a multiple of ``block``) maps the
-blocks' pages into the request's page table (each page's reference count goes up: nothing is
-copied), loads the conv state, and the prefill continues from ``n``, writing pages of its own. A
-cached page is never written again: every sharer's writes land at positions past the prefix.
-Without the hit the same prompt is cut into chunks at the same multiples of ``block`` (cache on
-or off), so the resumed prefill runs the very chunk a miss runs, on the same state: on the CPU in
-fp32 (the tests) outputs with the cache equal outputs without it bit for bit, tokens and
-log-probabilities, greedy and seeded sampling, speculative or not. A request's output tokens have
-state computed by decode steps and verify windows, whose reductions differ from a prefill's: a
-later prompt that repeats them (the next chat turn) would get different low-order bits from that
-state than from prefilling them. So by default outputs are prefilled as part of the next prompt
-and kept from then on; with ``Engine(prefix_cache_outputs=True)`` a finished request's output is
-prefilled once more as a queued job (runtime/scheduler.py ``queue_cache_job``: in a free slot at a
-step where nothing decodes, the cached prefix loaded, then the chunks a prefill of those tokens
-runs, on the block grid, batched with the other jobs), and those blocks are stored, so the next
-turn finds its previous turn cached up to the last full block. On the GPU the reused state is the
-same bits when the forwards that computed it batched rows alike; the default kernels do not
-promise that across batch compositions (a product's reduction order may follow the row count), the
-limit today's outputs already have across loads. A request asking for ``prompt_logprobs`` needs
-every prompt position's logits, so it never takes a hit.
+**Snapshots.** The conv state after a page is taken where the prefill computes it: every prefill
+forward copies the state after each page multiple its rows pass into the conv pool
+(models/lfm2.py ``ConvSnapshots``: a gather of the ``in_proj`` output at the two positions before
+the multiple and the gates' multiply, the bits the conv op stores after a chunk's last token;
+tests/models/test_conv_snapshots.py). Which pool row each multiple goes to is an index the prefill
+runner fills before the forward (graphs/prefill.py), a fixed buffer that the captured bucket graphs
+read, so the prefill keeps its CUDA graphs; multiples nothing stores go to a scratch row. The nodes
+are inserted before their forward runs (:meth:`PrefixCache.insert`; nothing reads the cache before
+the forward is queued, and a forward that fails takes them back: :meth:`PrefixCache.drop`).
 
-**Memory and eviction.** Cached pages are pages of the one KV pool (runtime/pages.py): a block
-costs no memory of its own beyond its conv state (the conv pool holds ``capacity`` of them). When
-an allocation finds the pool empty, the cache gives back the least recently used leaves (blocks no
-other cached block extends) whose pages no request maps; a full conv pool evicts its least
-recently used leaf too, never a block on the path being inserted.
+**Chunks.** Prefill chunks keep their length: they never cross a multiple of ``prefix_block`` (256
+by default; runtime/scheduler.py ``chunk_len``, cache on or off) and are otherwise at most
+``prefill_chunk``. A hit of ``n`` tokens maps the blocks' pages into the request's page table (each
+page's reference count goes up: nothing is copied), loads the snapshot, and the prefill continues
+from ``n``, writing pages of its own; a cached page is never written again (every sharer's writes
+land at positions past the prefix). A hit on the ``prefix_block`` grid resumes with the very chunk a
+miss runs; a hit off it runs a chunk from ``n`` to the next multiple, which a miss runs from the
+multiple before.
+
+**Exactness, and how outputs are kept.** On the CPU in fp32 (the tests), a request run alone on a
+dense target gets the same tokens and log-probabilities with a hit as without, bit for bit, on the
+grid and off it, greedy and seeded sampling, speculative or not (tests/e2e/test_prefix_cache.py):
+every product of the bucketed prefill rounds a row alike whatever the other rows of the forward.
+An MoE target's expert products group a forward's tokens by expert, so a row's roundings follow the
+chunk it was in: with a hit off the grid (or a snapshot stored by such a chunk) log-probabilities
+move by a few units in the last place (measured up to 5e-7), tokens equal. Where several requests
+batch differently with the cache than without (the forwards and steps hold other rows), the same
+holds: tokens equal, log-probabilities to the roundings of the batch shape. On the GPU the reused
+state is the same bits only where the forwards that computed it rounded rows alike; the default
+kernels do not promise that across row counts (a product's reduction order may follow the rows),
+the limit outputs already have across loads and batch compositions.
+A request's output tokens have state computed by decode steps and verify windows, whose
+reductions differ from a prefill's: a later prompt that repeats them (the next chat turn) would
+get different low-order bits from that state than from prefilling them. So by default outputs are
+prefilled as part of the next prompt and kept from then on; with
+``Engine(prefix_cache_outputs=True)`` a finished request's output is prefilled once more as a
+queued job (runtime/scheduler.py ``queue_cache_job``: in a free slot at a step where nothing
+decodes, the cached prefix loaded, then the chunks a prefill of those tokens runs, batched with the
+other jobs), and its pages are stored, so the next turn finds its previous turn cached up to the
+last full page. A request asking for ``prompt_logprobs`` needs every prompt position's logits, so
+it never takes a hit.
+
+**Memory and eviction.** Cached pages are pages of the one KV pool (runtime/pages.py); each block
+also holds one conv snapshot: ``n_conv_layers x (L_cache - 1) x hidden x dtype bytes`` (LFM2.5-1.2B
+in bf16: 10 x 2 x 2048 x 2 = 80 KiB per 16 tokens, about 5 KiB a token beside its ~12 KiB of target
+K/V). The pool holds ``capacity`` snapshots: ``prefix_cache_tokens / page_size``; at the default
+budget (``None``) one per page of the KV pool, whose size then budgets every page with room for its
+snapshot (runtime/model_runner.py), so the cache can hold every page without memory beyond the
+budget. When an allocation finds the KV pool empty, the cache gives back the least recently used
+leaves (blocks no other cached block extends) whose pages no request maps; a full conv pool evicts
+its least recently used leaf too, never a block the same forward stores or the path its row
+extends. Leaves are kept in a heap by last use (stale entries skipped), so an eviction does not
+walk the trie.
 """
 
 from __future__ import annotations

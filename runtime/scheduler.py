@@ -29,8 +29,8 @@ wait on each other.
 **The prefill plan** (:meth:`Scheduler.next_prefill`): while requests decode, one forward of at most
 ``prefill_budget`` tokens a step, padding included, so an arrival delays the decoding streams by one
 such chunk per round however long its prompt; with nothing decoding, every prompt to its end, the
-chunks back to back (the shortest time to first token). A chunk never crosses a multiple of the
-prefix block, cache on or off (runtime/prefix_cache.py "Exactness").
+chunks back to back (the shortest time to first token). A chunk never crosses a multiple of
+``prefix_block`` (the chunk alignment), cache on or off (runtime/prefix_cache.py "Chunks").
 """
 
 from __future__ import annotations
@@ -226,8 +226,9 @@ class Scheduler:
 
     def chunk_len(self, done: int, total: int) -> int:
         """The tokens the next prefill chunk of ``total`` takes after ``done``: at most ``prefill_chunk``,
-        ending no later than the next multiple of the prefix block, cache on or off, so that a
-        prefix-cache hit resumes where a miss cuts a chunk too (runtime/prefix_cache.py "Exactness")."""
+        ending no later than the next multiple of ``prefix_block``, cache on or off, so that a
+        prefix-cache hit on that grid resumes where a miss cuts a chunk too, and one off it runs to
+        the miss's next cut (runtime/prefix_cache.py "Chunks")."""
         block = self.alignment
         return min(total - done, self.prefill_chunk, (done // block + 1) * block - done)
 
@@ -351,8 +352,8 @@ class Scheduler:
             job.slot = None
 
     def queue_cache_job(self, req: Request, block: int) -> None:
-        """Queue the prefill of a finished request's prompt and output, up to its last full block, into
-        the prefix cache. It runs as a prompt's prefill does, in the chunks any prefill of these tokens
+        """Queue the prefill of a finished request's prompt and output, up to its last full ``block`` (a
+        prefix-cache block: one KV page), into the prefix cache. It runs as a prompt's prefill does, in the chunks any prefill of these tokens
         runs (:meth:`chunk_len`), after the longest cached prefix, so the stored state is what a later
         prompt's prefill would compute. Past ``max_batch`` queued jobs the oldest is dropped."""
         tokens = req.prompt_ids + req.output

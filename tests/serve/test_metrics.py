@@ -159,11 +159,10 @@ def test_the_engines_state_is_read_at_the_scrape(served):
     assert during[("lfmspark:prefix_cache_usage_perc", ())] == pytest.approx(
         usage["prefix_cache_blocks"] / usage["prefix_cache_capacity"] if usage["prefix_cache_capacity"] else 0.0)
     after = scrape(served.url)
-    cached = served.engine.engine.model_runner.prefix_cache
-    pages_per_block = cached.pages_per_block if cached is not None else 0
+    cached = served.engine.engine.model_runner.prefix_cache          # a cached block holds one page
     assert after[("lfmspark:num_requests_running", ())] == 0
     assert after[("lfmspark:kv_cache_usage_perc", ())] == pytest.approx(
-        cached.cached_blocks * pages_per_block / held["kv_pages"] if cached is not None else 0.0)
+        cached.cached_blocks / held["kv_pages"] if cached is not None else 0.0)
 
 
 def test_the_guards_answers_are_counted(ckpt):
