@@ -336,8 +336,8 @@ def _after_sums(q, cb, mb, bmin, bmax, phase, lo, hi, c_hi, m_hi, n, kth, c_kth,
 
 
 @triton.jit
-def _gather_row(row_ptr, V, lo, hi, buf_ptr, TILE: tl.constexpr):
-    """One program appends the row's values in ``[lo, hi)`` to ``buf_ptr`` (column order)."""
+def _gather_row(row_ptr, V, lo, hi, buf_ptr, CAP: tl.constexpr, TILE: tl.constexpr):
+    """One program appends the row's values in ``[lo, hi)`` (at most ``CAP``) to ``buf_ptr``."""
     base = tl.full([], 0, tl.int32)
     for t0 in range(0, V, TILE):
         cols = t0 + tl.arange(0, TILE)
@@ -345,7 +345,7 @@ def _gather_row(row_ptr, V, lo, hi, buf_ptr, TILE: tl.constexpr):
         v = tl.load(row_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
         inb = (ok & (v >= lo) & (v < hi)).to(tl.int32)
         pos = base + tl.cumsum(inb, axis=0) - 1
-        tl.store(buf_ptr + pos, v, mask=inb != 0)
+        tl.store(buf_ptr + pos, v, mask=(inb != 0) & (pos < CAP))
         base += tl.sum(inb, axis=0)
     tl.debug_barrier()
 
@@ -553,7 +553,7 @@ def _round_step_kernel(x_ptr, sf_ptr, si_ptr, top_ptr, topk_ptr, topp_ptr, lmp_p
             for _ in range(FALLBACK):
                 if phase != PH_DONE:
                     if n <= CAP:
-                        _gather_row(row_ptr, V, lo, hi, buf, FTILE)
+                        _gather_row(row_ptr, V, lo, hi, buf, CAP, FTILE)
                         phase, lo, hi, c_hi, m_hi, n, kth, c_kth, z_k, thr, z = _after_gather(
                             buf, phase, lo, hi, c_hi, m_hi, n, kth, c_kth, z_k, thr, z, k, top_p, top, mp, m_mp,
                             piv, C, M, CAP, CH)

@@ -105,10 +105,11 @@ def test_minus_inf_and_top_k_at_the_vocabulary(triton_device: str) -> None:
 @pytest.mark.parametrize("cap, npiv, rounds", [(1, 2, 1), (4, 4, 2)], ids=["bisection-alone", "small-rounds"])
 def test_refinement_and_the_last_steps_loop(triton_device: str, monkeypatch: pytest.MonkeyPatch, cap: int, npiv: int,
                                             rounds: int) -> None:
-    """Brackets gathered only when one (or four) values remain and split in two (or four) per pass:
-    every top-k and top-p cut goes through the refinement rounds and the single-program loop, which
-    must finish within its bound (a row left open would come back NaN) with the same thresholds.
-    The last row spans keys from -1e30 to 1e30, the widest bracket a refinement can meet."""
+    """Brackets gathered only when one (or four) values remain and split in two (or four) per pass.
+    Bisection with one multi-program round leaves every row open when the last step begins: its
+    single-program loop resolves them, within its bound (a row left open would come back NaN); with
+    four pivots the multi-program rounds resolve them. The same thresholds either way. The last row
+    spans keys from -1e30 to 1e30, the widest bracket a refinement can meet."""
     monkeypatch.setattr(tf, "_CAP", cap)
     monkeypatch.setattr(tf, "_NPIV", npiv)
     monkeypatch.setattr(tf, "_ROUNDS", rounds)
