@@ -22,13 +22,17 @@ round ``r + 1`` drafts. That is DeepSeek's production form of Algorithm 1 (§6.4
 confidences two steps old). The peeking alternative, a width chosen from the current block's own
 confidences, changes the output distribution (the paper's Appendix A; tests/runtime/test_speculation.py).
 
-**The survival estimates** ``a_{r,j}``: the cumulative product of the confidences the draft's
-confidence head gave request ``r`` in its last drafted round (``c_k`` reads ``x_{k-1}``, never
-``x_k``; with STS temperatures from the checkpoint, reference/dspark.md §4.4), or, for a draft
-without a confidence head, the engine's observed per-position acceptance. Imposed acceptance
-(benchmarks on random weights) imposes the matching confidences, ``c_k`` = the imposed rate. A
-request without an estimate yet takes the engine-wide one, which starts optimistic (every draft
-survives), so new traffic starts speculating and the first rounds correct it.
+**The survival estimates** ``a_{r,j}``: the cumulative product of the conditional confidences
+``c_k`` the draft's confidence head gave request ``r`` (``c_k`` reads ``x_{k-1}``, never ``x_k``;
+with STS temperatures from the checkpoint, reference/dspark.md §4.4), or, for a draft without a
+confidence head, the engine's observed per-position acceptance. Imposed acceptance (benchmarks on
+random weights) imposes the matching confidences, ``c_k`` = the imposed rate. A round of width
+``W`` computes the confidences of the ``W - 1`` slots it verifies only (runtime/steps.py
+``finish_draft``): each position keeps the request's latest computed ``c_k``, so a narrow round
+renews the first positions and the later ones stay those of its last wider round. Positions a
+request never had computed take the engine-wide rates: by position, a decayed average of the
+conditional confidences every round computed there, optimistic at first (every draft survives), so
+new traffic starts speculating and the first rounds correct it.
 
 **Probing.** While width 1 wins, no draft runs and the estimates stop changing. Every so many
 rounds at width 1 one round runs at the best wider width, so that a draft that became useful is
@@ -142,12 +146,12 @@ class WidthPolicy:
         self.widths = tuple(sorted(widths))
         self.gamma = gamma
         self.confidences = confidences   # rounds return confidences (a head, or imposed rates): estimates from them
-        # per slot: its request's survival estimate from its last drafted round (NaN: none yet) and the
-        # most drafts it may verify (SamplingParams.max_speculative_tokens)
-        self._estimate = np.full((slots, gamma), np.nan)
+        # per slot: its request's latest conditional confidence at each position (NaN: none computed
+        # yet) and the most drafts it may verify (SamplingParams.max_speculative_tokens)
+        self._conditional = np.full((slots, gamma), np.nan)
         self._limit = np.full(slots, gamma, dtype=np.int64)
-        # engine-wide estimates: survival by position (from confidences) and conditional acceptance by
-        # position (observed), each a decayed average; optimistic until something is observed
+        # engine-wide estimates by position: conditional confidence (from the rounds' confidences) and
+        # conditional acceptance (observed), each a decayed average; optimistic until something is observed
         self.prior = np.ones(gamma)
         self._acceptance = np.ones(gamma)
         self._at_one = 0                 # consecutive rounds chosen at width 1
@@ -155,22 +159,19 @@ class WidthPolicy:
 
     def admit(self, slot: int, limit: int) -> None:
         """A request took ``slot``: no estimate of its own yet, at most ``limit`` drafts a round."""
-        self._estimate[slot] = np.nan
+        self._conditional[slot] = np.nan
         self._limit[slot] = min(limit, self.gamma)
 
     def choose(self, slots: np.ndarray, batch: int, mode: SamplingMode,
                costs: Mapping[tuple[SamplingMode, int, int], float]) -> int:
-        """The width of the next round of the requests in ``slots`` (each with its own estimate, or the
-        engine-wide one before its first drafted round), ``batch`` the padded size it runs at, ``costs``
-        the measured table."""
+        """The width of the next round of the requests in ``slots`` (each with its own estimate:
+        :meth:`estimate`), ``batch`` the padded size it runs at, ``costs`` the measured table."""
         if len(self.widths) == 1:
             return self.widths[0]
         cost = self._costs(batch, mode, costs)
         if cost is None:
             return self.widths[-1]
-        fallback = self.prior if self.confidences else survival(self._acceptance)
-        est = self._estimate[slots]
-        est = np.where(np.isnan(est[:, :1]), fallback[None, :], est)
+        est = self.estimate(slots)
         limits = self._limit[slots]
         width = choose_width(est, limits, self.widths, cost)
         if width == 1 and self.widths[1:]:
@@ -186,6 +187,15 @@ class WidthPolicy:
             self._at_one = 0
         return width
 
+    def estimate(self, slots: np.ndarray) -> np.ndarray:
+        """``[n, gamma]``: the survival estimates of the requests in ``slots`` (see the module doc): their
+        own conditional confidences where computed, the engine-wide rates elsewhere (all of them
+        for a draft without confidences: the observed acceptance)."""
+        if not self.confidences:
+            return np.broadcast_to(survival(self._acceptance), (len(slots), self.gamma))
+        own = self._conditional[slots]
+        return survival(np.where(np.isnan(own), self.prior[None, :], own))
+
     def _costs(self, batch: int, mode: SamplingMode, costs: Mapping[tuple[SamplingMode, int, int], float]
                ) -> dict[int, float] | None:
         """``{width: seconds}`` at this batch size in this mode (the greedy rounds' where this mode was
@@ -199,8 +209,9 @@ class WidthPolicy:
     def observe(self, slots: np.ndarray, width: int, committed: np.ndarray, confidence: np.ndarray | None
                 ) -> np.ndarray:
         """A finished round of width ``width`` for the requests in ``slots``: ``committed[r]`` tokens each
-        (its accepted drafts plus one), ``confidence[r]`` the round's confidences for it (a NaN row, or
-        None, where none were computed). Returns the drafts each row was offered."""
+        (its accepted drafts plus one), ``confidence[r]`` the round's confidences for it (NaN at the
+        positions none were computed: all of them without a head, those past ``width - 1`` in a
+        narrower round; or None). Returns the drafts each row was offered."""
         verified = np.minimum(width - 1, self._limit[slots])
         accepted = np.asarray(committed, dtype=np.int64) - 1
         self.stats.drafts_verified += int(verified.sum())
@@ -213,11 +224,12 @@ class WidthPolicy:
         self.stats.passed += n_passed
         self._acceptance = _decayed(self._acceptance, n_passed, n_reached)
         if confidence is not None:
-            have = ~np.isnan(confidence).any(axis=1)
-            if have.any():
-                a = survival(confidence[have])
-                self._estimate[slots[have]] = a
-                self.prior = _decayed(self.prior, a.sum(axis=0), np.full(self.gamma, len(a)))
+            c = np.asarray(confidence, dtype=np.float64)
+            computed = ~np.isnan(c)
+            if computed.any():
+                # each position takes the round's c_k where it computed one and keeps the last otherwise
+                self._conditional[slots] = np.where(computed, c, self._conditional[slots])
+                self.prior = _decayed(self.prior, np.where(computed, c, 0.0).sum(axis=0), computed.sum(axis=0))
         return verified
 
     def count_round(self, width: int) -> None:

@@ -58,12 +58,12 @@ def test_choose_width_maximises_tokens_per_second_and_prefers_the_narrower_on_ti
 
 def scheduler(widths, gamma, confidences=True, estimates=(), limits=()) -> WidthPolicy:
     """A width policy over 8 slots; slot i admitted with ``limits[i]`` (default gamma) and given
-    ``estimates[i]`` (conditional rates) as its own survival estimate."""
+    ``estimates[i]`` (conditional rates) as its own confidences."""
     s = WidthPolicy(widths, gamma, confidences, slots=8)
     for slot in range(8):
         s.admit(slot, limits[slot] if slot < len(limits) else gamma)
     for slot, conf in enumerate(estimates):
-        s._estimate[slot] = survival(conf)
+        s._conditional[slot] = conf
     return s
 
 
@@ -99,7 +99,7 @@ def test_a_request_admitted_to_a_slot_forgets_its_predecessors_estimate():
 
 def test_a_batch_of_rows_updates_the_statistics_as_its_rows_one_by_one():
     """One round of rows booked at once counts what each row's verified and accepted drafts say; a
-    row with NaN confidences (none computed) keeps its estimate."""
+    row with NaN confidences (none computed) keeps having none of its own: the engine-wide rates."""
     s = scheduler((1, 4), 3, limits=[3, 3, 1])
     nan = float("nan")
     verified = s.observe(np.array([0, 1, 2]), 4, np.array([4, 2, 2]),
@@ -108,8 +108,33 @@ def test_a_batch_of_rows_updates_the_statistics_as_its_rows_one_by_one():
     assert s.stats.drafts_verified == 7 and s.stats.drafts_accepted == 3 + 1 + 1
     # position k reached by rows whose drafts 1..k were accepted and k+1 offered
     assert s.stats.reached.tolist() == [3, 2, 1] and s.stats.passed.tolist() == [3, 1, 1]
-    assert s._estimate[0].tolist() == pytest.approx([0.9, 0.72, 0.504])
-    assert np.isnan(s._estimate[2]).all()
+    assert s.estimate(SLOT0)[0].tolist() == pytest.approx([0.9, 0.72, 0.504])
+    assert s.estimate(np.array([2]))[0].tolist() == pytest.approx(survival(s.prior).tolist())
+
+
+def test_a_narrow_round_renews_the_positions_it_computed_and_keeps_the_later_ones():
+    """A round of width 3 computes ``c_1, c_2`` only (NaN past them): a request's estimate takes those
+    and keeps ``c_3, c_4`` from its last whole-block round; a request whose first round is narrow takes
+    the engine-wide rates past it; the engine-wide rates move at the computed positions only."""
+    nan = float("nan")
+    s = scheduler((1, 3, 5), 4)
+    s.observe(SLOT0, 5, np.array([5]), np.array([[0.9, 0.8, 0.7, 0.6]]))
+    prior = s.prior.copy()
+    s.observe(SLOTS01, 3, np.array([3, 1]), np.array([[0.5, 0.4, nan, nan], [0.2, 0.6, nan, nan]]))
+    assert s.estimate(SLOT0)[0].tolist() == pytest.approx(survival([0.5, 0.4, 0.7, 0.6]).tolist())
+    assert s.estimate(np.array([1]))[0].tolist() == pytest.approx(survival([0.2, 0.6, *prior[2:]]).tolist())
+    assert (s.prior[:2] < prior[:2]).all() and s.prior[2:].tolist() == prior[2:].tolist()
+
+
+def test_narrow_rounds_alone_move_the_width_choice():
+    """Rounds at width 3 only (the best width for the optimistic estimate under these costs) whose
+    confidences say the drafts die: the estimate follows them and width 1 wins."""
+    nan = float("nan")
+    s = scheduler((1, 3, 5), 4)
+    costs = {(SamplingMode.GREEDY, 1, w): c for w, c in ((1, 1.0), (3, 1.5), (5, 4.0))}
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 3       # 3 / 1.5 beats 1 / 1 and 5 / 4
+    s.observe(SLOT0, 3, np.array([1]), np.array([[0.05, 0.05, nan, nan]]))
+    assert s.choose(SLOT0, 1, SamplingMode.GREEDY, costs) == 1
 
 
 def test_scheduler_probes_a_wider_width_while_width_1_wins():
