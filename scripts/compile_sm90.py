@@ -23,7 +23,7 @@ from lfmspark.ops.exact_norm import _exact_rms_norm_kernel
 from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
 from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
-from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel
+from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel, resident_blocks
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
 from lfmspark.ops import threshold_filter as tf
 
@@ -98,9 +98,13 @@ def main() -> None:
                                                      RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=128,
                                                      ROUND=1, DOT_PRECISION="tf32", UPCAST=False, COUNT_PASSES=count,
                                                      POLL_ASM=True, PDL=True), num_warps=8)
-    compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=2, RESIDENT=1,
-                                                     STREAM_FROM=1, BLOCK_P=256, ROUND=1, DOT_PRECISION="tf32",
-                                                     UPCAST=False, POLL_ASM=True, PDL=True), num_warps=8)
+    # the blocks a program streams: a 65,536-token vocabulary (2, one resident) and a 128,000-token one (4, none)
+    for n_blocks in (2, 4):
+        resident = resident_blocks(n_blocks, 1)
+        compile_one(_markov_walk_persistent_kernel, dict(RANK=256, BLOCK_R=256, BLOCK_B=16, BLOCK_V=256, N_BLOCKS=n_blocks,
+                                                         RESIDENT=resident, STREAM_FROM=max(resident, 1), BLOCK_P=256,
+                                                         ROUND=1, DOT_PRECISION="tf32", UPCAST=False, POLL_ASM=True,
+                                                         PDL=True), num_warps=8)
     # the sampling thresholds (ops/threshold_filter.py) at V = 65536, one row: fp32 pointers but the counts'
     threshold_types = {n: "*fp32" for k in (tf._stats_kernel, tf._pivot_pass_kernel, tf._pivot_step_kernel,
                                             tf._round_pass_kernel, tf._round_step_kernel)

@@ -218,6 +218,16 @@ def programs_for(V: int, block_v: int, device: torch.device, programs: int | Non
     return triton.cdiv(n_col_blocks, n_blocks), n_blocks
 
 
+def resident_blocks(n_blocks: int, wanted: int) -> int:
+    """The column blocks a program of ``n_blocks`` keeps on chip: ``wanted`` while at most one block
+    streams, else none. Why: once two or more blocks stream, the loop is software-pipelined and its
+    stage buffers and a resident ``[256, 256]`` bf16 block no longer fit an sm_90's 227 KB of shared
+    memory together (268 KB at four blocks a program, a 128,000-token vocabulary; 143 KB without the
+    resident block: scripts/compile_sm90.py)."""
+    resident = min(wanted, n_blocks)
+    return resident if n_blocks - resident <= 1 else 0
+
+
 _COUNTERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -253,7 +263,7 @@ def markov_greedy_walk_persistent(base: torch.Tensor, anchor: torch.Tensor, w1: 
         raise ValueError(f"resident = {cfg.resident}: a program keeps 0, 1 or 2 blocks on chip")
     interpreted = base.device.type != "cuda"
     P, n_blocks = programs_for(V, cfg.block_v, base.device, 1 if interpreted else cfg.programs)
-    resident = min(cfg.resident, n_blocks)
+    resident = resident_blocks(n_blocks, cfg.resident)
     tokens = torch.empty((B, G), dtype=torch.int64, device=base.device)
     pv = torch.empty((G, MAX_ROWS, P), dtype=torch.float32, device=base.device)
     pi = torch.empty((G, MAX_ROWS, P), dtype=torch.int32, device=base.device)

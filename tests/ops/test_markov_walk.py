@@ -337,6 +337,19 @@ def test_programs_for_the_served_vocabulary() -> None:
         assert P <= limit and P * n * bv >= V and (P - 1) * n * bv < V
 
 
+def test_resident_block_only_while_one_block_streams() -> None:
+    """Both served vocabularies on an H100's 132 SMs at the default 256-column blocks: 65,536 tokens
+    give two blocks a program (one kept on chip), 128,000 give four, which stream with none kept (a
+    resident block beside the pipelined stream needs more shared memory than an sm_90 has)."""
+    cpu = torch.device("cpu")
+    assert programs_for(65536, 256, cpu, 132) == (128, 2)
+    assert walk_persistent.resident_blocks(2, 1) == 1
+    assert programs_for(128000, 256, cpu, 132) == (125, 4)
+    assert walk_persistent.resident_blocks(4, 1) == 0
+    assert walk_persistent.resident_blocks(1, 2) == 1
+    assert walk_persistent.resident_blocks(3, 2) == 2
+
+
 def test_persistent_rejects_bad_resident() -> None:
     with pytest.raises(ValueError, match="resident = 3"):
         markov_greedy_walk_persistent(*_op_args(), PersistentWalkConfig(resident=3))
