@@ -81,6 +81,13 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SPLIT=True,
                                             SWIGLU=False, TWO_WEIGHTS=False, ADD_NORM=True, ROW_NORM=False, SSQ_TILES=2,
                                             W_SCALE=False, DOT_PRECISION="tf32", UPCAST=False, PDL=1))
+    # fp8 weights (lfmspark::skinny_linear_fp8): the same kernels reading float8 e4m3 with per-column scales
+    fp8 = {"w_ptr": "*fp8e4nv", "wb_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+    for split in (False, True):
+        compile_one(_gemv_kernel, dict(BLOCK_N=4, BLOCK_K=2048, EVEN_K=True, SPLIT=split, W_SCALE=True, PDL=2), types=fp8)
+    compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=False, SWIGLU=False,
+                                            TWO_WEIGHTS=False, ADD_NORM=False, ROW_NORM=True, SSQ_TILES=32, W_SCALE=True,
+                                            DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=4, types=fp8)
     for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
         compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90
