@@ -89,6 +89,7 @@ class PrefillRunner:
         ``ConvSnapshots``), whose index :meth:`run` fills for each chunk; None without a prefix cache."""
         self.forward, self.device, self.max_seq_len = forward, device, max_seq_len
         self.snapshots = snapshots
+        self._snapshot_rows = 0          # index rows the last set_snapshot_rows filled
         self.buckets = sorted(set(buckets), key=lambda b: (b[0] * b[1], b))   # smallest first
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -149,30 +150,33 @@ class PrefillRunner:
         inputs[3].fill_(shape[1])
         return flat, inputs
 
-    def set_snapshot_index(self, rows: int, width: int, snapshot_rows: Sequence[Sequence[int]] | None) -> None:
-        """Fill the part of the snapshot index a forward of ``rows x width`` reads: row ``i``'s entries
-        from ``snapshot_rows[i]`` (conv pool rows, models/lfm2.py ``ConvSnapshots``), the rest (padding
-        rows, multiples nothing stores) the scratch row. A fixed buffer, so a graph replays it."""
+    def set_snapshot_rows(self, snapshot_rows: Sequence[Sequence[int]] | None) -> None:
+        """Before a forward: row ``i``'s conv snapshots go to the conv pool rows ``snapshot_rows[i]``
+        (models/lfm2.py ``ConvSnapshots``; None: nowhere), every other entry of the index (padding
+        rows, multiples nothing stores) to the scratch row. The index is a fixed buffer the forward
+        reads, so a graph replays it; the rows the last call filled are reset with it."""
         sink = self.snapshots
         if sink is None:
             return
-        per_row = sink.per_row(width)
-        host = torch.full((rows, per_row), sink.scratch, dtype=torch.int64)
-        for i, entries in enumerate(snapshot_rows or ()):
-            entries = list(entries)[:per_row]
+        rows = list(snapshot_rows or ())
+        n = max(len(rows), self._snapshot_rows)
+        if n == 0:
+            return
+        host = torch.full((n, sink.index.shape[1]), sink.scratch, dtype=torch.int64)
+        for i, entries in enumerate(rows):
+            entries = list(entries)[:sink.index.shape[1]]
             host[i, :len(entries)] = torch.tensor(entries, dtype=torch.int64)
         if self.device.type == "cuda":        # through pinned memory: queued, no wait for the stream (runtime/transfer.py)
             host = host.pin_memory()
-        sink.index[:rows, :per_row].copy_(host.to(self.device, non_blocking=True))
+        sink.index[:n].copy_(host.to(self.device, non_blocking=True))
+        self._snapshot_rows = len(rows)
 
-    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int],
-            snapshot_rows: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def run(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
         """The logits ``[len(chunks), V]`` of each chunk's last token, after running the chunks (row
-        ``i``: ``chunks[i]`` at positions ``starts[i] ..`` of slot ``slots[i]``); ``snapshot_rows[i]``:
-        where row ``i``'s conv snapshots go (:meth:`set_snapshot_index`; None: nowhere)."""
+        ``i``: ``chunks[i]`` at positions ``starts[i] ..`` of slot ``slots[i]``; its conv snapshots
+        where :meth:`set_snapshot_rows` said)."""
         rows, width = len(chunks), max(len(c) for c in chunks)
         shape = self.bucket(rows, width, max(starts)) or (rows, width)
-        self.set_snapshot_index(*shape, snapshot_rows)
         flat = self._pack(chunks, slots, starts, shape)
         if shape in self._graphs:
             graph, logits = self._graphs[shape]

@@ -282,8 +282,7 @@ class ModelRunner:
         first because bucket graphs captured after the step graphs slowed every later decode step
         (docs/decisions.md), captured before them they cost nothing."""
         t0 = time.perf_counter()
-        if self.snapshots is not None:
-            self.snapshots.index.fill_(self.snapshots.scratch)   # warm-up's forwards store no snapshot
+        self.prefill_runner.set_snapshot_rows(None)   # warm-up's forwards store no snapshot
         # the bucket graphs are captured with the snapshot copies in them (graphs/prefill.py)
         with self.target.conv_snapshots(self.snapshots):
             self._warm_prefill(modes)
@@ -383,11 +382,13 @@ class ModelRunner:
         # a request resuming after a preemption has its prompt logprobs already
         plain = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is None or r.output]
         if len(plain) == len(rows):
-            return self.prefill_runner.run(plan.chunks, [r.slot for r in rows], plan.starts, snapshot_rows)
+            self.prefill_runner.set_snapshot_rows(snapshot_rows)
+            return self.prefill_runner.run(plan.chunks, [r.slot for r in rows], plan.starts)
         out: list[torch.Tensor | None] = [None] * len(rows)
         if plain:
+            self.prefill_runner.set_snapshot_rows(pick(plain))
             part = self.prefill_runner.run([plan.chunks[i] for i in plain], [rows[i].slot for i in plain],
-                                           [plan.starts[i] for i in plain], pick(plain))
+                                           [plan.starts[i] for i in plain])
             for j, i in enumerate(plain):
                 out[i] = part[j]
         for i, req in enumerate(rows):
@@ -404,8 +405,7 @@ class ModelRunner:
         logits: the logit transforms depend on an output history the prompt does not have."""
         ids = torch.tensor([chunk], dtype=torch.int64, device=self.device)
         one = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
-        if self.snapshots is not None:
-            self.prefill_runner.set_snapshot_index(1, len(chunk), [snapshot_rows] if snapshot_rows else None)
+        self.prefill_runner.set_snapshot_rows([snapshot_rows] if snapshot_rows else None)
         logits = self.steps.prefill_logits(ids, one(req.slot), one(start), one(len(chunk)), every_position=True)[0]
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
