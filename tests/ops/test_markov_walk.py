@@ -411,6 +411,14 @@ def test_gpu_served_shape(B: int) -> None:
     _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 65536, 256, seed=B))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 4, 16])
+def test_gpu_large_vocabulary(B: int) -> None:
+    """LFM2.5-8B-A1B's 128,000-token vocabulary: four column blocks a persistent program, which once
+    asked more shared memory than an sm_90 has (launch failure); the Jacobi walk at batch 1."""
+    _same(*_grid_inputs("cuda", torch.bfloat16, B, 9, 128000, 256, seed=B + 7))
+
+
 GPU_CONFIGS = [PersistentWalkConfig(block_v=bv, resident=r, num_warps=w)
                for bv, r, w in [(128, 0, 8), (256, 1, 8), (128, 2, 16), (64, 2, 8)]]
 
