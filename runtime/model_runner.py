@@ -53,6 +53,11 @@ from .transfer import to_device
 
 log = logging.getLogger("lfmspark")
 
+# at the default prefix-cache budget, cached blocks may take up to one page in this many: a block holds
+# a conv snapshot beside its page (80 KiB beside 360 KiB of K/V at the LFM2.5-1.2B shape), so a snapshot
+# for every page would cost the pool about a fifth of its pages for the same memory
+DEFAULT_CACHED_SHARE = 4
+
 
 @dataclass
 class RoundResult:
@@ -143,9 +148,9 @@ class ModelRunner:
             check_draft_fits_target(self.draft.config, cfg)
             self.draft.attach_target(self.target.model.embed_tokens, self.target.lm_head)
         size = config.page_size
-        # at the prefix cache's default budget every page may become a cached block, so each page is
-        # budgeted with room for one conv snapshot (runtime/prefix_cache.py "Memory")
-        snapshot = self.snapshot_nbytes() if config.prefix_cache_tokens is None else 0
+        # at the prefix cache's default budget one page in DEFAULT_CACHED_SHARE may become a cached block,
+        # so each page is budgeted with that share of a conv snapshot (runtime/prefix_cache.py "Memory")
+        snapshot = self.snapshot_nbytes() // DEFAULT_CACHED_SHARE if config.prefix_cache_tokens is None else 0
         n_pages = kv_pool_pages(config, self.page_nbytes(size) + snapshot, self.device, cfg.max_position_embeddings,
                                 cfg.vocab_size, self.verify_width)
         # a request's prompt and output fit max_seq_len; past its last token a round's window and the
@@ -196,10 +201,11 @@ class ModelRunner:
 
     def _prefix_blocks(self, config: EngineConfig, n_pages: int) -> int:
         """The prefix cache's capacity in blocks of one page (0: none): its budget of tokens, by
-        default one block per page of the pool (cached blocks live in the pool's pages)."""
+        default one block per ``DEFAULT_CACHED_SHARE`` pages of the pool (cached blocks live in the
+        pool's pages; each holds a conv snapshot of its own)."""
         tokens = config.prefix_cache_tokens
         if tokens is None:
-            tokens = n_pages * config.page_size
+            tokens = n_pages // DEFAULT_CACHED_SHARE * config.page_size
         if config.page_size >= self.max_seq_len:
             return 0           # no prompt can fill a page and leave a token to run
         return tokens // config.page_size
@@ -534,9 +540,9 @@ class ModelRunner:
             else:
                 inputs = self.steps.round_inputs(slots, mode, width)
                 drafted = self.steps.round_draft(inputs)
-                drafts = drafted.tokens[:, :width - 1].tolist() if width > 1 else [[]] * len(rows)
+                drafts = drafted.tokens.tolist() if width > 1 else [[]] * len(rows)
                 with self._constraints(rows, drafts):
-                    out = self.steps.round_commit(inputs, drafted, self.steps.round_verify(inputs, drafted.tokens))
+                    out = self.steps.round_commit(inputs, drafted, self.steps.round_verify(inputs, drafted.window))
         return results + self._collect(self._to_host(rows, slots_np, out, width or 1))
 
     @contextlib.contextmanager

@@ -60,9 +60,10 @@ it never takes a hit.
 also holds one conv snapshot: ``n_conv_layers x (L_cache - 1) x hidden x dtype bytes`` (LFM2.5-1.2B
 in bf16: 10 x 2 x 2048 x 2 = 80 KiB per 16 tokens, about 5 KiB a token beside its ~12 KiB of target
 K/V). The pool holds ``capacity`` snapshots: ``prefix_cache_tokens / page_size``; at the default
-budget (``None``) one per page of the KV pool, whose size then budgets every page with room for its
-snapshot (runtime/model_runner.py), so the cache can hold every page without memory beyond the
-budget. When an allocation finds the KV pool empty, the cache gives back the least recently used
+budget (``None``) one per four pages of the KV pool, whose size then budgets every page with a
+quarter of a snapshot (runtime/model_runner.py ``DEFAULT_CACHED_SHARE``): cached prefixes may take
+up to a quarter of the pool without memory beyond the budget, for about 5% fewer pages at the
+LFM2.5-1.2B shape (a snapshot for every page would cost about a fifth). When an allocation finds the KV pool empty, the cache gives back the least recently used
 leaves (blocks no other cached block extends) whose pages no request maps; a full conv pool evicts
 its least recently used leaf too, never a block the same forward stores or the path its row
 extends. Leaves are kept in a heap by last use (stale entries skipped), so an eviction does not

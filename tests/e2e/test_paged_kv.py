@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lfmspark.runtime import Engine, SamplingParams
+from lfmspark.runtime.model_runner import DEFAULT_CACHED_SHARE
 from engine_fixtures import assert_no_page_leaked, cached_pages
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
@@ -39,9 +40,10 @@ def greedy_and_seeded(n: int, max_new: int = 24) -> list[SamplingParams]:
 
 def pool_pages(engine: Engine, pages: int) -> int:
     """``kv_cache_memory`` that buys ``pages`` pages (at the prefix cache's default budget each page
-    is budgeted with one conv snapshot) for an engine configured as ``engine``."""
+    is budgeted with a share of a conv snapshot) for an engine configured as ``engine``."""
     runner = engine.model_runner
-    snapshot = runner.snapshot_nbytes() if runner.options.prefix_cache_tokens is None else 0
+    share = runner.snapshot_nbytes() // DEFAULT_CACHED_SHARE
+    snapshot = share if runner.options.prefix_cache_tokens is None else 0
     return pages * (runner.page_nbytes(runner.pages.page_size) + snapshot)
 
 

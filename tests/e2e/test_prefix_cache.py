@@ -160,7 +160,7 @@ def test_finished_turns_wait_for_a_step_without_decoding_and_at_most_max_batch_o
     decodes; a prompt that repeats a kept turn then finds its output cached, one that repeats a
     dropped turn only its prompt."""
     target = random_tiny_target(seed=16)
-    eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
+    eng = engine(target, None, 2 * 192, max_batch=2, prefix_cache_outputs=True)   # room for every page
     rng = random.Random(5)
     long = [rng.randrange(60) for _ in range(5)]
     shorts = [[rng.randrange(60) for _ in range(4 * PAGE - 3)] for _ in range(4)]   # + 9 tokens: 5 full pages
@@ -212,7 +212,7 @@ def test_a_failing_cache_job_frees_its_slot_and_touches_no_request(caplog):
     """A cache job whose prefill raises is dropped with a warning: its slot comes back, the requests
     queued behind it run and answer as an engine without output caching does."""
     target = random_tiny_target(seed=17)
-    eng = engine(target, None, None, max_batch=2, prefix_cache_outputs=True)
+    eng = engine(target, None, 2 * 192, max_batch=2, prefix_cache_outputs=True)   # room for every page
     prompt = list(range(1, 4 * PAGE - 2))
     eng.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert not eng.idle                                   # its cache job waits
@@ -312,8 +312,9 @@ def test_a_request_alone_gets_the_bits_a_miss_computes_on_and_off_the_chunk_grid
     rng = random.Random(1)
     shared = [rng.randrange(60) for _ in range(45)]
     for chunk in (2048, 6):
+        # a budget for every page the prompts fill (the default's quarter of this small pool would evict)
         on, off = (Engine(target, draft, max_batch=1, max_seq_len=192, prefix_cache_tokens=t, prefix_block=ALIGN,
-                          page_size=PAGE, prefill_chunk=chunk) for t in (None, 0))
+                          page_size=PAGE, prefill_chunk=chunk) for t in (192, 0))
         on.generate([shared + [1]], params(0, 1))
         hits = []
         for i, n in enumerate((8, 12, 20, 33, 44)):
