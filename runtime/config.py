@@ -73,7 +73,7 @@ class EngineConfig:
     logprobs_mode: str = "raw"          # what SamplingParams.logprobs are of: "raw" or "processed" logits
     verify_widths: tuple[int, ...] | None = None   # verify windows a round may take (None: 1 and the block)
     prefix_cache_tokens: int | None = None   # the most tokens the prefix cache keeps (None: the KV pool's; 0: off)
-    prefix_block: int = DEFAULT_BLOCK   # tokens per cached block; prefill chunks end at its multiples
+    prefix_block: int = DEFAULT_BLOCK   # prefill chunks end at its multiples (cache hits there keep today's bits)
     prefix_cache_outputs: bool = False  # also cache each finished request's output (a chat's next turn)
     routing_locality: int | None = None  # MoE benchmarks on random weights: experts per slot and layer
     exact: bool = False                 # exact mode: per-token results independent of the batch (ops/routing.py)
@@ -134,7 +134,7 @@ class EngineConfig:
             raise ValueError(f"prefill_graph_tokens must be >= 0 (0: no prefill buckets or graphs), "
                              f"got {self.prefill_graph_tokens}")
         if self.prefix_block < 1:
-            raise ValueError(f"prefix_block must be >= 1 (tokens per cached block), got {self.prefix_block}")
+            raise ValueError(f"prefix_block must be >= 1 (the prefill chunks' alignment in tokens), got {self.prefix_block}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two (tokens per KV page), got {self.page_size}")
         if self.prefix_block % self.page_size:
@@ -285,7 +285,8 @@ class EngineConfig:
                        "prefix cache keeps; its blocks live in the KV pool's pages (default: as many as the pool "
                        "holds; 0: off)")
         e.add_argument("--prefix-block", type=_int_from(1), default=d.prefix_block,
-                       help=f"tokens per prefix-cache block (default: {d.prefix_block})")
+                       help=f"the prefill chunks' alignment in tokens: chunks end at its multiples, so prefix-cache "
+                            f"hits there give the uncached bits (default: {d.prefix_block})")
         e.add_argument("--prefix-cache-outputs", action="store_true", help="also keep each finished request's "
                        "output in the prefix cache (a chat's next turn repeats it): its full blocks are prefilled "
                        "once more, at a step where nothing decodes")
