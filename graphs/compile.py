@@ -6,14 +6,13 @@ dense or MoE feed-forward; the draft layer), plus the step's heads and tails:
 
 - heads (``Steps.decode_head``, ``draft_head``, ``verify_head``, runtime/steps.py): the glue before
   a model's layers (reading the rows' anchor and committed length from the slot state, the
-  embedding lookup, the verify's ``[x0, d]`` concat, the draft block's ``[x0, MASK, ...]``, the
-  window's lens; the attention layers read the RoPE table themselves) together with the model's
-  first layer. The first layer needs a graph of its own
+  embedding lookup, the draft block's ``[x0, MASK, ...]``, the window's lens; the attention
+  layers read the RoPE table themselves) together with the model's first layer. The first layer needs a graph of its own
   anyway, since it starts without a pending residual add (models/lfm2.py: each layer's last add
   is fused into the next layer's first norm, the last layer's into the tail's final norm), so
   folding the glue into it costs no extra graph;
-- tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft
-  (``finish_draft``); acceptance + commit for the round (``round_accept_commit``); the draft's
+- tails: LM head + pick for decode (``finish_decode``); LM head + Markov walk for the draft, which
+  joins the verify's window ``[x0, d]`` (``finish_draft``); acceptance + commit for the round (``round_accept_commit``); the draft's
   context injection (``round_inject``), run on a side stream beside the verify's last layers and
   the commit: the stream fork and join live in the uncompiled glue, ``Steps.fork_injection`` and
   ``Steps.round_commit``, since Dynamo's ``fullgraph`` regions hold no stream switches.
@@ -58,6 +57,18 @@ would compile with the batch fixed (``x + delta`` guards it equal to the static 
 next size would compile again. So every compiled region is called through :class:`BatchDynamic`,
 which marks the batch dimension of the row-indexed inputs dynamic before each call from batch 2 on.
 
+**One compile for every verify width.** A round's width is a shape too (runtime/steps.py
+``RoundInputs.columns``): the regions take the window's columns as a dimension of their inputs,
+never as a Python int, and :class:`BatchDynamic` marks that dimension dynamic from the first
+width of two or more on, where a region declares it (``region(window=...)``; the target layers'
+hidden states in VERIFY mode), so one graph serves every width of two or more. Width 1 keeps its
+own graphs (the decode step's kernels, and Dynamo specialises the size 1). What still splits:
+the routes that read the rows (products of 1-16 rows count ``batch * width`` rows, the Markov walk
+``batch * (width - 1)`` lanes), width 2 where a region works on its single draft (``g = 1``: Dynamo
+specialises the size-1 checks of broadcasting and contiguity), and the draft's tail, which runs
+the whole block's rows as they come at the full width and slices them otherwise
+(``DSparkDraft.block_prefix``).
+
 The warm-up compiles batch 1 first and then the largest size (graphs/capture.py), which gives the
 symbolic graph a large size as its hint. Everything else (weights, caches, vocabulary) stays
 static. The tails are compiled once per sampling mode too, so Dynamo's recompile limits are raised
@@ -79,6 +90,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..environment import environment
+from ..models.layers import NormedCarry
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +113,27 @@ def compile_regions(steps, n_batch_sizes: int) -> None:
     # the marks only serve the automatic policy; a caller that fixes dynamic (True or False) gets it as asked
     mark = COMPILE_OPTIONS.get("dynamic", None) is None
 
-    def compiled(fn):
+    def compiled(fn, window: dict[str, int] | None = None):
         region = torch.compile(fn, **COMPILE_OPTIONS)
-        return BatchDynamic(region, fn, lasting) if mark else region
+        return BatchDynamic(region, fn, lasting, window) if mark else region
 
     for name in steps.region_names():
-        setattr(steps, name, compiled(getattr(steps, name)))
-    steps.later_target_layers = [compiled(layer) for layer in steps.later_target_layers]
+        fn = getattr(steps, name)
+        setattr(steps, name, compiled(fn, getattr(fn, "window_inputs", None)))
+    # a target layer's hidden states hold the verify window's columns in dimension 1 (decode: 1 column)
+    steps.later_target_layers = [compiled(layer, TARGET_LAYER_WINDOW) for layer in steps.later_target_layers]
     steps.later_draft_layers = [compiled(layer) for layer in steps.later_draft_layers]
+
+
+# the window dimension of a target layer's inputs (BatchDynamic)
+TARGET_LAYER_WINDOW = {"h": 1, "delta": 1}
 
 
 class BatchDynamic:
     """A compiled region (``compiled``, of ``fn``) whose row-indexed inputs get their batch dimension
-    marked dynamic before each call of two rows or more (module doc), so that the region's first
-    compile there is already the symbolic one.
+    marked dynamic before each call of two rows or more, and whose inputs that hold a round's window
+    their window dimension before each call of a window of two columns or more (module doc), so
+    that the region's first compile there is already the symbolic one.
 
     The batch is the length of the call's ``slots``: an argument of that name, or a field of one
     (``RoundInputs.slots``, ``Rows.slots``); a call without one is passed through unmarked. The
@@ -123,10 +142,17 @@ class BatchDynamic:
     :func:`lasting_storages`), whose first dimension may have it by coincidence (the slots of the
     page table, a hidden size of 64) and must stay static. The marks are Dynamo's weak ones
     (``maybe_mark_dynamic``): a region that does specialise the batch compiles per size, which the
-    warm-up report counts, instead of failing."""
+    warm-up report counts, instead of failing.
 
-    def __init__(self, compiled: Callable, fn: Callable, lasting: frozenset[int]) -> None:
-        self.compiled, self.lasting = compiled, lasting
+    ``window``: which inputs hold the window's columns, by path (``"drafted.window"``: the ``window``
+    field of the ``drafted`` argument) and dimension (see :func:`_mark_window`). Declared, not
+    guessed from sizes: a dimension that only equals the width by coincidence (the block's ``gamma``
+    slots at width ``gamma``) would be marked at that width alone, and a graph compiled without a
+    mark refuses a tensor that carries one (Dynamo's guard on the marked dimensions)."""
+
+    def __init__(self, compiled: Callable, fn: Callable, lasting: frozenset[int],
+                 window: dict[str, int] | None = None) -> None:
+        self.compiled, self.lasting, self.window = compiled, lasting, window or {}
         # a module's call is its forward's (the module's own signature is __call__'s *args, **kwargs)
         self.signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
 
@@ -136,6 +162,8 @@ class BatchDynamic:
         if batch is not None and batch >= 2:
             for value in arguments.values():
                 _mark_rows(value, batch, self.lasting)
+        for path, dim in self.window.items():
+            _mark_window(_at(arguments, path), dim)
         return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -154,6 +182,35 @@ def batch_of(arguments: dict[str, Any]) -> int | None:
         slots = next((v.slots for v in arguments.values() if isinstance(getattr(v, "slots", None), torch.Tensor)),
                      None)
     return None if slots is None or slots.dim() != 1 else slots.shape[0]
+
+
+def _at(arguments: dict[str, Any], path: str) -> Any:
+    """The value at ``path`` (an argument's name, then field names, dot-separated), None if absent."""
+    name, *fields = path.split(".")
+    value = arguments.get(name)
+    for f in fields:
+        value = getattr(value, f, None)
+    return value
+
+
+def _mark_window(value: Any, dim: int) -> None:
+    """Mark the window dimension ``dim`` of ``value`` dynamic where it has two columns or more: a
+    tensor's ``dim``; a tuple's or list's tensors' (the aux taps); a ``NormedCarry``'s flattened rows
+    and columns instead (``scaled`` dim 0, ``ssq`` dim 1: ``batch * width`` rows); a dataclass's
+    tensor fields' ``dim`` (the drafts' q: ``batch * (width - 1)`` rows in dim 0). None: nothing."""
+    if isinstance(value, NormedCarry):
+        _mark_window(value.scaled, 0)
+        _mark_window(value.ssq, 1)
+    elif isinstance(value, torch.Tensor):
+        if value.dim() > dim and value.shape[dim] >= 2:
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_window(item, dim)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            if isinstance(item := getattr(value, f.name), torch.Tensor):
+                _mark_window(item, dim)
 
 
 def lasting_storages(steps) -> frozenset[int]:

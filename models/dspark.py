@@ -208,7 +208,9 @@ class ConfidenceHead(nn.Module):
         features = torch.cat([h, e_prev], dim=-1) if self.with_markov else h
         logit = self.proj(features).float().squeeze(-1)
         if self.temperatures is not None:
-            logit = logit / logit.new_tensor(self.temperatures[:h.shape[1]])
+            # the block's first slots (a narrower round's): sliced as a tensor, which a symbolic slot
+            # count under torch.compile can slice (a Python list cannot)
+            logit = logit / logit.new_tensor(self.temperatures)[:h.shape[1]]
         return torch.sigmoid(logit)
 
 
@@ -336,7 +338,8 @@ class DSparkDraft(nn.Module):
                       walk: str = "jacobi", count_passes: bool = False, confidence: bool = True) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`; or its first slots, :meth:`block_prefix`), then the Markov walk
-        (``walk``, ``count_passes``: :meth:`walk`), then the confidences of the drafted tokens (:meth:`confidences`; with ``confidence`` and a head).
+        (``walk``, ``count_passes``: :meth:`walk`), then the confidences of the drafted tokens
+        (:meth:`confidences`; with ``confidence`` and a head).
         With a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
         takes the LM head's product of the carry; every other walk runs the norm on ``x``, as it
         also reads the normed states."""

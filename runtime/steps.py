@@ -51,11 +51,14 @@ from .state import SlotState
 F = TypeVar("F", bound=Callable)
 
 
-def region(draft: bool = False) -> Callable[[F], F]:
+def region(draft: bool = False, window: dict[str, int] | None = None) -> Callable[[F], F]:
     """Declare a :class:`Steps` method one compiled region (graphs/compile.py ``compile_regions``);
-    ``draft``: only when the engine has a draft."""
+    ``draft``: only when the engine has a draft; ``window``: which of its inputs hold a round's window
+    of columns, by path and dimension (graphs/compile.py ``BatchDynamic``), so that one compiled
+    graph serves every width of two or more."""
     def mark(fn: F) -> F:
         fn.compiled_region = "draft" if draft else "target"
+        fn.window_inputs = window
         return fn
     return mark
 
@@ -71,12 +74,22 @@ def verify_mode(width: int) -> ForwardMode:
 class RoundInputs:
     """What the round's phases share. Each phase's regions read the rows' state (committed length
     ``s``, anchor ``x0``, sampling parameters) from the slots themselves (see the module doc).
-    ``width``: the verify window's columns, ``x0`` and the first ``width - 1`` drafts (1: no draft
-    runs, the round is a decode step that feeds the draft its context; runtime/speculation.py)."""
+
+    ``columns``: ``0 .. W - 1`` for the verify window's ``W`` columns, ``x0`` and the first ``W - 1``
+    drafts (1: no draft runs, the round is a decode step that feeds the draft its context;
+    runtime/speculation.py); a view of one tensor of the steps (:attr:`Steps.columns`). The width
+    reaches the regions as this tensor's shape, never as a Python int, so that one compiled graph
+    of a region serves every width of two or more (graphs/compile.py marks the width dynamic);
+    width 1 is a variant of its own (a decode step's kernels)."""
 
     slots: torch.Tensor
     mode: SamplingMode
-    width: int
+    columns: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """The window's columns: a Python int in the glue, a symbolic size inside a compiled region."""
+        return self.columns.shape[0]
 
 
 @dataclass
@@ -94,10 +107,18 @@ class Drafted:
     """A round's proposals: the first ``g = width - 1`` slots of the draft's block (the slots the round
     verifies; the draft's layers ran the whole block, its head and walk these slots only)."""
 
-    tokens: torch.Tensor | None   # [B, g] d_1..d_g (None: a round of width 1 drafts nothing)
+    # [B, W] the verify's window x0, d_1..d_g (None: a round of width 1 drafts nothing); the regions
+    # after the draft take it whole, so its width is never a size-1 dimension (which Dynamo would
+    # specialise: graphs/compile.py)
+    window: torch.Tensor | None
     q: Filtered | None            # B * g rows (row b * g + k): the q each was drawn from (sampling rounds)
     # [B, gamma] fp32 c_k (the head's, NaN past slot g; or the imposed rates, all known), if wanted
     confidence: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """``[B, g]``: the drafts d_1..d_g (a view of :attr:`window`)."""
+        return None if self.window is None else self.window[:, 1:]
 
 
 @dataclass
@@ -135,6 +156,8 @@ class Steps:
         self.draft, self.dcache = draft, dcache
         self.taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         self.gamma = draft.config.block_size if draft is not None else 0
+        # 0 .. gamma: a round's RoundInputs.columns are its first `width` (a view, no kernel)
+        self.columns = torch.arange(self.gamma + 1, device=target.device)
         self.imposed = imposed_acceptance    # [gamma] conditional acceptance rates, or None
         # whether rounds compute the draft's confidences (the engine sets it when its width policy reads them)
         self.want_confidence = False
@@ -255,7 +278,7 @@ class Steps:
         """One round verifying ``width`` columns (default: the whole block, ``gamma + 1``)."""
         inputs = self.round_inputs(slots, mode, width)
         drafted = self.round_draft(inputs)
-        verified = self.round_verify(inputs, drafted.tokens)
+        verified = self.round_verify(inputs, drafted.window)
         return self.round_commit(inputs, drafted, verified)
 
     # The round's phases are separate methods so the benchmark can time them one by one.
@@ -263,7 +286,7 @@ class Steps:
         width = self.gamma + 1 if width is None else width
         if not 1 <= width <= self.gamma + 1:
             raise ValueError(f"verify width {width} outside 1..{self.gamma + 1}")
-        return RoundInputs(slots, mode, width)
+        return RoundInputs(slots, mode, self.columns[:width])
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
         """``width - 1`` proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
@@ -292,7 +315,7 @@ class Steps:
                                          self.draft.layers[:1])
         return x, delta, row.s, lens
 
-    @region(draft=True)
+    @region(draft=True, window={"inp.columns": 0})
     def finish_draft(self, inp: RoundInputs, x: torch.Tensor, delta: Pending) -> Drafted:
         """Final norm, LM head, the Markov walk and the confidences over the first ``g = width - 1`` of
         the block's hidden states ``x + delta`` (models/dspark.py ``block_prefix``): what the round
@@ -321,15 +344,17 @@ class Steps:
             confidence = torch.nn.functional.pad(confidence, (0, self.gamma - g), value=float("nan"))
         if self.want_confidence and self.imposed is not None:   # imposed rates impose the confidences too
             confidence = self.imposed[None, :].expand(proposal.tokens.shape[0], -1)
-        return Drafted(proposal.tokens, Filtered.interleave(draft_q) if draft_q else None, confidence)
+        window = torch.cat([row.x0[:, None], proposal.tokens], dim=1)
+        return Drafted(window, Filtered.interleave(draft_q) if draft_q else None, confidence)
 
-    def round_verify(self, inp: RoundInputs, d: torch.Tensor | None) -> Verified:
-        """Target over [x0, d_1..d_{W-1}] at s..s+W-1 (``W`` the round's width; conv tape recorded, K/V written);
+    def round_verify(self, inp: RoundInputs, window: torch.Tensor | None) -> Verified:
+        """Target over the ``window`` [x0, d_1..d_{W-1}] (:attr:`Drafted.window`; None at width 1: [x0])
+        at s..s+W-1 (conv tape recorded, K/V written);
         column i predicts position s + i + 1. The draft context injection forks to the side stream
         as soon as every aux tap exists, before the layers after the last tapped one
         (:meth:`fork_injection`; :meth:`round_commit` joins it)."""
         caches = self.tcache.layer_caches(self.target.config)
-        fwd = self.verify_head(inp.slots, d, inp.width, caches[0])
+        fwd = self.verify_head(inp, window, caches[0])
         injected = False
         for layer, cache in zip(self.later_target_layers, caches[1:]):
             if not injected and (taps := self.target.taps_ready(fwd)) is not None:
@@ -338,15 +363,16 @@ class Steps:
             fwd = self.target.advance(fwd, [cache], verify_mode(inp.width), [layer])
         return Verified(fwd.h, fwd.delta, self.target.aux_taps(fwd), fwd.rows, injected)
 
-    @region(draft=True)
-    def verify_head(self, slots: torch.Tensor, d: torch.Tensor | None, width: int, first_cache: LayerCache
+    @region(draft=True, window={"window": 1})
+    def verify_head(self, inp: RoundInputs, window: torch.Tensor | None, first_cache: LayerCache
                     ) -> PartialForward:
-        """The verify up to its second layer: the window ``[x0, d_1..d_{width-1}]``'s embeddings and
-        lens, and the first layer."""
-        row = self.read_rows(slots)
-        window = row.x0[:, None] if width == 1 else torch.cat([row.x0[:, None], d[:, :width - 1]], dim=1)
-        fwd = self.target.begin(window, self.tcache.rope, slots, row.s, None, self.taps)
-        return self.target.advance(fwd, [first_cache], verify_mode(width), self.target.model.layers[:1])
+        """The verify up to its second layer: the window ``[x0, d_1..d_{W-1}]``'s embeddings and lens,
+        and the first layer (``window`` None: the width-1 round's ``[x0]``, in DECODE mode)."""
+        row = self.read_rows(inp.slots)
+        mode = ForwardMode.DECODE if window is None else ForwardMode.VERIFY     # as verify_mode(width)
+        tokens = row.x0[:, None] if window is None else window
+        fwd = self.target.begin(tokens, self.tcache.rope, inp.slots, row.s, None, self.taps)
+        return self.target.advance(fwd, [first_cache], mode, self.target.model.layers[:1])
 
     def round_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """The round's last phase: :meth:`round_accept_commit` beside the draft context injection
@@ -412,7 +438,7 @@ class Steps:
             torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
             self._injection_pending = False
 
-    @region(draft=True)
+    @region(draft=True, window={"aux": 1})
     def round_inject(self, aux: tuple[torch.Tensor, ...], rows: Rows, side_stream: bool) -> None:
         """The draft context K/V of the verify's whole window ``[x0, d_1..d_gamma]`` at ``s .. s + gamma``
         from its aux taps (see :meth:`round_commit`): positions past the accepted ones are written
@@ -420,7 +446,8 @@ class Steps:
         committed length the concurrent :meth:`round_accept_commit` advances."""
         self.draft.inject_context(torch.cat(aux, dim=-1), self.dcache, rows.slots, rows.start, rows.lens, side_stream)
 
-    @region(draft=True)
+    @region(draft=True, window={"inp.columns": 0, "drafted.window": 1, "drafted.q": 0, "verified.hidden": 1,
+                                "verified.delta": 1})
     def round_accept_commit(self, inp: RoundInputs, drafted: Drafted, verified: Verified) -> StepOutput:
         """Accept a drafts, draw the correction / bonus token at position s + a + 1, commit
         x0, d_1..d_a (the conv state from the tape; the draft context is :meth:`round_inject`'s).
@@ -435,14 +462,15 @@ class Steps:
         B, W = inp.slots.shape[0], g + 1
         d = drafted.tokens if g else s.new_zeros(B, 0)
         d_ext = torch.cat([d, row.x0[:, None]], dim=1)                         # a token id for the bonus column too
-        positions = s[:, None] + torch.arange(1, g + 1, device=s.device)[None, :]   # of d_1..d_g
+        cols = inp.columns[None, :]                                            # [1, W]: 0 .. g
+        positions = s[:, None] + cols[:, 1:]                                   # of d_1..d_g
         if rows is None:   # [B, W], no fp32 copy
             logits, target_pick = self.target.compute_greedy(verified.hidden, verified.delta)
             scores = logits
             accepted = d == target_pick[:, :-1]
         else:
             logits = self.target.compute_logits(verified.hidden, verified.delta)
-            window = s[:, None] + torch.arange(1, g + 2, device=s.device)[None, :]   # predicted positions
+            window = s[:, None] + cols + 1                                     # predicted positions
             p = rows.filtered(logits.float(), window, block_history(d, logits.shape[-1]), inp.mode)   # B * W rows
             scores = p.scores().view(B, W, -1) if self.logprobs_mode == "processed" else logits
             accepted = torch.zeros_like(d, dtype=torch.bool)
@@ -456,7 +484,6 @@ class Steps:
             seed = st.sampling.seed[row.index]
             accepted = uniform(draw_key(seed[:, None], positions, STREAM_IMPOSED)) < self.imposed[None, :g]
         limit = st.draft_limit[row.index].clamp(max=g)                         # [B] drafts each row may accept
-        cols = torch.arange(g + 1, device=s.device)[None, :]
         accepted = accepted & (cols[:, :g] < limit[:, None])
         a = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # [B] in 0..limit
         if rows is None:

@@ -233,12 +233,12 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def draft_phase():
         inp = steps.round_inputs(slots, SamplingMode.GREEDY)
-        return steps.round_draft(inp).tokens
+        return steps.round_draft(inp).window
 
-    tokens = draft_phase()
+    window = draft_phase()
 
     def verify_phase():
-        v = steps.round_verify(steps.round_inputs(slots, SamplingMode.GREEDY), tokens)
+        v = steps.round_verify(steps.round_inputs(slots, SamplingMode.GREEDY), window)
         steps.join_injection()   # the verify forked the draft's context injection: timed here
         return v.hidden, v.delta, v.aux, v.rows, v.injected
 
@@ -246,7 +246,7 @@ def time_round_phases(engine: Engine, batch: int, iters: int) -> dict[str, float
 
     def commit_phase():
         # round_commit: with the injection's fork where the verify did not fork it (injected False)
-        out = steps.round_commit(steps.round_inputs(slots, SamplingMode.GREEDY), Drafted(tokens, None),
+        out = steps.round_commit(steps.round_inputs(slots, SamplingMode.GREEDY), Drafted(window, None),
                                  Verified(hidden, delta, aux, rows, injected))
         return out.tokens, out.n_new
 

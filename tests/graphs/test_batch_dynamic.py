@@ -83,3 +83,39 @@ def test_batch_marks_rows_and_leaves_weights_and_caches(monkeypatch):
                              torch.zeros(1, dtype=torch.int64)).rows
     wrapped(torch.zeros(1, 5, 64), None, weight, (table,), rows=one)
     assert marked == []
+
+
+def round_graphs(widths: tuple[int, ...], sizes: tuple[int, ...]) -> dict[str, int]:
+    """Dynamo graphs per region (and per layer kind) after greedy rounds at each of ``widths`` (widest
+    first) and ``sizes`` (in that order: the capture's), in a fresh Dynamo."""
+    torch._dynamo.reset()
+    engine = Engine.from_preset("tiny", "tiny-dspark", dtype=torch.float32, device="cpu", max_batch=max(sizes),
+                                max_seq_len=64, compile=True, verify_widths=list(widths))
+    codes = {name: getattr(Steps, name).__code__ for name in engine.model_runner.steps.region_names()}
+    codes |= {"target layer": Lfm2DecoderLayer.forward.__code__, "draft layer": DraftLayer.forward.__code__}
+    for width in reversed(widths):
+        for size in sizes:
+            with engine.model_runner.numerics():
+                engine.model_runner.step_runner.run(StepKind.ROUND, [-1] * size, SamplingMode.GREEDY, width)
+    return {name: len(_debug_get_cache_entry_list(code)) for name, code in codes.items()}
+
+
+@pytest.mark.slow
+def test_more_verify_widths_compile_no_more_graphs(monkeypatch):
+    """Rounds at widths 3 and 4 besides 1 and the whole block (tiny: 5) compile no graph more in any
+    region or layer (the width is a shape their graphs share: runtime/steps.py ``RoundInputs``),
+    except the draft's tail: one narrow variant for both (the first slots of the block, sliced;
+    the whole block's rows pass as they are: models/dspark.py ``block_prefix``), at batch 1 and
+    above. With the width a Python int, the verify's and the commit's regions and the target
+    layers compiled again at the second width of two or more."""
+    monkeypatch.setattr(compile_module, "COMPILE_OPTIONS", dict(compile_module.COMPILE_OPTIONS, backend="eager"))
+    monkeypatch.setattr(routing, "product_kernels", lambda x: 1 <= routing.rows_of(x) <= 5)
+    sizes = (1, 8, 6)
+    try:
+        two, four = round_graphs((1, 5), sizes), round_graphs((1, 3, 4, 5), sizes)
+    finally:
+        torch._dynamo.reset()
+    tail = "finish_draft"
+    assert {k: v for k, v in four.items() if k != tail} == {k: v for k, v in two.items() if k != tail}
+    assert two[tail] == 2 and four[tail] == 4
+    assert four["verify_head"] > 0 and four["target layer"] > 0
