@@ -82,11 +82,11 @@ def test_warmup_reports_the_warmup_and_the_tpot_per_batch_size(tmp_path):
     start = report["startup"]
     assert start["load_s"] > 0 and start["build_s"] > 0 and start["warmup_s"] == report["warmup"]["seconds"] > 0
     assert start["total_s"] == pytest.approx(start["load_s"] + start["build_s"] + start["warmup_s"])
-    assert report["warmup"]["widths"] == [1, 5]
+    assert report["warmup"]["widths"] == [1, 3, 5]          # the defaults for the tiny draft's block of 4
     assert [r["batch"] for r in report["results"]] == [1, 2]
-    for r in report["results"]:     # two widths: the scheduler's rounds and the whole block every round
+    for r in report["results"]:     # several widths: the scheduler's rounds and the whole block every round
         assert r["tpot_ms_p50"] > 0 and r["tpot_ms_p50_whole_block"] > 0
-        assert set(r["rounds_by_width"]) <= {"1", "5"} and sum(r["rounds_by_width"].values()) > 0
+        assert set(r["rounds_by_width"]) <= {"1", "3", "5"} and sum(r["rounds_by_width"].values()) > 0
     # sized to the batches measured; the captured sizes are the engine's defaults
     assert report["engine_config"]["max_batch"] == 2 and report["engine_config"]["batch_sizes"] is None
 
