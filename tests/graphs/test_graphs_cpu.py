@@ -20,13 +20,16 @@ def test_default_batch_sizes_are_dense_at_the_small_end():
     assert sizes[-1] == 50 and sizes == sorted(set(sizes))
 
 
-def test_compiled_decode_step_matches_eager_on_cpu():
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["model-dtype", "fp8"])
+def test_compiled_decode_step_matches_eager_on_cpu(quantization):
     """Without CUDA the same API runs the compiled path: torch.compile(fullgraph=True) of the
-    decode step (the ops run their CPU implementations inside the compiled graph)."""
+    decode step (the ops run their CPU implementations inside the compiled graph; an fp8 target's
+    products are traced as the GPU's are)."""
     target = random_tiny_target(seed=2)
     params = SamplingParams(max_new_tokens=6)
-    eager = Engine(target, None, max_batch=1, max_seq_len=64).generate([[3, 1, 4, 1, 5]], params)
-    engine = Engine(target, None, max_batch=1, max_seq_len=64, compile=True)
+    kw = dict(max_batch=1, max_seq_len=64, quantization=quantization)
+    eager = Engine(target, None, **kw).generate([[3, 1, 4, 1, 5]], params)
+    engine = Engine(target, None, compile=True, **kw)
     report = engine.warmup(progress=False, sampling=False)
     assert report.mode == "compiled" and report.entries[0].compile_s > 0
     torch._dynamo.config.error_on_recompile = True
