@@ -16,7 +16,7 @@ positions ``s .. s+gamma-1`` and overwritten when the round commits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,17 +33,6 @@ from .layers import (Linear, NormedCarry, Pending, RMSNorm, SwiGLU, completed, l
 
 log = logging.getLogger("lfmspark")
 lfm = torch.ops.lfmspark
-
-# pick(k, logits_k [B, V] fp32) -> tokens [B] int64: greedy argmax or a sampler of the runtime
-TokenPicker = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-def greedy_pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
-    """The greedy :data:`TokenPicker`. Passed as such (compared by identity), it lets
-    :meth:`DSparkDraft.walk` run the fused walk (``lfmspark::markov_greedy_walk``), which returns
-    the tokens only; any other picker, even an equivalent argmax, runs the general walk."""
-    return logits_k.argmax(dim=-1)
-
 
 def check_draft_fits_target(cfg: DraftConfig, target: TargetConfig) -> None:
     """Raise :class:`ConfigError` when the draft cannot serve this target."""
@@ -218,9 +207,9 @@ class ConfidenceHead(nn.Module):
 class DraftProposal:
     # G: the slots walked, the whole block (gamma) or its first slots (DSparkDraft.block_prefix)
     tokens: torch.Tensor            # [B, G] int64: x_1 .. x_G
-    logits: torch.Tensor | None      # [B, G, V] fp32 Markov-corrected logits (q = softmax(logits / T))
+    logits: torch.Tensor | None      # [B, G, V] fp32 Markov-corrected logits (q = softmax(logits / T)),
+                                     # or None where the fused walk was not asked for them
     confidence: torch.Tensor | None  # [B, G] conditional acceptance estimates c_k (None: no confidence head)
-    # the fused greedy walk (pick = greedy_pick, see DSparkDraft.walk) gives no logits
 
 
 class DSparkDraft(nn.Module):
@@ -306,11 +295,11 @@ class DSparkDraft(nn.Module):
         return x, delta
 
     def propose(self, anchor: torch.Tensor, cache: DraftCache, slots: torch.Tensor, start: torch.Tensor,
-                pick: TokenPicker) -> DraftProposal:
+                noise: torch.Tensor | None = None, logits: bool = False) -> DraftProposal:
         """Draft one block: the layers, final norm and LM head, then the Markov walk left to right
-        (``pick`` chooses each token from its corrected logits)."""
+        (:meth:`walk`: ``noise`` and ``logits`` as there)."""
         x, delta = self.block_hidden(anchor, cache, slots, start)
-        return self.head_and_walk(x, delta, anchor, pick)
+        return self.head_and_walk(x, delta, anchor, noise, logits=logits)
 
     @staticmethod
     def block_prefix(x: torch.Tensor, delta: Pending, g: int) -> tuple[torch.Tensor, Pending]:
@@ -334,23 +323,24 @@ class DSparkDraft(nn.Module):
             delta = delta[:, :g]
         return x[:, :g], delta
 
-    def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, pick: TokenPicker,
-                      walk: str = "jacobi", count_passes: bool = False, confidence: bool = True) -> DraftProposal:
+    def head_and_walk(self, x: torch.Tensor, delta: Pending, anchor: torch.Tensor, noise: torch.Tensor | None = None,
+                      walk: str = "jacobi", count_passes: bool = False, confidence: bool = True,
+                      logits: bool = False) -> DraftProposal:
         """Final norm and LM head over the block's last-layer output ``x + delta`` (see
         :meth:`block_hidden`; or its first slots, :meth:`block_prefix`), then the Markov walk
-        (``walk``, ``count_passes``: :meth:`walk`), then the confidences of the drafted tokens
-        (:meth:`confidences`; with ``confidence`` and a head).
-        With a ``NormedCarry`` of the final norm, the fused greedy walk (which reads the logits only)
-        takes the LM head's product of the carry; every other walk runs the norm on ``x``, as it
+        (``noise``, ``walk``, ``count_passes``, ``logits``: :meth:`walk`), then the confidences of
+        the drafted tokens (:meth:`confidences`; with ``confidence`` and a head).
+        With a ``NormedCarry`` of the final norm, the fused walk (which reads the logits only)
+        takes the LM head's product of the carry; the general walk runs the norm on ``x``, as it
         also reads the normed states."""
         want_confidence = confidence and self.confidence_head is not None
-        if isinstance(delta, NormedCarry) and self._fused_walk(pick):
-            proposal = self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, pick, walk,
-                                 count_passes)
+        if isinstance(delta, NormedCarry) and self.fused_walk:
+            proposal = self.walk(norm_linear(x, delta, self.norm, self.lm_head)[1], None, anchor, noise, walk,
+                                 count_passes, logits)
             h = self.norm(completed(x, delta)) if want_confidence else None
         else:
             h = self.norm(completed(x, delta))
-            proposal = self.walk(self.lm_head(h), h, anchor, pick, walk, count_passes)
+            proposal = self.walk(self.lm_head(h), h, anchor, noise, walk, count_passes, logits)
         if want_confidence:
             proposal.confidence = self.confidences(h, anchor, proposal.tokens)
         return proposal
@@ -365,37 +355,49 @@ class DSparkDraft(nn.Module):
             e_prev = self.markov_head.markov_w1(prev)
         return self.confidence_head(h, e_prev)
 
-    def _fused_walk(self, pick: TokenPicker) -> bool:
-        """Whether :meth:`walk` takes the fused greedy path (tokens only; the normed states unread)."""
-        return pick is greedy_pick and (self.markov_head is None or self.markov_head.kind == "vanilla")
+    @property
+    def fused_walk(self) -> bool:
+        """Whether :meth:`walk` runs fused (``lfmspark::markov_greedy_walk``; the normed states unread):
+        a vanilla Markov head, or none."""
+        return self.markov_head is None or self.markov_head.kind == "vanilla"
 
-    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, pick: TokenPicker,
-             walk: str = "jacobi", count_passes: bool = False) -> DraftProposal:
+    def walk(self, base: torch.Tensor, h: torch.Tensor | None, anchor: torch.Tensor, noise: torch.Tensor | None = None,
+             walk: str = "jacobi", count_passes: bool = False, logits: bool = False) -> DraftProposal:
         """The Markov walk over the LM-head logits ``base [B, G, V]`` (any float dtype; the corrected
-        logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made). With ``pick`` =
-        :func:`greedy_pick` and a vanilla Markov head (or none), the fused greedy walk: tokens only
-        (``logits`` and ``confidence`` None), in one launch at batch 1 on the kernel family ``walk``
-        names (ops/routing.py ``WALKS``; ``count_passes``: the Jacobi kernel tallies its passes for
-        the benchmark). Otherwise slot by slot, keeping each slot's corrected logits (``h``, the
-        normed states ``[B, G, H]``, is read there only). ``confidence`` is left None here:
+        logits are fp32, and the fused ops read ``base`` as it is, so no fp32 copy is made): slot
+        ``k``'s token is the argmax of its corrected logits plus ``noise[:, k]`` (fp32 ``[B, G, V]``;
+        None: the plain argmax), and the correction of slot ``k + 1`` follows that token. Noise
+        ``T * g`` with ``g`` Gumbel draws makes the walk sample each slot from ``softmax(logits / T)``
+        (the Gumbel-max trick; runtime/randomness.py ``gumbel``), so one walk serves greedy and
+        sampled rounds.
+
+        With a vanilla Markov head, or none, the walk is fused: ``lfmspark::markov_greedy_walk`` over
+        ``base + noise`` (one launch at batch 1 on the kernel family ``walk`` names, ops/routing.py
+        ``WALKS``; ``count_passes``: the Jacobi kernel tallies its passes for the benchmark), and the
+        corrected logits are computed afterwards, in one product over the block's drawn tokens, only
+        with ``logits``. Gated and RNN heads walk slot by slot (``h``, the normed states ``[B, G, H]``,
+        is read there only) and always return their logits. ``confidence`` is left None here:
         :meth:`head_and_walk` adds it."""
         head = self.markov_head
         B, G, _ = base.shape
-        if pick is greedy_pick and head is None:
-            return DraftProposal(tokens=argmax_last(base), logits=None, confidence=None)
-        if pick is greedy_pick and head.kind == "vanilla":
-            tokens = lfm.markov_greedy_walk(base, anchor, head.markov_w1.weight, head.markov_w2.weight,
+        noisy = base if noise is None else base.float() + noise
+        if head is None:
+            return DraftProposal(tokens=argmax_last(noisy), logits=base.float() if logits else None, confidence=None)
+        if head.kind == "vanilla":
+            tokens = lfm.markov_greedy_walk(noisy, anchor, head.markov_w1.weight, head.markov_w2.weight,
                                             walk, count_passes)
-            return DraftProposal(tokens=tokens, logits=None, confidence=None)
+            corrected = None
+            if logits:   # the biases the walk added: each slot's from the token before it
+                prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+                corrected = base.float() + head.markov_w2(head.markov_w1(prev)).float()
+            return DraftProposal(tokens=tokens, logits=corrected, confidence=None)
         prev = anchor
-        state = h.new_zeros(B, head.rank) if head is not None and head.kind == "rnn" else None
-        tokens, logits = [], []
+        state = h.new_zeros(B, head.rank) if head.kind == "rnn" else None
+        tokens, corrected = [], []
         for k in range(G):
-            logits_k = base[:, k].float()
-            if head is not None:
-                bias, state = head.step(head.markov_w1(prev), h[:, k], state)
-                logits_k = logits_k + bias.float()
-            prev = pick(k, logits_k)
+            bias, state = head.step(head.markov_w1(prev), h[:, k], state)
+            logits_k = base[:, k].float() + bias.float()
+            prev = (logits_k if noise is None else logits_k + noise[:, k]).argmax(dim=-1)
             tokens.append(prev)
-            logits.append(logits_k)
-        return DraftProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits, dim=1), confidence=None)
+            corrected.append(logits_k)
+        return DraftProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(corrected, dim=1), confidence=None)

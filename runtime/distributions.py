@@ -97,12 +97,16 @@ class Filtered:
                         self.greedy[index])
 
     @staticmethod
-    def interleave(parts: list["Filtered"]) -> "Filtered":
-        """``G`` batches of ``B`` rows as one of ``B * G`` rows, row ``b * G + g`` from ``parts[g]``."""
-        def cat(name: str) -> torch.Tensor:
-            t = torch.stack([getattr(f, name) for f in parts], dim=1)
-            return t.reshape(-1, *t.shape[2:])
-        return Filtered(cat("x"), cat("threshold"), cat("top"), cat("z"), cat("argmax"), cat("greedy"))
+    def tempered(logits: torch.Tensor, temperature: torch.Tensor, drawn: torch.Tensor) -> "Filtered":
+        """A draft's distributions: ``softmax(logits / T)`` of fp32 ``logits [N, V]`` at per-row
+        ``temperature [N]``, nothing filtered, what the draft's walk draws its tokens ``drawn [N]``
+        from (models/dspark.py ``DSparkDraft.walk``); greedy rows (``T = 0``) are the one-hot of
+        their drawn token, the argmax of their logits."""
+        greedy = temperature <= 0
+        x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        top = x.amax(dim=-1)
+        z = torch.exp(x - top[:, None]).sum(dim=-1)
+        return Filtered(x, torch.full_like(top, float("-inf")), top, z, drawn, greedy)
 
 
 def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -62,6 +62,14 @@ def uniform(key: torch.Tensor) -> torch.Tensor:
     return uniforms(key, 1)[..., 0]
 
 
+def gumbel(key: torch.Tensor, n: int) -> torch.Tensor:
+    """``[*key.shape, n]`` fp32 Gumbel draws ``-log(-log(u))`` from :func:`uniforms` (finite: ``u``
+    stays 2^-25 from 0 and 1). ``argmax(x / T + g)`` draws from ``softmax(x / T)``, and it is the
+    token :func:`sample` draws from those probabilities with the same key: the log of its
+    exponential race, ``log p - log E``."""
+    return -torch.log(-torch.log(uniforms(key, n)))
+
+
 def sample(probs: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Draw an index from each row of ``probs [..., V]`` (unnormalised is fine) with its key."""
     noise = -torch.log(uniforms(key, probs.shape[-1]))

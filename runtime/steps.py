@@ -37,13 +37,13 @@ from typing import TypeVar
 import torch
 
 from ..models.cache import DraftCache, LayerCache, TargetCache
-from ..models.dspark import DSparkDraft, greedy_pick
+from ..models.dspark import DSparkDraft
 from ..models.layers import Pending
 from ..models.lfm2 import ForwardMode, Lfm2ForCausalLM, PartialForward, Rows
 from ..ops.argmax_rows import argmax_last
 from ..ops.routing import exact_scope
 from .distributions import Filtered, SamplingMode
-from .randomness import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, draw_key, sample, uniform
+from .randomness import STREAM_ACCEPT, STREAM_DRAFT, STREAM_IMPOSED, STREAM_TOKEN, draw_key, gumbel, sample, uniform
 from .sampling import RowSampling, block_history
 from .state import SlotState
 
@@ -289,8 +289,9 @@ class Steps:
         return RoundInputs(slots, mode, self.columns[:width])
 
     def round_draft(self, inp: RoundInputs) -> Drafted:
-        """``width - 1`` proposals; slot k predicts position s + k + 1. Sampling keeps each slot's filtered
-        distribution q, the exact one its token was drawn from. A round of width 1 drafts nothing.
+        """``width - 1`` proposals; slot k predicts position s + k + 1. Sampling keeps each slot's
+        distribution q, the exact one its token was drawn from (:meth:`finish_draft`). A round of
+        width 1 drafts nothing.
         The draft's layers run the whole block at every width (its attention is bidirectional, so a
         slot's state depends on every slot), its head and walk the verified slots only (:meth:`finish_draft`)."""
         if inp.width == 1:
@@ -320,32 +321,36 @@ class Steps:
         """Final norm, LM head, the Markov walk and the confidences over the first ``g = width - 1`` of
         the block's hidden states ``x + delta`` (models/dspark.py ``block_prefix``): what the round
         verifies. The walk is left to right, so its first ``g`` tokens are the whole block's first ``g``
-        (the sampled walk's draws too: each slot's key is its position's)."""
+        (the sampled walk's draws too: each slot's key is its position's).
+
+        A sampling round's draft draws slot ``k`` from its own tempered distribution
+        ``q = softmax(logits / T)`` at the row's temperature (the DSpark reference's q): the Gumbel
+        draws ``T * g`` of the slot's key, added to the logits, turn the greedy walk into that
+        draw, one fused launch for the block. q is not the request's filtered distribution:
+        rejection sampling is exact for any q the tokens are drawn from, and the filters' sort-free
+        search at every slot would cost more than the few drafts they would save."""
         g = inp.width - 1
         x, delta = self.draft.block_prefix(x, delta, g)
         row = self.read_rows(inp.slots, inp.mode.sampling, grammar=False)
         rows, s = row.rows, row.s
-        draft_q: list[Filtered] = []
-        drawn: list[torch.Tensor] = []
-
-        def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
-            # the block's earlier drafts are in this position's history, as in the verify's p
-            extra = block_history(torch.stack(drawn, dim=1), logits_k.shape[-1])[:, -1] if drawn else None
-            q = rows.filtered(logits_k, s + k + 1, extra, inp.mode)
-            draft_q.append(q)
-            token = q.sample(draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
-            drawn.append(token)
-            return token
-
-        proposal = self.draft.head_and_walk(x, delta, row.x0, greedy_pick if rows is None else pick, self.markov_walk,
-                                            self.count_walk_passes, self.want_confidence and self.imposed is None)
+        noise = None
+        if rows is not None:
+            keys = draw_key(rows.seed[:, None], s[:, None] + 1 + inp.columns[None, :g], STREAM_DRAFT)   # [B, g]
+            noise = rows.temperature[:, None, None] * gumbel(keys, rows.bias.shape[-1])    # greedy rows: T = 0
+        proposal = self.draft.head_and_walk(x, delta, row.x0, noise, self.markov_walk, self.count_walk_passes,
+                                            self.want_confidence and self.imposed is None, logits=rows is not None)
+        q = None
+        if rows is not None:
+            V = proposal.logits.shape[-1]
+            q = Filtered.tempered(proposal.logits.reshape(-1, V), rows.temperature.repeat_interleave(g),
+                                  proposal.tokens.reshape(-1))
         confidence = proposal.confidence
         if confidence is not None:       # [B, g]: the slots past g have none
             confidence = torch.nn.functional.pad(confidence, (0, self.gamma - g), value=float("nan"))
         if self.want_confidence and self.imposed is not None:   # imposed rates impose the confidences too
             confidence = self.imposed[None, :].expand(proposal.tokens.shape[0], -1)
         window = torch.cat([row.x0[:, None], proposal.tokens], dim=1)
-        return Drafted(window, Filtered.interleave(draft_q) if draft_q else None, confidence)
+        return Drafted(window, q, confidence)
 
     def round_verify(self, inp: RoundInputs, window: torch.Tensor | None) -> Verified:
         """Target over the ``window`` [x0, d_1..d_{W-1}] (:attr:`Drafted.window`; None at width 1: [x0])

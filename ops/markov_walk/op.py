@@ -6,8 +6,9 @@ For ``k = 0 .. G-1`` (``prev`` = the anchor for ``k = 0``, else token ``k-1``)::
     bias     = F.linear(e, w2).float()            # [B, V], fp32 sum rounded once to the weight dtype
     token_k  = argmax(base[:, k] + bias, dim=-1)  # first index among equal maxima
 
-which is exactly what ``DSparkDraft.walk`` (models/dspark.py) computes for a vanilla head with an
-argmax pick, and what the CPU implementation (:func:`markov_greedy_walk_reference`) runs. ``base``
+which is exactly what ``DSparkDraft.walk`` (models/dspark.py) computes for a vanilla head, and what
+the CPU implementation (:func:`markov_greedy_walk_reference`) runs. A sampling round runs the same
+walk over its logits plus Gumbel noise at the row's temperature, which makes each argmax a draw. ``base``
 may also be bf16 / fp16 (the LM head's own output), which saves materializing its fp32 copy: the
 sum is taken in fp32 either way, so the tokens are the same.
 

@@ -10,8 +10,8 @@ from torch import nn
 
 from lfmspark.models.cache import DraftCache
 from lfmspark.models.config import DraftConfig
-from lfmspark.models.dspark import greedy_pick
 from lfmspark.models.presets import random_draft
+from lfmspark.runtime.randomness import STREAM_DRAFT, draw_key, gumbel, sample
 from reference_dspark import reference_block
 from env_vars import interpret_triton
 
@@ -71,7 +71,7 @@ def test_draft_block_matches_cache_free_reference(case):
                              torch.tensor([hi_of(i) - lo_of(i) for i in range(3)] + [1]))
     start = torch.tensor(lengths + [0])
     with torch.no_grad():
-        proposal = draft.propose(anchors, cache, slots_t, start, lambda k, logits: logits.argmax(-1))
+        proposal = draft.propose(anchors, cache, slots_t, start, logits=True)
     for i in range(3):
         tokens, logits, confidence = reference_block(draft, feats[i], int(anchors[i]), embed.weight, lm_head.weight)
         torch.testing.assert_close(proposal.logits[i], logits, rtol=1e-4, atol=1e-4)
@@ -82,18 +82,22 @@ def test_draft_block_matches_cache_free_reference(case):
             assert proposal.confidence is None
 
 
-def test_sampled_walk_feeds_sampled_tokens_forward():
-    """The Markov walk conditions slot k on the token *picked* at k-1, not on the argmax."""
-    cfg = draft_config(head="gated")
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_sampled_walk_feeds_sampled_tokens_forward(head):
+    """The Markov walk conditions slot k on the token *drawn* at k-1, not on the argmax: noise that
+    forces each slot's token (it outweighs every logit) steers the walk, and the logits are those
+    of the forced path."""
+    cfg = draft_config(head=head)
     draft, embed, lm_head = make_draft(cfg, seed=3)
     cache = DraftCache.allocate(cfg, 1, 32, torch.float32, "cpu")
     feats = torch.randn(6, TAPS * H)
     one = torch.ones(1, dtype=torch.int64)
     draft.inject_context(feats[None], cache, 0 * one, 0 * one, 6 * one)
-    forced = [11, 3, 70, 2, 9]                                   # pick ignores the logits
-    pick = lambda k, logits: torch.full(logits.shape[:-1], forced[k], dtype=torch.int64)  # noqa: E731
+    forced = [11, 3, 70, 2, 9]
+    noise = torch.zeros(1, cfg.block_size, V)
+    noise[0, torch.arange(cfg.block_size), torch.tensor(forced)] = 1e4
     with torch.no_grad():
-        proposal = draft.propose(torch.tensor([4]), cache, 0 * one, 6 * one, pick)
+        proposal = draft.propose(torch.tensor([4]), cache, 0 * one, 6 * one, noise, logits=True)
     tokens, logits, _ = reference_block(draft, feats, 4, embed.weight, lm_head.weight,
                                         pick=lambda k, lk: forced[k])
     assert proposal.tokens[0].tolist() == forced == tokens.tolist()
@@ -111,15 +115,17 @@ def test_rope_pairing_changes_the_draft():
     assert not torch.allclose(outs[0], outs[1], atol=1e-3)
 
 
-@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "none"])
-def test_greedy_pick_walk_gives_the_argmax_walk(head, monkeypatch):
-    """``pick = greedy_pick`` (what greedy rounds pass) gives the tokens of an argmax walk. With a
-    vanilla Markov head, or none, it runs the fused walk (``lfmspark::markov_greedy_walk``, or one
-    row argmax), which returns tokens only; gated / RNN heads keep the general walk and its logits.
-    The fused Triton walk (interpreter) is checked on Markov weights whose products sum exactly in
-    any order (tests/ops/test_markov_walk.py), so its tokens must equal the loop's."""
-    cfg = draft_config(head="vanilla" if head == "none" else head, rank=0 if head == "none" else 16,
-                       confidence=True, with_markov=head != "none", block=7)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("head", ["vanilla", "none"])
+def test_fused_walk_draws_what_the_slot_by_slot_walk_draws(head, temperature, monkeypatch):
+    """With a vanilla Markov head, or none, the walk is fused (``lfmspark::markov_greedy_walk`` over
+    the logits plus the Gumbel noise ``T * g``, or one argmax): its tokens are those of the plain
+    slot-by-slot walk, each slot's token the argmax of its corrected logits (T = 0) or drawn by the
+    exponential race from ``softmax(logits / T)`` on the same uniforms (runtime/randomness.py);
+    the corrected logits it returns on request are the loop's, and none without the request. The
+    Triton walk (interpreter) is checked on Markov weights whose products sum exactly in any
+    order (tests/ops/test_markov_walk.py)."""
+    cfg = draft_config(rank=0 if head == "none" else 16, confidence=True, with_markov=head != "none", block=7)
     draft, _, _ = make_draft(cfg, seed=21)
     if draft.markov_head is not None:
         g = torch.Generator().manual_seed(1)
@@ -127,16 +133,31 @@ def test_greedy_pick_walk_gives_the_argmax_walk(head, monkeypatch):
             for w in (draft.markov_head.markov_w1.weight, draft.markov_head.markov_w2.weight):
                 w.copy_(torch.randint(-16, 17, w.shape, generator=g) / 8)
     g = torch.Generator().manual_seed(2)
-    base = (torch.randint(-40, 41, (3, cfg.block_size, V), generator=g) / 4).float()
-    h, anchor = torch.randn(3, cfg.block_size, H, generator=g), torch.tensor([5, 0, V - 1])
+    B, G = 3, cfg.block_size
+    base = (torch.randint(-40, 41, (B, G, V), generator=g) / 4).float()
+    h, anchor = torch.randn(B, G, H, generator=g), torch.tensor([5, 0, V - 1])
+    keys = draw_key(torch.tensor([7, 8, 9])[:, None], torch.arange(G)[None, :] + 30, STREAM_DRAFT)
+    noise = temperature * gumbel(keys, V) if temperature else None
+
+    prev, want_tokens, want_logits = anchor, [], []
+    for k in range(G):
+        logits_k = base[:, k]
+        if draft.markov_head is not None:
+            logits_k = logits_k + draft.markov_head.markov_w1.weight[prev] @ draft.markov_head.markov_w2.weight.T
+        prev = (sample(torch.softmax(logits_k / temperature, -1), keys[:, k]) if temperature
+                else logits_k.argmax(-1))
+        want_tokens.append(prev)
+        want_logits.append(logits_k)
+    want_tokens, want_logits = torch.stack(want_tokens, 1), torch.stack(want_logits, 1)
+    if temperature:
+        assert not torch.equal(want_tokens, base.argmax(-1))    # the draws are not the argmax walk
+
     with torch.no_grad():
-        general = draft.walk(base, h, anchor, lambda k, logits: logits.argmax(-1))
-        greedy = draft.walk(base, h, anchor, greedy_pick)
+        plain = draft.walk(base, h, anchor, noise)
+        with_logits = draft.walk(base, h, anchor, noise, logits=True)
         interpret_triton(monkeypatch)        # the ops on their Triton kernels
-        greedy_triton = draft.walk(base, h, anchor, greedy_pick)
-    assert general.logits is not None
-    assert torch.equal(greedy.tokens, general.tokens) and torch.equal(greedy_triton.tokens, general.tokens)
-    if head in ("vanilla", "none"):
-        assert greedy.logits is None
-    else:
-        assert torch.equal(greedy.logits, general.logits)
+        on_triton = draft.walk(base, h, anchor, noise)
+    assert plain.logits is None
+    for proposal in (plain, with_logits, on_triton):
+        assert torch.equal(proposal.tokens, want_tokens)
+    torch.testing.assert_close(with_logits.logits, want_logits)

@@ -205,7 +205,7 @@ def test_fused_path_on_the_triton_kernels(monkeypatch: pytest.MonkeyPatch, neox:
         assert _rel_err(got, want) < 1e-5, _rel_err(got, want)
     with monkeypatch.context() as m, torch.no_grad():
         _route_few_rows(m)
-        proposal = draft.propose(anchors, cache, slots_t, start, lambda k, logits: logits.argmax(-1))
+        proposal = draft.propose(anchors, cache, slots_t, start, logits=True)
     for i in range(2):
         tokens, logits, _ = reference_block(draft, feats[i], int(anchors[i]), embed.weight, lm_head.weight)
         torch.testing.assert_close(proposal.logits[i], logits, rtol=1e-4, atol=1e-4)
@@ -265,7 +265,7 @@ def test_gpu_fused_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, B: 
         assert _rel_err(got, want) < tol, _rel_err(got, want)
     if dtype == torch.float32:
         with torch.no_grad():
-            proposal = draft.propose(anchors, cache, slots_t, start, lambda k, logits: logits.argmax(-1))
+            proposal = draft.propose(anchors, cache, slots_t, start, logits=True)
         oracle = copy.deepcopy(draft).cpu()
         for i in range(B):
             _, logits, _ = reference_block(oracle, feats[i].cpu(), int(anchors[i]), embed.weight.cpu(),

@@ -22,7 +22,6 @@ import torch
 from lfmspark.ops import routing
 import lfmspark.models.layers as layers
 from lfmspark.models.cache import DraftCache, TargetCache
-from lfmspark.models.dspark import greedy_pick
 from lfmspark.models.lfm2 import ForwardMode, Rows
 from op_calls import OpCalls
 from spec_fixtures import random_tiny_draft_with_context, random_tiny_target
@@ -145,17 +144,13 @@ def test_carry_only_in_verify_and_draft(route) -> None:
 
 
 def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> None:
-    """The draft's block (4 rows): hidden states, greedy proposal and a sampling-style walk (which
-    reads the normed states, so it runs the final norm itself) agree with the modules'. On the
-    carry's route the block ends in a NormedCarry: two producer calls per layer, and the later
-    layers' pair products and the greedy LM head finish the carried norms; the fused greedy walk
-    over that head's logits gives the general walk's tokens."""
+    """The draft's block (4 rows): hidden states, greedy proposal and the corrected logits a sampling
+    round asks the walk for agree with the modules'. On the carry's route the block ends in a
+    NormedCarry: two producer calls per layer, and the later layers' pair products and the LM head
+    finish the carried norms; the walk's tokens are the same with and without its logits."""
     draft, cache, slot, start = random_tiny_draft_with_context()
     n_layers = draft.config.num_hidden_layers
     anchor = torch.tensor([7])
-
-    def argmax_pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:   # not greedy_pick: the general walk
-        return logits_k.argmax(-1)
 
     runs = {}
     for on in (True, False):
@@ -165,12 +160,12 @@ def test_draft_block_and_greedy_walk_match_the_modules(monkeypatch, route) -> No
         fresh = DraftCache(k=cache.k.clone(), v=cache.v.clone(), page_table=cache.page_table, rope=cache.rope)
         with torch.no_grad():
             x, pending = draft.block_hidden(anchor, fresh, slot, start)
-            greedy = draft.head_and_walk(x, pending, anchor, greedy_pick)
-            general = draft.head_and_walk(x, pending, anchor, argmax_pick)
+            greedy = draft.head_and_walk(x, pending, anchor)
+            general = draft.head_and_walk(x, pending, anchor, logits=True)
         assert isinstance(pending, layers.NormedCarry) == on
         runs[on] = (layers.completed(x, pending), greedy, general)
         assert len(route.producer) == (2 * n_layers if on else 0)
-        assert route.row_scaled() == ((1, n_layers - 1) if on else (0, 0))
+        assert route.row_scaled() == ((2, n_layers - 1) if on else (0, 0))   # the LM head once per walk
     (h_on, greedy_on, general_on), (h_off, greedy_off, general_off) = runs[True], runs[False]
     assert rel_err(h_on, h_off) < TOL[torch.float32]
     assert greedy_on.logits is None and general_on.logits is not None

@@ -2,9 +2,9 @@
 confidences over those slots only (runtime/steps.py ``finish_draft``, models/dspark.py
 ``block_prefix``): its proposals must be the whole block's first ``g``, greedy and sampled.
 
-The reference is the draft's whole-block proposal computed on its own (``DSparkDraft.propose``
-over the same draft context), with a picker that draws as a sampled round does (each slot's
-filtered distribution, keyed on its position). Rows on permuted slots at different lengths.
+The reference is the draft's whole-block proposal computed on its own over the same draft
+context, slot by slot (a sampled slot drawn from the draft's tempered distribution with its
+position's key). Rows on permuted slots at different lengths.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import lfmspark.models.layers as layers
-from lfmspark.models.dspark import greedy_pick
+from lfmspark.models.dspark import DraftProposal
 from lfmspark.ops import routing
 from lfmspark.runtime import Engine, SamplingParams
 from lfmspark.runtime.distributions import SamplingMode
-from lfmspark.runtime.randomness import STREAM_DRAFT, draw_key
-from lfmspark.runtime.sampling import block_history
+from lfmspark.runtime.randomness import STREAM_DRAFT, draw_key, sample
 from engine_fixtures import map_slots
 from spec_fixtures import random_tiny_draft, random_tiny_target
 
@@ -49,25 +48,34 @@ def prefilled(mode: SamplingMode) -> tuple[Engine, torch.Tensor]:
 
 
 @torch.no_grad()
-def whole_block(engine: Engine, slots: torch.Tensor, mode: SamplingMode):
+def whole_block(engine: Engine, slots: torch.Tensor, mode: SamplingMode) -> DraftProposal:
     """The draft's proposal of its whole block for the rows in ``slots``, computed apart from the
-    round: the draft's layers, final norm, LM head, walk and confidence head over the block."""
+    round, slot by slot: the draft's layers, final norm and LM head over the block, then each slot's
+    Markov-corrected logits from the token before it, its token their argmax (greedy) or drawn by
+    the exponential race from ``softmax(logits / T)`` with its position's key (sampled), then the
+    confidence head over the block."""
     runner = engine.model_runner
     draft, state = runner.draft, runner.state
+    head = draft.markov_head
+    assert head.kind == "vanilla"
     index = state.gather_index(slots)
     s, x0 = state.seq_len[index], state.anchor[index]
-    pick = greedy_pick
-    if mode.sampling:
-        rows = state.sampling.rows(index, grammar=False)
-        drawn: list[torch.Tensor] = []
-
-        def pick(k: int, logits_k: torch.Tensor) -> torch.Tensor:
-            extra = block_history(torch.stack(drawn, dim=1), logits_k.shape[-1])[:, -1] if drawn else None
-            q = rows.filtered(logits_k, s + k + 1, extra, mode)
-            drawn.append(q.sample(draw_key(rows.seed, s + k + 1, STREAM_DRAFT)))
-            return drawn[-1]
-
-    return draft.propose(x0, runner.dcache, slots, s, pick)
+    x, delta = draft.block_hidden(x0, runner.dcache, slots, s)
+    h = draft.norm(layers.completed(x, delta))
+    base = draft.lm_head(h).float()
+    rows = state.sampling.rows(index, grammar=False)
+    prev, tokens, logits = x0, [], []
+    for k in range(base.shape[1]):
+        logits_k = base[:, k] + head.markov_w2(head.markov_w1(prev)).float()
+        logits.append(logits_k)
+        if mode.sampling:
+            probs = torch.softmax(logits_k / rows.temperature[:, None], dim=-1)
+            prev = sample(probs, draw_key(rows.seed, s + k + 1, STREAM_DRAFT))
+        else:
+            prev = logits_k.argmax(dim=-1)
+        tokens.append(prev)
+    tokens = torch.stack(tokens, dim=1)
+    return DraftProposal(tokens, torch.stack(logits, dim=1), draft.confidences(h, x0, tokens))
 
 
 @pytest.mark.parametrize("carry", [False, True], ids=["modules", "carry"])
@@ -101,9 +109,9 @@ def test_a_narrow_round_drafts_the_whole_blocks_first_slots(mode, carry, monkeyp
         assert drafted.confidence[:, g:].isnan().all()
         if mode.sampling:
             assert drafted.q.x.shape[0] == B * g
-            # row b * g + k is slot k of row b: its q gives the drawn token a chance
-            p = drafted.q.prob(drafted.tokens.reshape(-1, 1)).view(B, g)
-            assert (p > 0).all()
+            # row b * g + k is slot k of row b: q is the distribution its token was drawn from
+            want = torch.softmax(reference.logits[:, :g] / SAMPLED["temperature"], dim=-1)
+            torch.testing.assert_close(drafted.q.probs().view(B, g, -1), want, rtol=1e-5, atol=1e-7)
     if mode.sampling:        # the sampled walk drew other tokens than the argmax somewhere: the draws are tested
         assert not torch.equal(reference.tokens, whole_block(engine, slots, SamplingMode.GREEDY).tokens)
 

@@ -162,8 +162,21 @@ def test_filtered_rows_agree_in_every_form():
     torch.testing.assert_close(torch.softmax(scores[sampled], dim=-1), probs[sampled])
     assert torch.equal(probs[1], torch.nn.functional.one_hot(logits[1].argmax(), 100).float())
     assert f.sample(draw_key(torch.arange(4), torch.zeros(4, dtype=torch.int64), 1))[1] == logits[1].argmax()
-    both = distributions.Filtered.interleave([f.rows(torch.tensor([0, 1])), f.rows(torch.tensor([2, 3]))])
-    assert torch.equal(both.probs(), probs[[0, 2, 1, 3]])       # row b * G + g from part g
+
+
+def test_a_drafts_tempered_distribution_is_its_plain_softmax():
+    """``Filtered.tempered`` (a draft's q): softmax(logits / T), nothing filtered; a greedy row is the
+    one-hot of its drawn token."""
+    logits = _rows(3, 100, seed=8, grid=None)
+    temperature = torch.tensor([0.7, 0.0, 1.5])
+    drawn = torch.tensor([5, int(logits[1].argmax()), 9])
+    q = distributions.Filtered.tempered(logits, temperature, drawn)
+    probs = q.probs()
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0].double() / 0.7, -1).float())
+    torch.testing.assert_close(probs[2], torch.softmax(logits[2].double() / 1.5, -1).float())
+    assert torch.equal(probs[1], torch.nn.functional.one_hot(drawn[1], 100).float())
+    ids = torch.tensor([[5, 0], [drawn[1], 3], [9, 99]])
+    torch.testing.assert_close(q.prob(ids), probs.gather(1, ids))
 
 
 def test_the_model_cards_and_plain_sampling_run_without_a_sort():
