@@ -17,8 +17,9 @@ chosen experts are unchanged). It changes the model: outputs under it are not th
 ``qkv_proj`` / ``out_proj``, ShortConv ``in_proj`` / ``out_proj``, the dense feed-forwards' ``w13`` /
 ``w2``) become :class:`~lfmspark.models.layers.Fp8Linear` and the MoE experts :class:`Fp8MoeExperts`,
 each with per-output-channel scales. The embeddings (and so the tied LM head), the norms, the conv
-filters and the MoE router stay in the model dtype. The experts' kernels read weights of the
-activations' dtype, so an fp8 expert stack is dequantized for each call until they read fp8.
+filters and the MoE router stay in the model dtype. The expert kernels read per-channel fp8 stacks
+as they are (ops/moe.py); stacks with block scales (fp8 exports quantized per block) are
+dequantized to the model dtype for each call.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class Lfm2MoeExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, ffn))
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13, w2)`` as ``lfmspark::moe_experts`` takes them."""
+        """``(w13, w2)`` in the model dtype."""
         return self.w13, self.w2
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The tokens ``x [N, H]`` through their selected experts ``ids [N, k]``, weighted."""
+        return lfm.moe_experts(x, ids, weights, self.w13, self.w2, exact_mode())
 
 
 class Fp8MoeExperts(nn.Module):
@@ -74,10 +79,17 @@ class Fp8MoeExperts(nn.Module):
                 Fp8Weight(self.w2, self.w2_scale, self.group_sizes[1]))
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13, w2)`` dequantized to ``dtype`` (the reference path: the expert kernels read
-        weights of the activations' dtype)."""
+        """``(w13, w2)`` dequantized to ``dtype``."""
         w13, w2 = self.fp8
         return w13.dequantize(dtype), w2.dequantize(dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As :meth:`Lfm2MoeExperts.forward`: per-channel stacks go to the kernels in fp8, block-scaled
+        ones dequantized (module doc)."""
+        if self.group_sizes == (0, 0):
+            return lfm.moe_experts(x, ids, weights, self.w13, self.w2, exact_mode(), self.w13_scale, self.w2_scale)
+        w13, w2 = self.stacks(x.dtype)
+        return lfm.moe_experts(x, ids, weights, w13, w2, exact_mode())
 
 
 class Lfm2MoeBlock(nn.Module):
@@ -110,8 +122,7 @@ class Lfm2MoeBlock(nn.Module):
             per_row = self.routing_bias[slots.clamp(min=0)]                      # padding rows (-1): any subset
             bias = per_row[:, None, :].expand(-1, x.shape[0] // slots.shape[0], -1).reshape(x.shape[0], -1)
         ids, weights = self.route(x, bias)
-        w13, w2 = self.experts.stacks(x.dtype)
-        return lfm.moe_experts(x, ids, weights, w13, w2, exact_mode()).view(shape)
+        return self.experts(x, ids, weights).view(shape)
 
 
 # the selection bias of the experts outside a slot's subset: far below any sigmoid score plus expert bias

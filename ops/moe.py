@@ -40,6 +40,15 @@ on its own routing and activations, given a tile product that computes a row ali
 in the block: the GPU's ``tl.dot`` does; the interpreter's is the CPU's BLAS, which need not, so
 off CUDA exact mode sums each element's products itself (ops/exact_dot.py).
 
+FP8 weights (``w13_scale``, ``w2_scale``: models/lfm2_moe.py ``Fp8MoeExperts``): ``w13`` and ``w2``
+hold float8 e4m3fn values with fp32 scales per expert and output channel, ``w13_scale [E, 2I]`` and
+``w2_scale [E, H]``. The GEMM kernels load the fp8 tiles (half the bytes of bf16 ones: what a
+decode step's experts cost is reading them), upcast them to the activations' dtype in registers
+(exact: every e4m3 value is a bf16 value) and multiply each column's fp32 sum by its scale once,
+before the SiLU product (gate, up) and before the routing weight (down). The reference dequantizes
+each weight to the activations' dtype first (one rounding per weight), so in bf16 the two differ
+by about that rounding, mostly averaged out in the sums.
+
 Compile-time variants: a launch's constexprs (tiles, plan chunking) follow the number of pairs
 (:func:`launch_variant`), and the integers that vary with it (``P``, ``n_blocks``) are not
 specialized by Triton (``do_not_specialize``), so one launch of each variant compiles everything
@@ -151,13 +160,14 @@ def _moe_plan_kernel(
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w13_ptr, inter_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    x_ptr, w13_ptr, s13_ptr, inter_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
     TOPK,
-    stride_xn, stride_xh, stride_we, stride_wn, stride_wh,
+    stride_xn, stride_xh, stride_we, stride_wn, stride_wh, stride_se,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # W_SCALE: w13 holds fp8 values (upcast as loaded), each column's sum times s13 [E, 2I] (module doc)
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -184,11 +194,17 @@ def _moe_gate_up_kernel(
         u = tl.load(u_ptrs, mask=w_ok, other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        elif W_SCALE:
+            g, u = g.to(a.dtype), u.to(a.dtype)
         acc_g = exact_dot(a, g, acc_g, DOT_PRECISION, DOT_ROWWISE)
         acc_u = exact_dot(a, u, acc_u, DOT_PRECISION, DOT_ROWWISE)
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
+    if W_SCALE:
+        s_ptrs = s13_ptr + e.to(tl.int64) * stride_se + cols
+        acc_g = acc_g * tl.load(s_ptrs, mask=col_ok, other=0.0)[None, :]
+        acc_u = acc_u * tl.load(s_ptrs + I, mask=col_ok, other=0.0)[None, :]
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(inter_ptr + slots[:, None] * I + cols[None, :], h.to(inter_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -196,13 +212,14 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w2_ptr, tw_ptr, pair_out_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
+    inter_ptr, w2_ptr, s2_ptr, tw_ptr, pair_out_ptr, slot_pair_ptr, block_expert_ptr, block_rows_ptr,
     TOPK,
-    stride_tn, stride_tk, stride_we, stride_wh, stride_wi,
+    stride_tn, stride_tk, stride_we, stride_wh, stride_wi, stride_se,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_ROWWISE: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # W_SCALE: w2 holds fp8 values (upcast as loaded), each column's sum times s2 [E, H] (module doc)
     if PDL:  # ops/_dispatch.py: everything this kernel reads may come from its predecessor
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -225,9 +242,13 @@ def _moe_down_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
+        elif W_SCALE:
+            w = w.to(a.dtype)
         acc = exact_dot(a, w, acc, DOT_PRECISION, DOT_ROWWISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wi
+    if W_SCALE:
+        acc = acc * tl.load(s2_ptr + e.to(tl.int64) * stride_se + cols, mask=col_ok, other=0.0)[None, :]
     token = pair // TOPK
     rw = tl.load(tw_ptr + token * stride_tn + (pair - token * TOPK) * stride_tk, mask=row_ok, other=0.0)
     acc = acc * rw.to(tl.float32)[:, None]
@@ -387,11 +408,36 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
     return slot_pair, block_expert, block_rows
 
 
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+           w2_scale: torch.Tensor | None) -> None:
+    """The weight formats the op takes: both stacks in ``x``'s dtype without scales, or both fp8
+    with their per-channel scales (module doc)."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("moe_experts: pass both w13_scale and w2_scale (fp8 stacks) or neither")
+    E, I2, H = w13.shape
+    if w13_scale is None:
+        if w13.dtype != x.dtype or w2.dtype != x.dtype:
+            raise ValueError(f"moe_experts: the expert stacks must be in x's dtype {x.dtype} (or fp8 with scales), "
+                             f"got {w13.dtype} and {w2.dtype}")
+        return
+    if w13.dtype != FP8_WEIGHT_DTYPE or w2.dtype != FP8_WEIGHT_DTYPE:
+        raise ValueError(f"moe_experts: scaled expert stacks must be {FP8_WEIGHT_DTYPE}, got {w13.dtype} and {w2.dtype}")
+    for name, scale, shape in (("w13_scale", w13_scale, (E, I2)), ("w2_scale", w2_scale, (E, H))):
+        if scale.shape != shape or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+            raise ValueError(f"moe_experts: {name} must be fp32 [E, out] = {list(shape)} with unit last stride (one "
+                             f"scale per expert and output channel), got {scale.dtype} {list(scale.shape)}")
+
+
 def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, config: MoeConfig | None = None,
-                       exact: bool = False) -> torch.Tensor:
+                       exact: bool = False, w13_scale: torch.Tensor | None = None,
+                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The op on the Triton kernels (``config``: tile override, for tests and tuning; ``exact``: exact
-    mode's tiles, module doc)."""
+    mode's tiles; ``w13_scale``, ``w2_scale``: fp8 stacks' scales; module doc)."""
+    _check(x, w13, w2, w13_scale, w2_scale)
     N, H = x.shape
     k = topk_ids.shape[1]
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -414,21 +460,27 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     # exact mode under the interpreter: each element's own sum, not the CPU's BLAS (ops/exact_dot.py)
     rowwise = exact and x.device.type != "cuda"
 
+    scaled = w13_scale is not None
+    s13 = w13_scale if scaled else w13          # not read without W_SCALE
+    s2 = w2_scale if scaled else w2
+
     bn1, bk1 = _tile(cfg.block_n1, I), _tile(cfg.block_k1, H)
     _moe_gate_up_kernel[(n_blocks, triton.cdiv(I, bn1))](
-        x, w13, inter, slot_pair, block_expert, block_rows,
+        x, w13, s13, inter, slot_pair, block_expert, block_rows,
         k,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), s13.stride(0),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PRECISION=precision, UPCAST=upcast,
-        DOT_ROWWISE=rowwise, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x),
+        DOT_ROWWISE=rowwise, W_SCALE=scaled, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(x),
     )
     bn2, bk2 = _tile(cfg.block_n2, H), _tile(cfg.block_k2, I)
     _moe_down_kernel[(n_blocks, triton.cdiv(H, bn2))](
-        inter, w2, topk_weights, pair_out, slot_pair, block_expert, block_rows,
+        inter, w2, s2, topk_weights, pair_out, slot_pair, block_expert, block_rows,
         k,
-        topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), s2.stride(0),
         H=H, I=I, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision, UPCAST=upcast,
-        DOT_ROWWISE=rowwise, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(inter),
+        DOT_ROWWISE=rowwise, W_SCALE=scaled, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(inter),
     )
     block_h = min(triton.next_power_of_2(H), 1024)
     _moe_combine_kernel[(N, triton.cdiv(H, block_h))](
@@ -443,7 +495,12 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 # reference
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                          w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                          w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert by expert in increasing id; fp8 stacks are dequantized to ``x``'s dtype first."""
+    if w13_scale is not None:
+        w13 = (w13.float() * w13_scale[..., None]).to(x.dtype)
+        w2 = (w2.float() * w2_scale[..., None]).to(x.dtype)
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():
         token, which = (topk_ids == e).nonzero(as_tuple=True)
@@ -458,19 +515,25 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 
 @torch.library.custom_op("lfmspark::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor, exact: bool = False) -> torch.Tensor:
+                w13: torch.Tensor, w2: torch.Tensor, exact: bool = False, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum of each token's selected SwiGLU experts, ``[N, H]`` (``exact``: each token's bits
-    independent of the other tokens of the call; module doc)."""
+    independent of the other tokens of the call; ``w13_scale [E, 2I]``, ``w2_scale [E, H]``: the
+    stacks are fp8 with these per-channel scales; module doc)."""
     if use_triton(x):
-        return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact)
-    return moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+        return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact, w13_scale=w13_scale,
+                                  w2_scale=w2_scale)
+    _check(x, w13, w2, w13_scale, w2_scale)   # the same limits on every device
+    return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale)
 
 
 @moe_experts.register_kernel("cuda")
-def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, exact=False):
-    return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact)
+def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, exact=False, w13_scale=None, w2_scale=None):
+    return moe_experts_triton(x, topk_ids, topk_weights, w13, w2, exact=exact, w13_scale=w13_scale,
+                              w2_scale=w2_scale)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, exact=False):
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, exact=False, w13_scale=None, w2_scale=None):
+    _check(x, w13, w2, w13_scale, w2_scale)
     return torch.empty_like(x)

@@ -1,4 +1,4 @@
-"""Compile the weight-streaming (exact mode's too), Markov-walk and sampling-threshold kernels for sm_90 (Hopper)
+"""Compile the weight-streaming (exact mode's too), MoE expert, Markov-walk and sampling-threshold kernels for sm_90 (Hopper)
 with the installed Triton, on a machine without a GPU: front end, layout passes and PTX, in each variant the
 round uses.
 
@@ -24,6 +24,7 @@ from lfmspark.ops.linear.add_rmsnorm_gemv import _add_rmsnorm_gemv_kernel
 from lfmspark.ops.linear.exact_linear import _exact_linear_kernel
 from lfmspark.ops.markov_walk.jacobi import _markov_walk_jacobi_kernel
 from lfmspark.ops.markov_walk.persistent import _markov_walk_persistent_kernel, resident_blocks
+from lfmspark.ops.moe import _moe_down_kernel, _moe_gate_up_kernel, moe_config
 from lfmspark.ops.linear.skinny_linear import _gemv_kernel, _skinny_linear_kernel
 from lfmspark.ops import threshold_filter as tf
 
@@ -56,7 +57,8 @@ def compile_one(kernel, const: dict, num_warps: int = 4, num_stages: int = 2, ty
              if n.endswith("_ptr") or n.startswith("stride_") or n in ("N", "K")}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES", "HAS_DELTA")
+    shown = ("SPLIT", "SWIGLU", "TWO_WEIGHTS", "ADD_NORM", "RESIDENT", "COUNT_PASSES", "ROW_TILES", "HAS_DELTA",
+             "W_SCALE", "BLOCK_M")
     mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "no MMA"
     print(kernel.fn.__name__, {key: v for key, v in const.items() if key in shown}, f"stages {num_stages}",
           "shared memory", k.metadata.shared, mma)
@@ -88,6 +90,20 @@ def main() -> None:
     compile_one(_skinny_linear_kernel, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, SPLIT=False, SWIGLU=False,
                                             TWO_WEIGHTS=False, ADD_NORM=False, ROW_NORM=True, SSQ_TILES=32, W_SCALE=True,
                                             DOT_PRECISION="tf32", UPCAST=False, PDL=1), num_stages=4, types=fp8)
+    # the MoE experts' GEMMs at LFM2-8B-A1B's shapes (H 2048, I 1792, 32 experts), decode and prefill tiles,
+    # bf16 and fp8 stacks (per-channel scales)
+    moe_ints = {"slot_pair_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "pair_out_ptr": "*fp32",
+                "s13_ptr": "*fp32", "s2_ptr": "*fp32"}
+    for pairs in (4, 8192):
+        cfg = moe_config(pairs, 32)
+        for fp8_stacks in (False, True):
+            types = dict(moe_ints, **({"w13_ptr": "*fp8e4nv", "w2_ptr": "*fp8e4nv"} if fp8_stacks else {}))
+            common = dict(H=2048, I=1792, BLOCK_M=cfg.block_m, DOT_PRECISION="tf32", UPCAST=False, DOT_ROWWISE=False,
+                          W_SCALE=fp8_stacks, PDL=1)
+            compile_one(_moe_gate_up_kernel, dict(common, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, types=types)
+            compile_one(_moe_down_kernel, dict(common, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, types=types)
     for has_delta in (False, True):   # exact mode's norm, and with the residual add (exact_add_rms_norm)
         compile_one(_exact_rms_norm_kernel, dict(BLOCK=2048, HAS_DELTA=has_delta, PDL=1))
     # exact_config's tiles, one and several row tiles a program, at the depths _stages_that_fit gives an sm_90

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lfmspark.ops  # noqa: F401  (registers the ops)
+from lfmspark.models.quant import quantize_fp8
 from lfmspark.ops.moe import (MoeConfig, moe_experts_reference, moe_experts_triton, moe_plan,
                               n_blocks_bound)
 from env_vars import interpret_triton
@@ -180,6 +181,63 @@ def test_exact_mode_gives_a_token_the_same_bits_in_any_call(triton_device, dtype
         assert torch.equal(out[pos], alone[0]), (n, pos)
 
 
+def _fp8_stacks(w13: torch.Tensor, w2: torch.Tensor):
+    """Per-channel e4m3 stacks with their scales (models/quant.py), and their exact values in fp64."""
+    a, b = quantize_fp8(w13), quantize_fp8(w2)
+    exact = tuple(q.weight.double() * q.scale.double()[..., None] for q in (a, b))
+    return (a.weight, b.weight, a.scale, b.scale), exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,k,routing", [(1, 4, "random"), (8, 2, "random"), (16, 4, "few"), (37, 4, "same")])
+def test_fp8_stacks_match_their_dequantized_values(triton_device, N, k, routing, dtype):
+    """fp8 stacks with per-channel scales (decode, verify and prefill-sized calls): the kernels against
+    the fp64 reference over the stacks' exact values (fp8 value x scale), and against the op's
+    reference, which dequantizes to the activations' dtype first (module doc)."""
+    E, H, I = 8, 64, 48
+    x, ids, w = _tokens(N, k, E, H, dtype, triton_device, routing, seed=N)
+    (q13, q2, s13, s2), (d13, d2) = _fp8_stacks(*_weights(E, H, I, torch.float32, triton_device, seed=N))
+    assert q13.dtype == q2.dtype == torch.float8_e4m3fn and s13.shape == (E, 2 * I) and s2.shape == (E, H)
+    out = moe_experts_triton(x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2)
+    assert out.shape == x.shape and out.dtype == dtype
+    tol = _tol(dtype, triton_device)
+    assert _rel_err(out, moe_experts_reference(x.double(), ids, w.double(), d13, d2)) < tol
+    assert _rel_err(out, moe_experts_reference(x, ids, w, q13, q2, s13, s2)) < 2 * tol
+    # the scales are applied: the same fp8 values without them are another product
+    assert _rel_err(moe_experts_reference(x, ids, w, q13.to(dtype), q2.to(dtype)), out) > 0.5
+
+
+def test_fp8_exact_mode_gives_a_token_the_same_bits_in_any_call(triton_device):
+    """As the bf16 exact-mode test, with fp8 stacks: the scale multiplies each column's sum once,
+    wherever the token's pairs sit."""
+    E, H, I, k = 4, 512, 256, 2
+    (q13, q2, s13, s2), _ = _fp8_stacks(*_weights(E, H, I, torch.float32, triton_device))
+    x, ids, w = _tokens(64, k, E, H, torch.bfloat16, triton_device, seed=3)
+    fp8 = dict(w13_scale=s13, w2_scale=s2)
+    alone = moe_experts_triton(x[:1], ids[:1], w[:1], q13, q2, exact=True, **fp8)
+    for n, pos in ((10, 3), (64, 20)):
+        xs, ids_s, ws = x[:n].clone(), ids[:n].clone(), w[:n].clone()
+        xs[pos], ids_s[pos], ws[pos] = x[0], ids[0], w[0]
+        out = moe_experts_triton(xs, ids_s, ws, q13, q2, exact=True, **fp8)
+        assert torch.equal(out[pos], alone[0]), (n, pos)
+
+
+def test_weight_formats_are_checked():
+    """Scales with bf16 stacks, one scale without the other, or scales of the wrong shape: refused by
+    name on every path (the reference's and the fake's checks are the kernels')."""
+    x, ids, w, w13, w2 = _inputs(3, 2, 8, 64, 32, torch.float32, "cpu")
+    (q13, q2, s13, s2), _ = _fp8_stacks(w13, w2)
+    op = torch.ops.lfmspark.moe_experts
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        op(x, ids, w, w13, w2, False, s13, s2)
+    with pytest.raises(ValueError, match="both w13_scale and w2_scale"):
+        op(x, ids, w, q13, q2, False, s13, None)
+    with pytest.raises(ValueError, match=r"w2_scale must be fp32 \[E, out\] = \[8, 64\]"):
+        op(x, ids, w, q13, q2, False, s13, s2[:, :32])
+    with pytest.raises(ValueError, match="in x's dtype"):
+        op(x, ids, w, q13, q2)
+
+
 def test_k0_and_empty(triton_device):
     x, ids, w, w13, w2 = _inputs(3, 2, 8, 64, 32, torch.float32, triton_device)
     assert moe_experts_triton(x[:0], ids[:0], w[:0], w13, w2).shape == (0, 64)
@@ -195,6 +253,23 @@ def test_opcheck_triton(monkeypatch):
     interpret_triton(monkeypatch)
     args = _inputs(5, 2, 8, 64, 32, torch.float32, "cpu", seed=2)
     torch.library.opcheck(torch.ops.lfmspark.moe_experts, args)
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["reference", "triton"])
+def test_opcheck_fp8(monkeypatch, interpreted):
+    """opcheck's schema test compares the inputs before and after the call with an op that has no
+    fp8 kernel on the CPU: the other checks run, and the inputs' bits are compared here."""
+    if interpreted:
+        interpret_triton(monkeypatch)
+    x, ids, w, w13, w2 = _inputs(5, 2, 8, 64, 32, torch.bfloat16, "cpu", seed=2)
+    (q13, q2, s13, s2), _ = _fp8_stacks(w13.float(), w2.float())
+    args = (x, ids, w, q13, q2, False, s13, s2)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(torch.ops.lfmspark.moe_experts, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.ops.lfmspark.moe_experts(*args)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(args, before)
+               if isinstance(a, torch.Tensor))
 
 
 def test_compiled_matches_eager(monkeypatch):
@@ -221,6 +296,15 @@ def test_cuda_a1b_parity(N):
     args = _inputs(N, A1B["k"], A1B["E"], A1B["H"], A1B["I"], torch.bfloat16, "cuda", seed=N)
     out = torch.ops.lfmspark.moe_experts(*args)
     _check(args, out, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 10, 160, 2048])
+def test_cuda_a1b_fp8(N):
+    x, ids, w = _tokens(N, A1B["k"], A1B["E"], A1B["H"], torch.bfloat16, "cuda", seed=N)
+    (q13, q2, s13, s2), (d13, d2) = _fp8_stacks(*_weights(A1B["E"], A1B["H"], A1B["I"], torch.float32, "cuda", seed=N))
+    out = torch.ops.lfmspark.moe_experts(x, ids, w, q13, q2, False, s13, s2)
+    assert _rel_err(out, moe_experts_reference(x.double(), ids, w.double(), d13, d2)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
