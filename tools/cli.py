@@ -51,12 +51,15 @@ _SHARED_FLAGS: dict[str, tuple[str, dict, str | dict[str, str]]] = {
     "temperature": ("--temperature", dict(type=float), "the requests' temperature"),
     "runs": ("--runs", dict(type=positive_int), "timed batches per measurement"),
     "num_prompts": ("--num-prompts", dict(type=positive_int), {"*": "requests in the trace",
-                                                               "exact": "prompts of the identity run"}),
+                                                               "exact": "prompts of the identity run",
+                                                               "fp8": "prompts teacher-forced (positions: this "
+                                                                      "times --prompt-len)"}),
     "json": ("--json", dict(metavar="FILE"), "write the full report here"),
     "profile_dir": ("--profile-dir", dict(metavar="DIR"), {
         "*": "write per-kernel profiles here",
         "latency": "write per-kernel profiles of the step replays at the smallest batch here",
-        "sampling": "write the per-kernel profile of a batch-1 model-card request here"}),
+        "sampling": "write the speculative engine's per-kernel profiles of a greedy and a model-card batch at "
+                    "each batch size here"}),
 }
 
 # Each mode's shared flags and their defaults (a scenario's: its SHARED).

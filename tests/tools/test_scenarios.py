@@ -5,6 +5,7 @@ not read, or a bad value, is refused with a message that names it. No timing is 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,11 +49,44 @@ def test_sampling_times_every_setting_for_both_engines(tmp_path, capsys):
     assert "model-card" in table and "DSpark (imposed 0.9)" in table
 
 
+def test_sampling_profiles_a_greedy_and_a_model_card_batch_at_each_size(tmp_path):
+    report = run_scenario(tmp_path, "sampling", "--batch-sizes", "1,2", "--settings", "greedy",
+                          "--profile-dir", str(tmp_path / "prof"), *SHORT)
+    names = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert names == sorted(f"profile_sampling_{s}_bs{b}.txt" for b in (1, 2) for s in ("greedy", "model-card"))
+    assert sorted(Path(p).name for p in report["profiles"]) == names
+    assert (tmp_path / "prof" / "profile_sampling_model-card_bs2.txt").read_text().startswith("model-card, batch 2:")
+
+
 def test_sampling_takes_a_subset_of_settings(tmp_path):
     report = run_scenario(tmp_path, "sampling", "--batch-sizes", "1", "--settings", "greedy,top-p",
                           "--draft-preset", "none", *SHORT)
     assert [(r["engine"], r["setting"]) for r in report["results"]] == [("target_only", "greedy"),
                                                                          ("target_only", "top-p")]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_fp8_reports_quality_and_weight_memory(tmp_path, capsys, preset):
+    """The fp8 scenario on a tiny preset (fp32 on the CPU): every quantized module has its weight error,
+    the fp8 projections take about a quarter of the fp32 bytes (one byte a weight plus a scale per
+    channel), and the teacher-forced distributions stay close (random weights: about 2e-5 mean KL)."""
+    out = tmp_path / "fp8.json"
+    assert main(["bench", "fp8", "--preset", preset, "--device", "cpu", "--prompt-len", "24", "--num-prompts", "2",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["scenario"] == "fp8" and report["positions"] == 48
+    assert report["engine_config"]["draft_preset"] is None and report["engine_config"]["quantization"] is None
+    names = [r["name"] for r in report["modules"]]
+    assert "model.layers.0.conv.in_proj" in names and len(names) == len(set(names))
+    assert any(n.endswith("feed_forward.experts") for n in names) == (preset == "tiny-moe")
+    assert all(0 < r["weight_rel_err"] < 0.05 for r in report["modules"])
+    w = report["weight_bytes"]
+    assert 0.25 <= w["projections_fp8"] / w["projections_model_dtype"] < 0.3
+    assert w["fp8"] - w["projections_fp8"] == w["model_dtype"] - w["projections_model_dtype"]   # the rest unchanged
+    lg = report["logits"]
+    assert 0 < lg["rel_err"] < 0.08 and 0 < lg["kl_mean"] <= lg["kl_p99"] <= lg["kl_max"] < 1e-2
+    assert lg["greedy_agreement"] >= 0.9
+    assert "greedy agreement" in capsys.readouterr().out
 
 
 def test_structured_times_constrained_unconstrained_and_mixed_batches(tmp_path, capsys):

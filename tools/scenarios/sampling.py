@@ -12,15 +12,15 @@ the rest of the sampled round bounds it.
 Each engine is warmed up in every sampling mode, then per batch size and setting: one untimed batch,
 then the median per-request TPOT (first to last token over the tokens after the first) of ``runs``
 batches of ``prompt_len``-token prompts and ``output_len`` new tokens. With ``profile_dir`` the
-costliest kernels of one batch-1 model-card request are written there (per committed token: what
-bounds the sampled round).
+speculative engine's costliest kernels are written there for one greedy and one model-card batch
+of each batch size (per round: what the sampled round adds to the greedy one).
 
 The report (``--json``): ``scenario``, ``environment`` (as the latency benchmark's: date, command,
 versions, device, commit), ``config`` (as given), ``engine_config`` (as fitted), ``models``,
 ``settings`` (each setting's sampling fields), ``warmup_s`` (per engine), ``results``: one row per
 engine, batch size and setting with ``engine`` (``speculative`` / ``target_only``), ``batch``,
 ``setting``, ``tpot_ms_p50``, ``imposed_acceptance`` (the rates, or null) and, for the speculative
-engine, ``rounds_by_width``; ``profile`` (the profile file) with ``profile_dir``.
+engine, ``rounds_by_width``; ``profiles`` (the profile files) with ``profile_dir``.
 """
 
 from __future__ import annotations
@@ -128,30 +128,36 @@ def run(cfg: SamplingConfig) -> dict:
                 report["results"].append(row)
                 write_report(report, cfg.json_path)
         if cfg.profile_dir and kind == "speculative":
-            path = Path(cfg.profile_dir) / "profile_sampling_model_card_bs1.txt"
-            profile_request(engine, random_prompts(1, cfg.prompt_len, vocab, seed)[0], cfg.output_len, path)
-            report["profile"] = str(path)
+            report["profiles"] = []
+            for batch in cfg.batch_sizes:
+                for setting in ("greedy", "model-card"):
+                    path = Path(cfg.profile_dir) / f"profile_sampling_{setting}_bs{batch}.txt"
+                    profile_batch(engine, random_prompts(batch, cfg.prompt_len, vocab, seed + batch), setting,
+                                  cfg.output_len, path)
+                    report["profiles"].append(str(path))
         del engine
         free_device_memory(engine_cfg.torch_device())
     write_report(report, cfg.json_path)
     return report
 
 
-def profile_request(engine: Engine, prompt: list[int], output_len: int, path: Path) -> None:
-    """The kernels of one batch-1 model-card request, costliest first, per committed token (on a
-    CPU the profiler's host ops, which leave the table empty)."""
+def profile_batch(engine: Engine, prompts: list[list[int]], setting: str, output_len: int, path: Path) -> None:
+    """The kernels of one batch of ``prompts`` sampled with ``setting``, costliest first, per round
+    (on a CPU the profiler's host ops, which leave the table empty)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.generate([prompt], [params("model-card", output_len, 1)])
+    batch = [params(setting, output_len, i + 1) for i in range(len(prompts))]
+    engine.generate(prompts, batch)
     activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
-        out = engine.generate([prompt], [params("model-card", output_len, 2)])[0]
-    tokens, rounds = len(out.token_ids), max(out.stats.rounds, 1)
+        outs = engine.generate(prompts, batch)
+    rounds = max(max(o.stats.rounds for o in outs), 1)
+    tokens = sum(len(o.token_ids) for o in outs)
     events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events)
-    lines = [f"model-card sampling, batch 1: {total / tokens:.1f} us of kernel time per token, {out.stats.rounds} "
-             f"rounds, {tokens} tokens", f"{'us/token':>10} {'n/round':>8}  kernel"]
-    lines += [f"{e.device_time_total / tokens:10.2f} {e.count / rounds:8.1f}  {e.key[:150]}" for e in events]
+    lines = [f"{setting}, batch {len(prompts)}: {total / rounds:.1f} us of kernel time per round, {rounds} rounds, "
+             f"{tokens} tokens", f"{'us/round':>10} {'n/round':>8}  kernel"]
+    lines += [f"{e.device_time_total / rounds:10.2f} {e.count / rounds:8.1f}  {e.key[:150]}" for e in events]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log.info("kernel profile written to %s", path)
@@ -172,7 +178,7 @@ def table(report: dict) -> str:
     text = tabulate(rows, headers=["engine", "batch", "setting", "TPOT p50 ms", "vs greedy", "speed-up vs target-only"])
     for kind, seconds in report["warmup_s"].items():
         text += f"\nwarm-up {kind}: {seconds:.1f} s (every sampling mode)"
-    if report.get("profile"):
-        text += f"\nkernel profile of a batch-1 model-card request: {report['profile']}"
+    for path in report.get("profiles", []):
+        text += f"\nkernel profile: {path}"
     return text
 
