@@ -9,9 +9,12 @@ corrections from ``p`` instead of ``max(p - q, 0)``) fails it by a wide margin.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
+from lfmspark.models.lfm2_moe import quantize_target
 from lfmspark.runtime import Engine, SamplingParams, distributions
 from lfmspark.runtime.distributions import SamplingMode
 from lfmspark.runtime.sampling import sampling_mode
@@ -52,6 +55,28 @@ def test_sampled_tokens_follow_the_target_distribution(case, speculative, monkey
     counts = sample_pairs(target, draft, params, 4000).ravel()
     assert counts.sum() == 4000
     assert chi_square_pvalue(counts, probs) > 1e-3
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_sampled_tokens_follow_the_fp8_targets_distribution(moe):
+    """``quantization="fp8"``: speculative sampling follows the fp8 target's distribution (the oracle
+    runs a copy of the target quantized on its own), which is not the model dtype's: the test can
+    tell them apart."""
+    target = random_tiny_target(moe=moe, seed=3, vocab=VOCAB)
+    quantized = copy.deepcopy(target)
+    assert quantize_target(quantized) > 0
+    probs = exact_joint(quantized, **FILTERED).ravel()
+    full_probs = exact_joint(target, **FILTERED).ravel()
+    assert 0.5 * np.abs(probs - full_probs).sum() > 0.05            # fp8 moved the distribution (TV 0.12-0.14)
+    engine = Engine(target, random_tiny_draft(block=3, seed=4, vocab=VOCAB), max_batch=64, max_seq_len=32,
+                    quantization="fp8")
+    n = 4000
+    params = [SamplingParams(max_new_tokens=3, stop_token_ids=[], seed=1000 + i, **FILTERED) for i in range(n)]
+    counts = np.zeros((VOCAB, VOCAB))
+    for o in engine.generate([PROMPT] * n, params):
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    assert chi_square_pvalue(counts.ravel(), probs) > 1e-3
+    assert chi_square_pvalue(counts.ravel(), full_probs) < 1e-6     # and not the model dtype's
 
 
 def test_draft_is_far_from_target_so_the_test_has_power():
