@@ -7,6 +7,7 @@
 #   STEPS=specrows bash scripts/device_run.sh      # TPOT per batch size: scheduled widths against the whole block
 #   STEPS=multiturn bash scripts/device_run.sh     # multi-turn chat TTFT with the prefix cache on and off
 #   STEPS=exact bash scripts/device_run.sh         # exact mode: GPU identity tests, identity rates and cost
+#   STEPS=fp8 bash scripts/device_run.sh           # fp8 weights against the model dtype: TPOT, target-only and speculative
 #   STEPS=tests TEST_PATHS=tests/serve bash scripts/device_run.sh   # the server's tests (carry .whl and .whl_ray)
 # Two code versions are compared by running the same steps from each checkout in one call, each installing
 # itself: `(cd OTHER && RESULTS=other PACK_CACHES=0 bash scripts/device_run.sh); bash scripts/device_run.sh`.
@@ -86,12 +87,22 @@ for step in $STEPS; do
         --cuda-graph-sizes ${SERVE_SIZES:-1,8,16,32,64} \
         --num-prompts ${SERVE_PROMPTS:-200} --request-rate ${SERVE_RATE:-20} --prompt-len 512 --output-len 128 \
         --imposed-acceptance 0.8 ${SERVE_ARGS:-} --json $RUN/serve_bench.json 2>&1 | tee $RUN/serve_bench.log | tail -60 ;;
-    sampling)  # model-card sampling against greedy, top-p and target-only, with the kernels of a batch-1 model-card
-               # request (SAMPLING_ARGS: more flags of lfmspark bench sampling)
+    sampling)  # the sampling settings users run against greedy and target-only, with the kernels of a greedy and a
+               # model-card batch per batch size (SAMPLING_ARGS: more flags of lfmspark bench sampling)
       timeout ${T_SAMPLING:-330} lfmspark bench sampling --preset ${SAMPLING_PRESET:-lfm2.5-1.2b} --imposed-acceptance 0.8 \
         --profile-dir $RUN/profile_sampling ${SAMPLING_ARGS:-} --json $RUN/sampling.json > $RUN/sampling.log 2>&1 \
         || tail -15 $RUN/sampling.log
       sed -n '/^engine /,$p' $RUN/sampling.log ;;
+    fp8)  # fp8 weights against the model dtype in one call: TPOT per batch size, target-only and speculative, on
+          # FP8_PRESETS (FP8_ARGS: more flags of lfmspark bench)
+      for preset in ${FP8_PRESETS:-lfm2.5-1.2b lfm2-8b-a1b}; do
+        for q in model fp8; do
+          timeout ${T_FP8:-240} lfmspark bench --preset $preset --batch-sizes ${BATCH_SIZES:-1,8} --runs 2 --no-hf \
+            --no-phase-split --imposed-acceptance 0.8 $([ $q = fp8 ] && echo --quantization fp8) ${FP8_ARGS:-} \
+            --json $RUN/fp8_${preset}_$q.json > $RUN/fp8_${preset}_$q.log 2>&1 || tail -15 $RUN/fp8_${preset}_$q.log
+          echo "--- $preset $q"; grep -iE "tpot|floor" $RUN/fp8_${preset}_$q.log | head -8
+        done
+      done ;;
     warmup)  # warm-up at every default size to WARMUP_MAX_BATCH, cold (a fresh cache dir) then warm (the same dir, a new
              # process), speculative and target-only, and the TPOT after it (the warm run: batch 1 only)
              # (WARMUP_KINDS / WARMUP_CACHES narrow the runs; WARMUP_ARGS: more flags of lfmspark bench warmup)
