@@ -6,7 +6,9 @@ teacher-forced over ``num_prompts`` random prompts of ``prompt_len`` tokens. At 
 KL divergence of the fp8 target's next-token distribution from the model dtype's (mean, p99, max),
 whether the greedy tokens agree, and the logits' relative error (Frobenius, over all positions).
 Per quantized module, the relative error of its dequantized fp8 weight against the original: the
-relative error of its products on isotropic inputs. And the weight bytes of both targets.
+relative error of its products on isotropic inputs. And the weight bytes of both targets. Where
+the model dtype is fp32 (a CPU run), the same drift of the target with its projections rounded to
+bf16 is the control: how much this network amplifies a weight rounding of known size.
 
 On a random-weight preset these are a random network's distributions: they show what the rounding
 does to a network of the model's shape, not a checkpoint's quality on text, which is the model
@@ -14,8 +16,10 @@ vendor's number to quote for their fp8 export.
 
 The report (``--json``): ``scenario``, ``environment``, ``config``, ``models``, ``positions``,
 ``weight_bytes`` (``model_dtype``, ``fp8``; ``projections_model_dtype``, ``projections_fp8``: the
-quantized modules alone), ``logits`` (``rel_err``, ``kl_mean``, ``kl_p99``, ``kl_max``,
-``greedy_agreement``), ``modules``: one row per quantized module with ``name`` and ``weight_rel_err``
+quantized modules alone), ``reference`` (the model dtype's distributions: ``entropy_mean``,
+``entropy_max`` (uniform), ``top1_prob_mean``), ``logits`` (the fp8 target's drift: ``rel_err``,
+``kl_mean``, ``kl_p99``, ``kl_max``, ``greedy_agreement``), ``bf16_control`` (the same for bf16
+projections, or null), ``modules``: one row per quantized module with ``name`` and ``weight_rel_err``
 (the MoE experts: over both stacks).
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,30 +95,63 @@ def run(cfg: Fp8Config) -> dict:
         "projections_model_dtype": _bytes(p for m in mods_full.values() for p in m.parameters()),
         "projections_fp8": _bytes(p for m in mods_fp8.values() for p in m.parameters())}
 
-    vocab = full.config.vocab_size
-    kls, agree, sq_err, sq_ref = [], 0, 0.0, 0.0
-    for i, prompt in enumerate(random_prompts(cfg.num_prompts, cfg.prompt_len, vocab, engine_cfg.seed + 7)):
+    # the control: the model dtype's own rounding, where it is fp32 (bf16 projections)
+    variants = {"fp8": fp8}
+    if dtype == torch.float32:
+        variants["bf16"] = copy.deepcopy(full)
+        with torch.no_grad():
+            for module in target_projections(variants["bf16"]).values():
+                for w in module.parameters():
+                    w.copy_(w.to(torch.bfloat16))
+    drift = {name: _Drift() for name in variants}
+    entropy, top1 = [], []
+    for i, prompt in enumerate(random_prompts(cfg.num_prompts, cfg.prompt_len, full.config.vocab_size,
+                                              engine_cfg.seed + 7)):
         ids = torch.tensor([prompt], device=device)
-        logits = []
-        for model in (full, fp8):
-            cache = TargetCache.allocate(full.config, 1, cfg.prompt_len, 1, dtype, device)
-            with torch.no_grad():
-                logits.append(model(ids, cache, torch.zeros(1, dtype=torch.long, device=device),
-                                    torch.zeros(1, dtype=torch.long, device=device)).logits[0].float())
-        a, b = logits
-        kls.append(F.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="none").sum(-1))
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        sq_err += float((a - b).double().square().sum())
-        sq_ref += float(a.double().square().sum())
+        a = _logits(full, ids, cfg.prompt_len, dtype)
+        p = a.softmax(-1)
+        entropy.append(-(p * a.log_softmax(-1)).sum(-1))
+        top1.append(p.amax(-1))
+        for name, model in variants.items():
+            drift[name].add(a, _logits(model, ids, cfg.prompt_len, dtype))
         log.info("fp8 scenario: prompt %d of %d", i + 1, cfg.num_prompts)
-    kl = torch.cat(kls).double()
-    positions = kl.numel()
-    report["positions"] = positions
-    report["logits"] = {"rel_err": (sq_err / sq_ref) ** 0.5, "kl_mean": kl.mean().item(),
-                        "kl_p99": kl.quantile(0.99).item(), "kl_max": kl.max().item(),
-                        "greedy_agreement": agree / positions}
+    report["positions"] = cfg.num_prompts * cfg.prompt_len
+    report["reference"] = {"entropy_mean": torch.cat(entropy).mean().item(),
+                           "entropy_max": math.log(full.config.vocab_size),
+                           "top1_prob_mean": torch.cat(top1).mean().item()}
+    report["logits"] = drift["fp8"].summary()
+    report["bf16_control"] = drift["bf16"].summary() if "bf16" in drift else None
     write_report(report, cfg.json_path)
     return report
+
+
+def _logits(model, ids: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every position's next-token logits of one prompt ``ids [1, T]``, fp32 ``[T, V]``."""
+    cache = TargetCache.allocate(model.config, 1, length, 1, dtype, ids.device)
+    zero = torch.zeros(1, dtype=torch.long, device=ids.device)
+    with torch.no_grad():
+        return model(ids, cache, zero, zero).logits[0].float()
+
+
+class _Drift:
+    """How far a variant's next-token distributions lie from the reference's, accumulated over prompts."""
+
+    def __init__(self) -> None:
+        self.kls: list[torch.Tensor] = []
+        self.agree = 0
+        self.sq_err = self.sq_ref = 0.0
+
+    def add(self, ref: torch.Tensor, other: torch.Tensor) -> None:
+        self.kls.append(F.kl_div(other.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1))
+        self.agree += int((ref.argmax(-1) == other.argmax(-1)).sum())
+        self.sq_err += float((ref - other).double().square().sum())
+        self.sq_ref += float(ref.double().square().sum())
+
+    def summary(self) -> dict:
+        kl = torch.cat(self.kls).double()
+        return {"rel_err": (self.sq_err / self.sq_ref) ** 0.5, "kl_mean": kl.mean().item(),
+                "kl_p99": kl.quantile(0.99).item(), "kl_max": kl.max().item(),
+                "greedy_agreement": self.agree / kl.numel()}
 
 
 def table(report: dict) -> str:
@@ -125,9 +163,13 @@ def table(report: dict) -> str:
             ["projections and experts (GB)", f"{w['projections_model_dtype'] / 1e9:.3f}",
              f"{w['projections_fp8'] / 1e9:.3f}"]]
     text = tabulate(rows, headers=["", "model dtype", "fp8"])
-    text += (f"\n{report['positions']} positions: logits relative error {lg['rel_err']:.4f}, KL mean "
-             f"{lg['kl_mean']:.3g} / p99 {lg['kl_p99']:.3g} / max {lg['kl_max']:.3g}, greedy agreement "
-             f"{lg['greedy_agreement']:.4f}")
+    ref = report["reference"]
+    text += (f"\n{report['positions']} positions, the model dtype's distributions: entropy {ref['entropy_mean']:.2f} "
+             f"nats (uniform: {ref['entropy_max']:.2f}), top token {ref['top1_prob_mean']:.3g}")
+    for label, d in (("fp8", lg), ("bf16 projections (control)", report["bf16_control"])):
+        if d is not None:
+            text += (f"\n{label}: logits relative error {d['rel_err']:.4f}, KL mean {d['kl_mean']:.3g} / p99 "
+                     f"{d['kl_p99']:.3g} / max {d['kl_max']:.3g}, greedy agreement {d['greedy_agreement']:.4f}")
     text += (f"\n{len(errs)} quantized modules: weight relative error {min(errs):.4f} to {max(errs):.4f} "
              f"(mean {sum(errs) / len(errs):.4f})")
     return text
