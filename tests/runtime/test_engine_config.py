@@ -95,7 +95,7 @@ def test_every_command_takes_the_same_engine_flags_with_the_same_defaults():
     commands = dict(build_parser()._subparsers._group_actions[0].choices)
     assert set(commands) == {"bench", "generate", "serve", "calibrate"}
     modes = commands.pop("bench")._subparsers._group_actions[0].choices     # bench: one parser per mode
-    assert set(modes) == {"latency", "serve", "sampling", "warmup", "multiturn", "exact", "structured"}
+    assert set(modes) == {"latency", "serve", "sampling", "warmup", "multiturn", "exact", "structured", "fp8"}
     flags = {name: engine_flags(p) for name, p in commands.items()}
     flags |= {f"bench {name}": engine_flags(p) for name, p in modes.items()}
     reference = flags["serve"]
