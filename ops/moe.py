@@ -68,6 +68,7 @@ import triton.language as tl
 
 from ._dispatch import pdl_kwargs, use_triton
 from .exact_dot import exact_dot
+from .linear.skinny_linear_fp8 import FP8_WEIGHT_DTYPE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,9 +407,6 @@ def moe_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, chunk: int = 
         PRECOUNTED=plan.precount, **pdl_kwargs(topk_ids),
     )
     return slot_pair, block_expert, block_rows
-
-
-FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,

@@ -326,9 +326,10 @@ class Steps:
         A sampling round's draft draws slot ``k`` from its own tempered distribution
         ``q = softmax(logits / T)`` at the row's temperature (the DSpark reference's q): the Gumbel
         draws ``T * g`` of the slot's key, added to the logits, turn the greedy walk into that
-        draw, one fused launch for the block. q is not the request's filtered distribution:
-        rejection sampling is exact for any q the tokens are drawn from, and the filters' sort-free
-        search at every slot would cost more than the few drafts they would save."""
+        draw, one fused launch for the block. q is not the request's transformed, filtered
+        distribution (that would take a transform, a threshold search and a draw per slot):
+        rejection sampling is exact for any q the tokens are drawn from (docs/design.md, "The
+        draft's distribution")."""
         g = inp.width - 1
         x, delta = self.draft.block_prefix(x, delta, g)
         row = self.read_rows(inp.slots, inp.mode.sampling, grammar=False)

@@ -78,7 +78,7 @@ def test_fp8_reports_quality_and_weight_memory(tmp_path, capsys, preset):
     assert report["engine_config"]["draft_preset"] is None and report["engine_config"]["quantization"] is None
     names = [r["name"] for r in report["modules"]]
     assert "model.layers.0.conv.in_proj" in names and len(names) == len(set(names))
-    assert any(n.endswith("feed_forward.experts") for n in names) == (preset == "tiny-moe")
+    assert any(n.endswith("feed_forward.experts.w13") for n in names) == (preset == "tiny-moe")
     assert all(0 < r["weight_rel_err"] < 0.05 for r in report["modules"])
     w = report["weight_bytes"]
     assert 0.25 <= w["projections_fp8"] / w["projections_model_dtype"] < 0.3

@@ -5,7 +5,7 @@ them (models/quant.py: the projections and MoE experts in e4m3 with per-channel 
 teacher-forced over ``num_prompts`` random prompts of ``prompt_len`` tokens. At every position: the
 KL divergence of the fp8 target's next-token distribution from the model dtype's (mean, p99, max),
 whether the greedy tokens agree, and the logits' relative error (Frobenius, over all positions).
-Per quantized module, the relative error of its dequantized fp8 weight against the original: the
+Per quantized weight, the relative error of its dequantized fp8 values against the original: the
 relative error of its products on isotropic inputs. And the weight bytes of both targets. Where
 the model dtype is fp32 (a CPU run), the same drift of the target with its projections rounded to
 bf16 is the control: how much this network amplifies a weight rounding of known size.
@@ -19,8 +19,8 @@ The report (``--json``): ``scenario``, ``environment``, ``config``, ``models``, 
 quantized modules alone), ``reference`` (the model dtype's distributions: ``entropy_mean``,
 ``entropy_max`` (uniform), ``top1_prob_mean``), ``logits`` (the fp8 target's drift: ``rel_err``,
 ``kl_mean``, ``kl_p99``, ``kl_max``, ``greedy_agreement``), ``bf16_control`` (the same for bf16
-projections, or null), ``modules``: one row per quantized module with ``name`` and ``weight_rel_err``
-(the MoE experts: over both stacks).
+projections, or null), ``modules``: one row per quantized weight with ``name`` and ``weight_rel_err``
+(the MoE experts: one per stack).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from ...models.cache import TargetCache
 from ...models.lfm2_moe import Lfm2MoeExperts, quantize_target, target_projections
+from ...models.quant import relative_error
 from ...runtime.loader import load_models
+from ..bench import module_bytes
 from .common import ScenarioConfig, new_report, random_prompts, write_report
 
 log = logging.getLogger("lfmspark")
@@ -61,10 +63,6 @@ def config(args: argparse.Namespace, **common) -> Fp8Config:
     return Fp8Config(prompt_len=args.prompt_len, num_prompts=args.num_prompts, json_path=args.json, **common)
 
 
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def run(cfg: Fp8Config) -> dict:
     if cfg.num_prompts < 1 or cfg.prompt_len < 2:
         raise ValueError(f"fp8 scenario: --num-prompts must be at least 1 and --prompt-len at least 2, got "
@@ -82,18 +80,15 @@ def run(cfg: Fp8Config) -> dict:
     mods_full, mods_fp8 = target_projections(full), target_projections(fp8)
     rows = []
     for name, module in mods_full.items():
-        if isinstance(module, Lfm2MoeExperts):
-            original = [module.w13.detach().float(), module.w2.detach().float()]
-            quantized = list(mods_fp8[name].stacks(torch.float32))
-        else:
-            original, quantized = [module.weight.detach().float()], [mods_fp8[name].fp8.dequantize(torch.float32)]
-        err = sum((q - o).square().sum() for q, o in zip(quantized, original)).sqrt()
-        rows.append({"name": name, "weight_rel_err": (err / sum(o.square().sum() for o in original).sqrt()).item()})
+        quantized = mods_fp8[name].fp8
+        pairs = ([(f"{name}.w13", module.w13, quantized[0]), (f"{name}.w2", module.w2, quantized[1])]
+                 if isinstance(module, Lfm2MoeExperts) else [(name, module.weight, quantized)])
+        rows += [{"name": n, "weight_rel_err": relative_error(w.detach(), q)} for n, w, q in pairs]
     report["modules"] = rows
     report["weight_bytes"] = {
-        "model_dtype": _bytes(full.parameters()), "fp8": _bytes(fp8.parameters()),
-        "projections_model_dtype": _bytes(p for m in mods_full.values() for p in m.parameters()),
-        "projections_fp8": _bytes(p for m in mods_fp8.values() for p in m.parameters())}
+        "model_dtype": module_bytes(full), "fp8": module_bytes(fp8),
+        "projections_model_dtype": sum(module_bytes(m) for m in mods_full.values()),
+        "projections_fp8": sum(module_bytes(m) for m in mods_fp8.values())}
 
     # the control: the model dtype's own rounding, where it is fp32 (bf16 projections)
     variants = {"fp8": fp8}
@@ -170,6 +165,6 @@ def table(report: dict) -> str:
         if d is not None:
             text += (f"\n{label}: logits relative error {d['rel_err']:.4f}, KL mean {d['kl_mean']:.3g} / p99 "
                      f"{d['kl_p99']:.3g} / max {d['kl_max']:.3g}, greedy agreement {d['greedy_agreement']:.4f}")
-    text += (f"\n{len(errs)} quantized modules: weight relative error {min(errs):.4f} to {max(errs):.4f} "
+    text += (f"\n{len(errs)} quantized weights: relative error {min(errs):.4f} to {max(errs):.4f} "
              f"(mean {sum(errs) / len(errs):.4f})")
     return text
